@@ -1,0 +1,60 @@
+"""The one place that imports Transformer Engine (TE).
+
+TE is optional: without it (CPU machines, CI) everything here is ``None`` and ``HAVE_TE`` is False, and the
+rest of megatron.core runs with plain torch. Other modules must import TE only through this module.
+"""
+import importlib
+
+try:  # pragma: no cover - exercised only where TE is installed
+    import transformer_engine as te  # noqa: F401
+    import transformer_engine.pytorch as te_pytorch
+
+    HAVE_TE = True
+except Exception:  # ImportError, or a broken install (missing CUDA libraries)
+    te = None
+    te_pytorch = None
+    HAVE_TE = False
+
+
+def _optional(module: str, name: str):
+    """``module.name`` from TE, or None when TE (or that class, in this TE version) is absent."""
+    if not HAVE_TE:
+        return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def require_te(feature: str) -> None:
+    """Raise a clear error when ``feature`` needs TE and TE is not installed."""
+    if not HAVE_TE:
+        raise RuntimeError(
+            f"{feature} needs Transformer Engine, which is not installed "
+            "(pip install 'megatron-core-fork[te]' on a CUDA machine)."
+        )
+
+
+# ---- quantized tensors (used by megatron/core/fp8_utils.py) ----------------------------------------------
+QuantizedTensor = _optional("transformer_engine.pytorch.tensor", "QuantizedTensor")
+Float8Tensor = _optional("transformer_engine.pytorch.tensor.float8_tensor", "Float8Tensor")
+Float8Quantizer = _optional("transformer_engine.pytorch.tensor.float8_tensor", "Float8Quantizer")
+Float8CurrentScalingQuantizer = _optional(
+    "transformer_engine.pytorch.tensor.float8_tensor", "Float8CurrentScalingQuantizer"
+)
+MXFP8Tensor = _optional("transformer_engine.pytorch.tensor.mxfp8_tensor", "MXFP8Tensor")
+Float8BlockwiseQTensor = _optional(
+    "transformer_engine.pytorch.tensor.float8_blockwise_tensor", "Float8BlockwiseQTensor"
+)
+NVFP4Tensor = _optional("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Tensor")
+
+# ---- layers and autocast (used by megatron/core/transformer/) --------------------------------------------
+TELinear = _optional("transformer_engine.pytorch", "Linear")
+TELayerNormLinear = _optional("transformer_engine.pytorch", "LayerNormLinear")
+te_autocast = _optional("transformer_engine.pytorch", "autocast") or _optional(
+    "transformer_engine.pytorch", "fp8_autocast"
+)
+te_quantized_model_init = _optional("transformer_engine.pytorch", "quantized_model_init") or _optional(
+    "transformer_engine.pytorch", "fp8_model_init"
+)
+te_recipe = _optional("transformer_engine.common", "recipe")
