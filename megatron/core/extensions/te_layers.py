@@ -1,0 +1,184 @@
+"""Transformer Engine layer wrappers with the call conventions of megatron.core.tensor_parallel (TP size 1).
+
+Imports TE names ONLY from ``megatron.core.extensions.transformer_engine``. Without TE this module still imports;
+the wrapper names then raise a clear error naming ``--transformer-impl transformer_engine`` when used.
+
+Init contract (see ``megatron.core.transformer.utils.init_weights``): TE modules initialise their weights in
+their constructor; we run that constructor with the torch RNG state forked (saved and restored), so construction
+consumes no randomness, and the values come from the later ``reset_parameters()`` call (TE's own, which uses the
+``init_method`` we pass, from the global RNG). Under ``with torch.device('meta')`` the TE modules are created with
+``device='meta'`` (TE then defers init) so meta init and eager init give the same values.
+With ``config.fp8_param`` / ``config.fp4_param`` the module is built under TE's ``quantized_model_init`` (or
+``fp8_model_init``): its weights are TE quantized tensors (Float8Tensor, MXFP8Tensor, ...).
+"""
+import contextlib
+import inspect
+
+import torch
+
+from megatron.core.extensions import transformer_engine as _te
+from megatron.core.transformer.utils import ambient_device, set_param_attrs
+
+HAVE_TE = _te.HAVE_TE and _te.TELinear is not None and _te.TELayerNormLinear is not None
+
+
+def check_te_available() -> None:
+    """Raise a clear error when TE layers are asked for but Transformer Engine is not installed."""
+    if not HAVE_TE:
+        raise RuntimeError(
+            "--transformer-impl transformer_engine (TransformerConfig.transformer_impl='transformer_engine') needs "
+            "Transformer Engine, which is not installed or failed to import; install it on a CUDA machine "
+            "(pip install 'megatron-core-fork[te]') or use --transformer-impl local"
+        )
+
+
+# ---- recipes and contexts ---------------------------------------------------------------------------------
+def get_quantization_recipe(config):
+    """The TE recipe for ``config.fp8`` / ``config.fp8_recipe`` (or ``config.fp4``), None when neither is set."""
+    check_te_available()
+    r = _te.te_recipe
+    if config.fp4 is not None:
+        return r.NVFP4BlockScaling()
+    if config.fp8 is None:
+        return None
+    fmt = r.Format.E4M3 if config.fp8 == "e4m3" else r.Format.HYBRID
+    if config.fp8_recipe == "delayed":
+        return r.DelayedScaling(
+            margin=config.fp8_margin,
+            fp8_format=fmt,
+            amax_history_len=config.fp8_amax_history_len,
+            amax_compute_algo=config.fp8_amax_compute_algo,
+        )
+    if config.fp8_recipe == "tensorwise":
+        return r.Float8CurrentScaling(fp8_format=fmt)
+    if config.fp8_recipe == "mxfp8":
+        return r.MXFP8BlockScaling(fp8_format=fmt)
+    if config.fp8_recipe == "blockwise":
+        return r.Float8BlockScaling(fp8_format=fmt)
+    raise ValueError(f"unknown fp8_recipe {config.fp8_recipe!r} (--fp8-recipe)")
+
+
+def _call_with_recipe(fn, recipe, **kwargs):
+    params = inspect.signature(fn).parameters
+    key = "recipe" if "recipe" in params else "fp8_recipe"
+    return fn(**{key: recipe}, **kwargs)
+
+
+def te_quantization_autocast(config):
+    """TE autocast (``te.pytorch.autocast`` or the older ``fp8_autocast``) for the config's fp8/fp4 recipe."""
+    check_te_available()
+    return _call_with_recipe(_te.te_autocast, get_quantization_recipe(config), enabled=True)
+
+
+def te_quantized_init_context(config):
+    """TE ``quantized_model_init`` / ``fp8_model_init`` when ``fp8_param`` / ``fp4_param``, else a no-op."""
+    if not (config.fp8_param or config.fp4_param):
+        return contextlib.nullcontext()
+    check_te_available()
+    if _te.te_quantized_model_init is None:
+        raise RuntimeError("this Transformer Engine has neither quantized_model_init nor fp8_model_init (--fp8-param-gather)")
+    return _call_with_recipe(_te.te_quantized_model_init, get_quantization_recipe(config), enabled=True)
+
+
+def _te_device():
+    if ambient_device().type == "meta":
+        return "meta"
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def _rng_untouched():
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _common_kwargs(config, init_method, bias, skip_bias_add):
+    return dict(
+        sequence_parallel=False,
+        fuse_wgrad_accumulation=False,
+        tp_group=None,
+        tp_size=1,
+        get_rng_state_tracker=None,
+        init_method=init_method if config.perform_initialization else (lambda w: None),
+        bias=bias,
+        return_bias=skip_bias_add,
+        parallel_mode=None,
+        params_dtype=config.params_dtype,
+        device=_te_device(),
+    )
+
+
+class _TEWrapperMixin:
+    """Return ``(output, bias or None)`` like the local layers; tag parameters like the local layers."""
+
+    def _tag(self, is_expert):
+        self.is_expert = is_expert
+        set_param_attrs(self.parameters(recurse=False), allreduce=not is_expert)
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            p = getattr(self, name, None)
+            if isinstance(p, torch.nn.Parameter):
+                p.sequence_parallel = False
+
+    def forward(self, x, weight=None):
+        if weight is not None:
+            raise ValueError(f"{type(self).__name__} does not take an external weight")
+        out = super().forward(x)
+        if self.te_return_bias:
+            out, bias = out
+            return out, bias
+        return out, None
+
+
+def _missing(name):
+    class _Missing:
+        def __init__(self, *args, **kwargs):
+            check_te_available()
+
+    _Missing.__name__ = name
+    return _Missing
+
+
+if HAVE_TE:  # pragma: no cover - runs only where TE is installed (GPU tests)
+
+    class TELinear(_TEWrapperMixin, _te.TELinear):
+        """``te.Linear`` with ``(output, bias)`` returns; base of the column/row variants (TP size 1)."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, bias=True, skip_bias_add=False,
+                     is_expert=False, **unused):
+            with _rng_untouched(), te_quantized_init_context(config):
+                super().__init__(input_size, output_size, **_common_kwargs(config, init_method, bias, skip_bias_add))
+            self.config = config
+            self.te_return_bias = skip_bias_add
+            self._tag(is_expert)
+
+    class TEColumnParallelLinear(TELinear):
+        pass
+
+    class TERowParallelLinear(TELinear):
+        pass
+
+    class TELayerNormColumnParallelLinear(_TEWrapperMixin, _te.TELayerNormLinear):
+        """``te.LayerNormLinear``: the layer's pre-norm fused into the following linear (QKV or fc1)."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, bias=True, skip_bias_add=False,
+                     is_expert=False, **unused):
+            with _rng_untouched(), te_quantized_init_context(config):
+                super().__init__(
+                    input_size,
+                    output_size,
+                    eps=config.layernorm_epsilon,
+                    normalization=config.normalization,
+                    return_layernorm_output=False,
+                    zero_centered_gamma=False,
+                    **_common_kwargs(config, init_method, bias, skip_bias_add),
+                )
+            self.config = config
+            self.te_return_bias = skip_bias_add
+            self._tag(is_expert)
+
+else:
+    TELinear = _missing("TELinear")
+    TEColumnParallelLinear = _missing("TEColumnParallelLinear")
+    TERowParallelLinear = _missing("TERowParallelLinear")
+    TELayerNormColumnParallelLinear = _missing("TELayerNormColumnParallelLinear")

@@ -1,0 +1,1 @@
+"""Models built from megatron.core.transformer."""

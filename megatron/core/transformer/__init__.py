@@ -1,0 +1,5 @@
+"""Transformer building blocks: config, module base, attention, MLP, layers, block, MoE."""
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["MegatronModule", "TransformerConfig"]

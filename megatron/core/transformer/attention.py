@@ -1,0 +1,100 @@
+"""Causal self-attention: fused QKV projection, optional RoPE, ``F.scaled_dot_product_attention``, output proj.
+
+Hidden states are ``[s, b, h]`` as upstream. The QKV weight layout is upstream's: per query group,
+``[q heads of the group, k, v]`` each ``kv_channels`` wide.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
+
+
+def build_linear(config, kind: str, input_size: int, output_size: int, *, init_method, bias: bool, is_expert=False,
+                 skip_bias_add: bool = False):
+    """A linear layer for ``config.transformer_impl``: kind is 'column', 'row' or 'layernorm_column' (TE fused
+    norm + linear; 'local' has no fused form, the caller then builds a separate norm)."""
+    if config.transformer_impl == "transformer_engine":
+        from megatron.core.extensions import te_layers
+
+        cls = {
+            "column": te_layers.TEColumnParallelLinear,
+            "row": te_layers.TERowParallelLinear,
+            "layernorm_column": te_layers.TELayerNormColumnParallelLinear,
+        }[kind]
+    else:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        if kind == "layernorm_column":
+            raise ValueError("a fused layernorm+linear needs --transformer-impl transformer_engine")
+        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    return cls(
+        input_size,
+        output_size,
+        config=config,
+        init_method=init_method,
+        bias=bias,
+        skip_bias_add=skip_bias_add,
+        is_expert=is_expert,
+    )
+
+
+class SelfAttention(MegatronModule):
+    def __init__(self, config, layer_number: int = 1, fuse_input_layernorm: bool = False):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.num_heads = config.num_attention_heads
+        self.num_query_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        self.query_projection_size = self.num_heads * self.head_dim
+        self.kv_projection_size = self.num_query_groups * self.head_dim
+        qkv_size = self.query_projection_size + 2 * self.kv_projection_size
+        init = init_method_normal(config.init_method_std)
+        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        self.linear_qkv = build_linear(
+            config,
+            "layernorm_column" if fuse_input_layernorm else "column",
+            config.hidden_size,
+            qkv_size,
+            init_method=init,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+        )
+        self.linear_proj = build_linear(
+            config, "row", self.query_projection_size, config.hidden_size, init_method=out_init,
+            bias=config.add_bias_linear, skip_bias_add=True,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+    ):
+        """``hidden_states`` ``[s, b, h]``; ``attention_mask`` None (causal) or bool ``[b|1, 1, s, s]`` with True
+        where attention is NOT allowed (upstream convention). Returns ``(output [s, b, h], bias or None)``."""
+        s, b, _ = hidden_states.shape
+        qkv, _ = self.linear_qkv(hidden_states)
+        per_group = self.num_heads // self.num_query_groups
+        qkv = qkv.view(s, b, self.num_query_groups, per_group + 2, self.head_dim)
+        q, k, v = torch.split(qkv, [per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.num_heads, self.head_dim)
+        k = k.reshape(s, b, self.num_query_groups, self.head_dim)
+        v = v.reshape(s, b, self.num_query_groups, self.head_dim)
+        if rotary_pos_emb is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if per_group > 1:
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if attention_mask is None:
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.query_projection_size)
+        return self.linear_proj(ctx)

@@ -1,0 +1,27 @@
+"""Experts as a list of MLPs (``SequentialMLP``), applied to tokens already sorted by expert."""
+import torch
+
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+
+
+class SequentialMLP(MegatronModule):
+    def __init__(self, num_local_experts: int, config):
+        super().__init__(config)
+        self.num_local_experts = num_local_experts
+        self.local_experts = torch.nn.ModuleList(
+            [MLP(config, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True) for _ in range(num_local_experts)]
+        )
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert):
+        """``permuted_local_hidden_states`` ``[N, h]`` sorted by expert, ``tokens_per_expert`` counts (sum N).
+        Returns ``(output [N, h], None)``; each expert's fc2 bias is added here."""
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        chunks = torch.split(permuted_local_hidden_states, counts, dim=0)
+        outs = []
+        for expert, chunk in zip(self.local_experts, chunks):
+            out, bias = expert(chunk)
+            outs.append(out if bias is None else out + bias)
+        if not outs:
+            return permuted_local_hidden_states.new_zeros(permuted_local_hidden_states.shape), None
+        return torch.cat(outs, dim=0), None

@@ -1,0 +1,85 @@
+"""MoE helpers: expert-bias update (aux-loss-free load balancing) and the switch aux loss."""
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float):
+    """``expert_bias + rate * sign(mean(tokens) - tokens)`` (per row): overloaded experts go down, underloaded up."""
+    counts = tokens_per_expert.float()
+    mean = counts.mean(dim=-1, keepdim=True)
+    return expert_bias + update_rate * torch.sign(mean - counts)
+
+
+def _routers(model_chunks) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    return [
+        m
+        for chunk in model_chunks
+        for m in chunk.modules()
+        if isinstance(m, TopKRouter) and m.enable_expert_bias and m.expert_bias is not None
+    ]
+
+
+@torch.no_grad()
+def update_expert_bias(
+    model_chunks: Union[torch.nn.Module, Iterable[torch.nn.Module]], group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Aux-loss-free load balancing step, called by the training loop after each optimizer step.
+
+    For every ``TopKRouter`` with ``expert_bias``: all-reduce ``local_tokens_per_expert`` (summed) over ``group``
+    (default: the data-parallel group; nothing when torch.distributed is not initialised), then
+    ``expert_bias += moe_router_bias_update_rate * sign(mean - counts)``, then zero the counts.
+    """
+    routers = _routers(model_chunks)
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])  # one collective for all layers
+    if group is None:
+        group = parallel_state.get_data_parallel_group()
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    for r, c in zip(routers, counts):
+        bias = get_updated_expert_bias(c, r.expert_bias, r.config.moe_router_bias_update_rate)
+        r.expert_bias.copy_(bias)
+        r.local_tokens_per_expert.zero_()
+
+
+def switch_load_balancing_loss_func(
+    scores: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int, num_experts: int, coeff: float
+) -> torch.Tensor:
+    """Switch-transformer aux loss: ``coeff * E * sum_e f_e * P_e`` with ``f_e`` the fraction of routed
+    assignments that went to expert ``e`` and ``P_e`` its mean score over tokens."""
+    f = tokens_per_expert.float() / (num_tokens * topk)
+    p = scores.float().mean(dim=0)
+    return coeff * num_experts * torch.sum(f * p)
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``output`` in forward; in backward also sends gradient ``main_loss_backward_scale`` into the
+    aux loss, so the aux loss trains the router without being added to the language-model loss."""
+
+    main_loss_backward_scale: torch.Tensor = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        grad_aux = torch.ones_like(aux_loss) if scale is None else torch.ones_like(aux_loss) * scale
+        return grad_output, grad_aux
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """Scale of the aux-loss gradient (e.g. 1 / num_microbatches, or the fp16 loss scale)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale

@@ -1,0 +1,117 @@
+"""Top-k router with optional aux-loss-free load balancing through ``expert_bias``.
+
+``expert_bias`` (float32 zeros, persistent) and ``local_tokens_per_expert`` (float32 zeros, not persistent) are
+created with an EXPLICIT device (``get_default_device()``), so they are real tensors with real values even when the
+model is built under ``with torch.device('meta')``. The bias is added to the scores for expert SELECTION only; the
+combine weights (probs) come from the unbiased scores, as upstream. ``update_expert_bias`` (moe_utils) updates it.
+"""
+from typing import Tuple
+
+import torch
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
+from megatron.core.transformer.utils import get_default_device, init_method_normal, set_param_attrs
+
+
+def topk_routing_with_score_function(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str = "softmax",
+    expert_bias: torch.Tensor = None,
+    use_pre_softmax: bool = False,
+    scaling_factor: float = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route ``logits`` ``[T, E]`` to ``topk`` experts.
+
+    Returns ``(probs [T, E], routing_map [T, E] bool, scores [T, E])``: ``probs`` holds the combine weight of each
+    selected expert (0 elsewhere), ``scores`` the full unbiased score matrix (for the aux loss).
+    softmax: scores = softmax(logits); the top-k probs are renormalised over the selected experts (equal to a
+    softmax over the top-k logits) unless ``use_pre_softmax``. sigmoid: scores = sigmoid(logits); with topk > 1 the
+    top-k probs are normalised to sum 1. ``expert_bias`` is added to the scores for the top-k selection only.
+    """
+    logits = logits.float()
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown moe_router_score_function {score_function!r} (--moe-router-score-function)")
+    for_selection = scores if expert_bias is None else scores + expert_bias.to(scores.device, torch.float32)
+    _, top_indices = torch.topk(for_selection, k=topk, dim=-1)
+    top_probs = torch.gather(scores, 1, top_indices)
+    if score_function == "softmax" and not use_pre_softmax:
+        top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+    elif score_function == "sigmoid" and topk > 1:
+        top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor is not None:
+        top_probs = top_probs * scaling_factor
+    probs = torch.zeros_like(scores).scatter(1, top_indices, top_probs)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_indices, True)
+    return probs, routing_map, scores
+
+
+class TopKRouter(MegatronModule):
+    def __init__(self, config, layer_number: int = None):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.score_function = config.moe_router_score_function
+        self.init_method = init_method_normal(config.init_method_std)
+        self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype))
+        set_param_attrs((self.weight,), allreduce=True, sequence_parallel=False)
+        self.enable_expert_bias = config.moe_router_enable_expert_bias
+        device = get_default_device()  # explicit: stays real under a meta-device context
+        if self.enable_expert_bias:
+            self.register_buffer(
+                "local_tokens_per_expert",
+                torch.zeros(self.num_experts, dtype=torch.float32, device=device),
+                persistent=False,
+            )
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
+        else:
+            self.local_tokens_per_expert = None
+            self.expert_bias = None
+        self.last_aux_loss = None
+
+    def reset_parameters(self) -> None:
+        """Initialises ``weight`` only; the buffers keep their values (they are never meta)."""
+        if self.config.perform_initialization:
+            with torch.no_grad():
+                self.init_method(self.weight)
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[T, E]`` in float32."""
+        return torch.nn.functional.linear(input.float(), self.weight.float())
+
+    def forward(self, input: torch.Tensor):
+        """``input`` ``[..., h]`` -> ``(probs [T, E] float32, routing_map [T, E] bool)``, ``T`` = tokens."""
+        x = input.reshape(-1, input.shape[-1])
+        logits = self.gating(x)
+        probs, routing_map, scores = topk_routing_with_score_function(
+            logits,
+            self.topk,
+            self.score_function,
+            expert_bias=self.expert_bias,
+            use_pre_softmax=self.config.moe_router_pre_softmax,
+            scaling_factor=self.config.moe_router_topk_scaling_factor,
+        )
+        if self.enable_expert_bias and self.training:
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert)
+        coeff = self.config.moe_aux_loss_coeff
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and coeff > 0
+            and self.config.moe_router_load_balancing_type == "aux_loss"
+        ):
+            if self.score_function == "sigmoid":
+                scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+            aux_loss = switch_load_balancing_loss_func(
+                scores, routing_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
+            )
+            self.last_aux_loss = aux_loss.detach()
+            probs = MoEAuxLossAutoScaler.apply(probs, aux_loss)
+        return probs, routing_map

@@ -1,0 +1,63 @@
+"""LayerNorm / RMSNorm in plain torch, with the init contract (``reset_parameters``) and parameter attributes."""
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.utils import set_param_attrs
+
+
+class LayerNorm(torch.nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = None):
+        super().__init__()
+        self.config = config
+        self.hidden_size = hidden_size
+        self.eps = config.layernorm_epsilon if eps is None else eps
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+        set_param_attrs((self.weight, self.bias), sequence_parallel=False, allreduce=True)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = None):
+        super().__init__()
+        self.config = config
+        self.hidden_size = hidden_size
+        self.eps = config.layernorm_epsilon if eps is None else eps
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+        set_param_attrs((self.weight,), sequence_parallel=False, allreduce=True)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+def build_norm(config, hidden_size: int, eps: float = None) -> torch.nn.Module:
+    """The norm named by ``config.normalization`` ('LayerNorm' | 'RMSNorm')."""
+    if config.normalization == "LayerNorm":
+        return LayerNorm(config, hidden_size, eps)
+    if config.normalization == "RMSNorm":
+        return RMSNorm(config, hidden_size, eps)
+    raise ValueError(f"unknown normalization {config.normalization!r} (--normalization)")
+
+
+class IdentityOp(torch.nn.Module):
+    """Stands in for a norm that a fused TE LayerNormLinear already applies."""
+
+    def forward(self, x, *args, **kwargs):
+        return x

@@ -1,0 +1,157 @@
+"""TransformerConfig: the model hyper-parameters, with upstream megatron-core field names.
+
+Only what this fork uses is here; unknown upstream fields are simply absent. ``__post_init__`` fills derived
+defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size) and rejects bad combinations with
+an error that names the field (and the command-line flag where there is one).
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class TransformerConfig:
+    # ---- model shape --------------------------------------------------------------------------------------
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    kv_channels: Optional[int] = None  # default hidden_size // num_attention_heads
+    num_query_groups: Optional[int] = None  # GQA; default num_attention_heads (plain MHA)
+
+    # ---- regularisation / numerics ------------------------------------------------------------------------
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"  # 'LayerNorm' | 'RMSNorm'
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV bias when add_bias_linear is False
+    gated_linear_unit: bool = False
+    activation_func: Callable = F.gelu
+    apply_residual_connection_post_layernorm: bool = False
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+
+    # ---- initialization -----------------------------------------------------------------------------------
+    init_method_std: float = 0.02
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+
+    # ---- precision ------------------------------------------------------------------------------------------
+    params_dtype: torch.dtype = torch.float32
+    fp16: bool = False
+    bf16: bool = False
+    fp8: Optional[str] = None  # None | 'e4m3' | 'hybrid'
+    fp8_recipe: str = "delayed"  # 'delayed' | 'tensorwise' | 'mxfp8' | 'blockwise'
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_param: bool = False
+    fp4: Optional[str] = None  # None | 'nvfp4'
+    fp4_recipe: str = "nvfp4"
+    fp4_param: bool = False
+
+    # ---- implementation -------------------------------------------------------------------------------------
+    transformer_impl: str = "local"  # 'local' | 'transformer_engine'
+
+    # ---- parallelism (this fork: data parallel only; kept for API compatibility) ------------------------------
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    # ---- mixture of experts ---------------------------------------------------------------------------------
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # default ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # 'softmax' | 'sigmoid'
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' | 'none'
+    moe_aux_loss_coeff: float = 0.0
+    moe_layer_freq: int = 1  # every n-th layer is MoE (1: all layers)
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be a positive int ({_flag(name)}), got {value!r}")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) unless kv_channels is given (--kv-channels)"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
+                f"({self.num_query_groups}) (--num-query-groups)"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (--normalization), got {self.normalization!r}")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(
+                f"transformer_impl must be 'local' or 'transformer_engine' (--transformer-impl), got {self.transformer_impl!r}"
+            )
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are mutually exclusive (--fp16 / --bf16)")
+        if self.fp8 not in (None, "e4m3", "hybrid"):
+            raise ValueError(f"fp8 must be None, 'e4m3' or 'hybrid' (--fp8-format), got {self.fp8!r}")
+        if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
+            raise ValueError(
+                f"fp8_recipe must be 'delayed', 'tensorwise', 'mxfp8' or 'blockwise' (--fp8-recipe), got {self.fp8_recipe!r}"
+            )
+        if self.fp4 not in (None, "nvfp4", "e2m1"):
+            raise ValueError(f"fp4 must be None or 'nvfp4' (--fp4-format), got {self.fp4!r}")
+        if self.fp8 is not None and self.fp4 is not None:
+            raise ValueError("fp8 and fp4 are mutually exclusive (--fp8-format / --fp4-format)")
+        if self.fp8_param and self.fp8 is None:
+            raise ValueError("fp8_param (--fp8-param-gather) needs fp8 (--fp8-format)")
+        if self.fp4_param and self.fp4 is None:
+            raise ValueError("fp4_param (--fp4-param-gather) needs fp4 (--fp4-format)")
+        if (self.fp8 is not None or self.fp4 is not None) and self.transformer_impl != "transformer_engine":
+            raise ValueError("fp8/fp4 training needs --transformer-impl transformer_engine")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
+        if self.sequence_parallel:
+            raise ValueError("sequence_parallel (--sequence-parallel) needs tensor parallelism, not supported here")
+        if self.num_moe_experts is not None:
+            if self.num_moe_experts <= 0:
+                raise ValueError(f"num_moe_experts must be positive (--num-experts), got {self.num_moe_experts}")
+            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+                raise ValueError(
+                    f"moe_router_topk ({self.moe_router_topk}) must be in [1, num_moe_experts={self.num_moe_experts}] "
+                    "(--moe-router-topk)"
+                )
+            if self.moe_ffn_hidden_size is None:
+                self.moe_ffn_hidden_size = self.ffn_hidden_size
+            if self.moe_layer_freq < 1:
+                raise ValueError(f"moe_layer_freq must be >= 1 (--moe-layer-freq), got {self.moe_layer_freq}")
+        elif self.moe_router_enable_expert_bias:
+            raise ValueError("moe_router_enable_expert_bias (--moe-router-enable-expert-bias) needs num_moe_experts")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(
+                "moe_router_score_function must be 'softmax' or 'sigmoid' (--moe-router-score-function), "
+                f"got {self.moe_router_score_function!r}"
+            )
+        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+            raise ValueError(
+                "moe_router_load_balancing_type must be 'aux_loss' or 'none' (--moe-router-load-balancing-type), "
+                f"got {self.moe_router_load_balancing_type!r}"
+            )
+        if self.moe_router_bias_update_rate < 0:
+            raise ValueError("moe_router_bias_update_rate (--moe-router-bias-update-rate) must be >= 0")

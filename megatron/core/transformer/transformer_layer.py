@@ -1,0 +1,70 @@
+"""Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (MLP or MoE)."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.torch_norm import IdentityOp, build_norm
+
+
+def is_moe_layer(config, layer_number: int) -> bool:
+    """Whether layer ``layer_number`` (1-based) is an MoE layer: every ``moe_layer_freq``-th layer, counting from
+    the first, when ``num_moe_experts`` is set."""
+    if config.num_moe_experts is None:
+        return False
+    return (layer_number - 1) % config.moe_layer_freq == 0
+
+
+class TransformerLayer(MegatronModule):
+    """One layer; the FSDP wrapping unit. Local impl: separate ``input_layernorm`` / ``pre_mlp_layernorm``; TE
+    impl: those norms are fused into ``linear_qkv`` / ``linear_fc1`` (``te.LayerNormLinear``) and the norm
+    attributes are ``IdentityOp`` (MoE layers keep a separate ``pre_mlp_layernorm``), as upstream."""
+
+    def __init__(self, config, layer_number: int = 1, hidden_dropout: Optional[float] = None):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        self.is_moe = is_moe_layer(config, layer_number)
+        te = config.transformer_impl == "transformer_engine"
+        if te:
+            from megatron.core.extensions.te_layers import check_te_available
+
+            check_te_available()
+        self.input_layernorm = IdentityOp() if te else build_norm(config, config.hidden_size)
+        self.self_attention = SelfAttention(config, layer_number, fuse_input_layernorm=te)
+        fuse_mlp_norm = te and not self.is_moe
+        self.pre_mlp_layernorm = IdentityOp() if fuse_mlp_norm else build_norm(config, config.hidden_size)
+        if self.is_moe:
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+
+            self.mlp = MoELayer(config, layer_number)
+        else:
+            self.mlp = MLP(config, fuse_input_layernorm=fuse_mlp_norm)
+
+    def _residual_add(self, out, bias, residual):
+        if bias is not None:
+            out = out + bias
+        if self.hidden_dropout > 0:
+            out = F.dropout(out, p=self.hidden_dropout, training=self.training)
+        return residual + out
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
+        """``hidden_states`` ``[s, b, h]`` -> ``(hidden_states [s, b, h], context=None)`` as upstream."""
+        residual = hidden_states
+        x = self.input_layernorm(hidden_states)
+        out, bias = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        hidden_states = self._residual_add(out, bias, residual)
+        residual = hidden_states
+        x = self.pre_mlp_layernorm(hidden_states)
+        out, bias = self.mlp(x)
+        hidden_states = self._residual_add(out, bias, residual)
+        return hidden_states, None
