@@ -1,0 +1,43 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer import TransformerConfig
+
+
+def test_derived_defaults():
+    c = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert c.ffn_hidden_size == 256
+    assert c.kv_channels == 16
+    assert c.num_query_groups == 4
+    assert c.hidden_dropout == 0.0 and c.attention_dropout == 0.0
+    assert c.params_dtype == torch.float32
+    assert c.transformer_impl == "local"
+    assert c.activation_func is F.gelu
+    m = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, ffn_hidden_size=96)
+    assert m.moe_ffn_hidden_size == 96
+    assert m.moe_router_topk == 2 and m.moe_router_score_function == "softmax"
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), "num_attention_heads"),
+        (dict(num_query_groups=3), "--num-query-groups"),
+        (dict(normalization="BatchNorm"), "--normalization"),
+        (dict(transformer_impl="te"), "--transformer-impl"),
+        (dict(fp8="e5m2"), "--fp8-format"),
+        (dict(fp8="e4m3"), "--transformer-impl transformer_engine"),
+        (dict(fp8_recipe="foo"), "--fp8-recipe"),
+        (dict(num_moe_experts=4, moe_router_topk=5), "--moe-router-topk"),
+        (dict(num_moe_experts=4, moe_router_score_function="relu"), "--moe-router-score-function"),
+        (dict(moe_router_enable_expert_bias=True), "--moe-router-enable-expert-bias"),
+        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
+        (dict(num_layers=0), "--num-layers"),
+    ],
+)
+def test_bad_config_names_the_flag(kwargs, needle):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        TransformerConfig(**base)
