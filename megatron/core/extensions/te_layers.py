@@ -81,8 +81,12 @@ def te_quantized_init_context(config):
 
 
 def _te_device():
-    if ambient_device().type == "meta":
-        return "meta"
+    """Where TE allocates: the ambient device when it is meta or CUDA (build TE models under
+    ``with torch.device('cuda')`` or ``'meta'`` so every parameter shares one device and one RNG), else the
+    current CUDA device (TE's default)."""
+    dev = ambient_device()
+    if dev.type in ("meta", "cuda"):
+        return dev
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -119,6 +123,17 @@ class _TEWrapperMixin:
             p = getattr(self, name, None)
             if isinstance(p, torch.nn.Parameter):
                 p.sequence_parallel = False
+
+    def reset_parameters(self, defer_init=False):
+        """TE's own reset (its ``init_method``, global RNG, re-quantisation of fp8/fp4 primary weights). TE wraps
+        every parameter in a NEW ``nn.Parameter``; the attributes of the old ones (``allreduce``, ...) are copied
+        onto the new ones so they survive."""
+        saved = {n: dict(vars(p)) for n, p in self.named_parameters(recurse=False)}
+        super().reset_parameters(defer_init=defer_init)
+        for n, p in self.named_parameters(recurse=False):
+            for k, v in saved.get(n, {}).items():
+                if not hasattr(p, k):
+                    setattr(p, k, v)
 
     def forward(self, x, weight=None):
         if weight is not None:
