@@ -1,0 +1,165 @@
+"""GPT datasets: fixed-length samples of ``sequence_length + 1`` tokens over concatenated documents.
+
+A sample is a dict of numpy arrays ``tokens`` ``[s]`` (int64), ``labels`` ``[s]`` (``tokens`` shifted by one),
+``loss_mask`` ``[s]`` (float32) and ``position_ids`` ``[s]`` (int64), ``s = sequence_length``.
+
+``GPTDataset`` orders the sequences of its document range by one seeded permutation per epoch, cuts the
+concatenation into samples (sample ``i`` covers tokens ``[i*s, i*s + s + 1)``; consecutive samples share one
+token), and visits the samples in a seeded shuffled order. Everything is a function of (data, seed, split,
+sequence_length, num_samples), so every rank and every restart sees the same sample at the same index.
+``MockGPTDataset`` generates samples from the seed and the index only (no files).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+
+@dataclass
+class GPTDatasetConfig:
+    random_seed: int
+    sequence_length: int
+    split: str = "969,30,1"
+    path_prefix: Optional[str] = None  # None / mock=True: MockGPTDataset
+    mock: bool = False
+    vocab_size: Optional[int] = None  # for the mock dataset
+    eod_mask_loss: bool = False
+    eod_id: Optional[int] = None
+
+    def __post_init__(self):
+        if self.sequence_length <= 0:
+            raise ValueError(f"GPTDatasetConfig: sequence_length (--seq-length) must be positive, got {self.sequence_length}")
+        if not self.mock and not self.path_prefix:
+            raise ValueError("GPTDatasetConfig: give a data path prefix (--data-path) or use mock data (--mock-data)")
+        if self.mock and (self.vocab_size is None or self.vocab_size < 2):
+            raise ValueError(f"GPTDatasetConfig: mock data needs --vocab-size >= 2, got {self.vocab_size}")
+
+
+def _make_sample(text: np.ndarray, config: GPTDatasetConfig) -> dict:
+    text = np.asarray(text, dtype=np.int64)
+    tokens = text[:-1].copy()
+    labels = text[1:].copy()
+    loss_mask = np.ones(len(tokens), dtype=np.float32)
+    if config.eod_mask_loss and config.eod_id is not None:
+        loss_mask[tokens == config.eod_id] = 0.0
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": np.arange(len(tokens), dtype=np.int64),
+    }
+
+
+class GPTDataset:
+    """Samples over the sequences of documents ``[document_begin, document_end)`` of an ``IndexedDataset``."""
+
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        dataset_path: Optional[str],
+        document_begin: int,
+        document_end: int,
+        num_samples: Optional[int],
+        index_split: str,
+        config: GPTDatasetConfig,
+    ):
+        self.dataset = indexed_dataset
+        self.dataset_path = dataset_path
+        self.index_split = index_split
+        self.config = config
+        seq = config.sequence_length
+        docs = indexed_dataset.document_indices
+        seq_begin, seq_end = int(docs[document_begin]), int(docs[document_end])
+        self.sequence_ids = np.arange(seq_begin, seq_end, dtype=np.int64)
+        lengths = indexed_dataset.sequence_lengths[seq_begin:seq_end].astype(np.int64)
+        tokens_per_epoch = int(lengths.sum())
+        if tokens_per_epoch <= seq:
+            raise ValueError(
+                f"GPTDataset ({index_split}, {dataset_path}): {tokens_per_epoch} tokens in documents "
+                f"[{document_begin}, {document_end}), need more than --seq-length={seq}"
+            )
+        if num_samples is None:
+            num_samples = (tokens_per_epoch - 1) // seq
+        self.num_samples = int(num_samples)
+        num_epochs = max(1, -(-(self.num_samples * seq + 1) // tokens_per_epoch))
+        rng = np.random.RandomState(config.random_seed % (2**32))
+        # The sequence order: one permutation of the split's sequences per epoch.
+        self.document_index = np.concatenate(
+            [self.sequence_ids[rng.permutation(len(self.sequence_ids))] for _ in range(num_epochs)]
+        )
+        doc_lengths = indexed_dataset.sequence_lengths[self.document_index].astype(np.int64)
+        self._cum = np.concatenate([[0], np.cumsum(doc_lengths)])  # token offset where each entry starts
+        starts = np.arange(self.num_samples + 1, dtype=np.int64) * seq
+        pos = np.searchsorted(self._cum, starts, side="right") - 1
+        self.sample_index = np.stack([pos, starts - self._cum[pos]], axis=1)  # (entry, offset) per sample start
+        self.shuffle_index = rng.permutation(self.num_samples).astype(np.int64)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _text(self, i: int) -> np.ndarray:
+        seq = self.config.sequence_length
+        pos, off = (int(x) for x in self.sample_index[i])
+        need, pieces = seq + 1, []
+        while need > 0:
+            doc = int(self.document_index[pos])
+            avail = int(self.dataset.sequence_lengths[doc]) - off
+            take = min(avail, need)
+            if take > 0:
+                pieces.append(self.dataset.get(doc, offset=off, length=take))
+            need -= take
+            pos, off = pos + 1, 0
+        return np.concatenate(pieces)
+
+    def __getitem__(self, idx: int) -> dict:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"GPTDataset ({self.index_split}): sample {idx} out of range [0, {self.num_samples})")
+        return _make_sample(self._text(int(self.shuffle_index[idx])), self.config)
+
+
+class MockGPTDataset:
+    """Synthetic samples determined by (seed, index): arithmetic token sequences modulo the vocabulary, so a
+    model can learn them (the loss goes down) and any rank can produce any sample."""
+
+    def __init__(self, num_samples: int, index_split: str, config: GPTDatasetConfig):
+        self.num_samples = int(num_samples)
+        self.index_split = index_split
+        self.config = config
+        self._split_seed = {"train": 0, "valid": 1, "test": 2}.get(index_split, 3)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"MockGPTDataset ({self.index_split}): sample {idx} out of range [0, {self.num_samples})")
+        vocab = self.config.vocab_size
+        rng = np.random.default_rng([self.config.random_seed, self._split_seed, int(idx)])
+        start = int(rng.integers(vocab))
+        step = int(rng.integers(1, min(8, vocab)))
+        text = (start + step * np.arange(self.config.sequence_length + 1, dtype=np.int64)) % vocab
+        return _make_sample(text, self.config)
+
+
+def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples):
+    """(train, valid, test) datasets; a split with no samples requested, or no documents, is None."""
+    from megatron.core.datasets.utils import get_split_bounds, parse_and_normalize_split
+
+    names = ("train", "valid", "test")
+    if config.mock:
+        return tuple(
+            MockGPTDataset(n, name, config) if n else None for name, n in zip(names, train_valid_test_num_samples)
+        )
+    indexed = IndexedDataset(config.path_prefix)
+    num_docs = len(indexed.document_indices) - 1
+    bounds = get_split_bounds(parse_and_normalize_split(config.split), num_docs)
+    out = []
+    for name, n, (b, e) in zip(names, train_valid_test_num_samples, bounds):
+        if not n or e <= b:
+            out.append(None)
+            continue
+        ds = GPTDataset(indexed, config.path_prefix, b, e, n, name, config)
+        out.append(ds)
+    return tuple(out)

@@ -1,0 +1,548 @@
+"""Command-line arguments with upstream Megatron-LM's flag names and groups, their validation, and the builders
+args -> ``TransformerConfig`` / ``OptimizerConfig`` / ``DistributedDataParallelConfig``.
+
+``parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None)`` parses (``args``: a list, default
+``sys.argv[1:]``); ``validate_args(args, defaults={})`` derives defaults and exits (``SystemExit`` with a message
+naming the flags) on incompatible combinations.
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+
+# Rank-0-once guard of the param-gather / checkpoint-load warning (reset by tests).
+_PARAM_GATHER_WARNED = False
+
+PARAM_GATHER_LOAD_WARNING = (
+    "{flag} is set and a checkpoint is loaded (--load) without --stream-ckpt-dequant: every quantized weight "
+    "is dequantized upfront while loading, a transient 2 bytes x params of extra memory. Add --stream-ckpt-dequant "
+    "to stream the load through one high-precision scratch at a time."
+)
+
+
+def _add_network_size_args(parser):
+    g = parser.add_argument_group(title="network size")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4 x hidden size).")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    g.add_argument("--kv-channels", type=int, default=None, help="Projection size per head (default hidden/heads).")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--num-query-groups", type=int, default=1, help="Query groups with --group-query-attention.")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="Max sequence length of the model.")
+    g.add_argument(
+        "--position-embedding-type", type=str, default="learned_absolute",
+        choices=["learned_absolute", "rope", "none"], help="Position embedding type.",
+    )
+    g.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head's channels rotated.")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm layer.")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norm layers.")
+    g.add_argument("--swiglu", action="store_true", help="Use gated linear units with SiLU (SwiGLU).")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="No bias in the linear layers.")
+    g.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate embedding and output-layer weights.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (mock data / NullTokenizer).")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this (tokenizer vocabularies only).")
+
+
+def _add_moe_args(parser):
+    g = parser.add_argument_group(title="moe")
+    g.add_argument("--num-experts", type=int, default=None, help="Number of experts (MoE when set).")
+    g.add_argument("--moe-layer-freq", type=int, default=1, help="Every n-th layer is an MoE layer.")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP hidden size.")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
+                   help="Router score function.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true", help="Softmax before the top-k.")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="Scale of top-k probs.")
+    g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss", choices=["aux_loss", "none"],
+                   help="Load balancing loss.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Aux loss coefficient.")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free load balancing with a per-expert selection bias.")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="Expert-bias update rate.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+
+
+def _add_regularization_args(parser):
+    g = parser.add_argument_group(title="regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Attention dropout.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Hidden dropout.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay (start and end).")
+    g.add_argument("--start-weight-decay", type=float, default=None, help="Initial weight decay.")
+    g.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay.")
+    g.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                   choices=["constant", "linear", "cosine"], help="Weight decay schedule.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient clipping by global norm (0: off).")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group(title="training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="Samples per micro-batch per DP rank.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per iteration (default micro-batch x DP); gradients accumulate over "
+                        "global / (micro x DP) micro-batches.")
+    g.add_argument("--train-iters", type=int, default=None, help="Iterations to train in total.")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
+    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
+                   help="Layer implementation (default: transformer_engine if installed, else local).")
+    g.add_argument("--use-cpu-initialization", action="store_true", default=None, help="Initialize on CPU.")
+
+
+def _add_learning_rate_args(parser):
+    g = parser.add_argument_group(title="learning rate")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--lr-decay-style", type=str, default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"], help="LR decay.")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default train-iters).")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup iterations.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="LR at the start of the warmup.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Minimum learning rate.")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="Use the arguments' scheduler values, not the checkpoint's.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="Use the checkpoint's scheduler values.")
+
+
+def _add_checkpointing_args(parser):
+    g = parser.add_argument_group(title="checkpointing")
+    g.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
+    g.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save the optimizer.")
+    g.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG states.")
+    g.add_argument("--load", type=str, default=None, help="Directory to load a checkpoint from.")
+    g.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load the optimizer.")
+    g.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG states.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load the model only (no optimizer, RNG, iteration); start at iteration 0.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="Exit with an error when --load has no checkpoint (default: start from scratch).")
+    g.add_argument("--ckpt-step", type=int, default=None, help="Iteration to load instead of the latest.")
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+                   help="Checkpoint format (this fork: torch_dist only).")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   help="Spread the writing of replicated tensors over the data-parallel ranks.")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="Spread the reading of replicated tensors over the data-parallel ranks.")
+    g.add_argument("--stream-ckpt-dequant", action="store_true",
+                   help="Load quantized (FP8/FP4 param-gather) weights through one high-precision scratch at a "
+                        "time instead of dequantizing every weight upfront.")
+    g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
+                   choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                            "return_unexpected", "return_all", "ignore_all"],
+                   help="Handling of key mismatches on a dist checkpoint load.")
+
+
+def _add_mixed_precision_args(parser):
+    g = parser.add_argument_group(title="mixed precision")
+    g.add_argument("--fp16", action="store_true", help="Train in fp16.")
+    g.add_argument("--bf16", action="store_true", help="Train in bf16.")
+    g.add_argument("--loss-scale", type=float, default=None, help="Static fp16 loss scale.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", help="Reduce grads in fp32.")
+
+
+def _add_transformer_engine_args(parser):
+    g = parser.add_argument_group(title="transformer-engine")
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8", help="FP8 format.")
+    g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "mxfp8", "blockwise"],
+                   help="FP8 scaling recipe.")
+    g.add_argument("--fp8-margin", type=int, default=0, help="FP8 scaling margin.")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="Delayed-scaling amax history length.")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="Delayed-scaling amax algorithm.")
+    g.add_argument("--fp8-param-gather", action="store_true", help="Keep parameters in FP8 (quantized weights).")
+    g.add_argument("--fp4-format", default=None, choices=["e2m1"], dest="fp4", help="FP4 format.")
+    g.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4"], help="FP4 recipe.")
+    g.add_argument("--fp4-param-gather", action="store_true", help="Keep parameters in FP4 (quantized weights).")
+
+
+def _add_distributed_args(parser):
+    g = parser.add_argument_group(title="distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--sequence-parallel", action="store_true", help="Not supported (needs tensor parallelism).")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="torch.distributed backend (default nccl with CUDA, gloo without).")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="Shard optimizer state over DP.")
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron-FSDP (FSDP2 per transformer layer).")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="Build the model on the meta device; Megatron-FSDP materializes it shard by shard.")
+    g.add_argument("--data-parallel-sharding-strategy", type=str, default="no_shard",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="What Megatron-FSDP shards.")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")
+    g.add_argument("--overlap-param-gather", action="store_true", help="Overlap the param all-gather.")
+    g.add_argument("--local-rank", type=int, default=None, help="Set by the launcher (or LOCAL_RANK).")
+
+
+def _add_validation_args(parser):
+    g = parser.add_argument_group(title="validation")
+    g.add_argument("--eval-iters", type=int, default=100, help="Iterations per evaluation.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--skip-train", action="store_true", help="Evaluate only.")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group(title="data and dataloader")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Path prefix of an indexed dataset (<prefix>.bin/.idx).")
+    g.add_argument("--mock-data", action="store_true", help="Synthetic data, no files.")
+    g.add_argument("--split", type=str, default=None, help="Train/valid/test split weights (default 969,30,1).")
+    g.add_argument("--seq-length", type=int, default=None, help="Sequence length.")
+    g.add_argument("--tokenizer-type", type=str, default=None, choices=["NullTokenizer"],
+                   help="Tokenizer (this fork: NullTokenizer, ids are tokens; needs --vocab-size).")
+    g.add_argument("--num-workers", type=int, default=2, help="Data loader workers (unused: samples are indexed).")
+    g.add_argument("--reset-position-ids", action="store_true", help="Not supported.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="Mask the loss of end-of-document tokens.")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group(title="logging")
+    g.add_argument("--log-throughput", action="store_true", help="Log tokens/s (always logged here).")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer verbosity.")
+
+
+def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Megatron-LM arguments (megatron-core fork)", allow_abbrev=False)
+    for add in (
+        _add_network_size_args, _add_moe_args, _add_regularization_args, _add_training_args,
+        _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
+        _add_distributed_args, _add_validation_args, _add_data_args, _add_logging_args,
+    ):
+        add(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
+    """Parse ``args`` (default ``sys.argv[1:]``); unknown flags are an error unless ``ignore_unknown_args``."""
+    parser = get_parser(extra_args_provider)
+    if ignore_unknown_args:
+        parsed, _ = parser.parse_known_args(args)
+    else:
+        parsed = parser.parse_args(args)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        parsed.rank, parsed.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        parsed.rank = int(os.getenv("RANK", "0"))
+        parsed.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    if parsed.local_rank is None:
+        parsed.local_rank = int(os.getenv("LOCAL_RANK", "0"))
+    return parsed
+
+
+def _fail(message: str):
+    """Exit with a clear message (a ``SystemExit`` whose text names the flags)."""
+    raise SystemExit(f"megatron argument error: {message}")
+
+
+def _rank0() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.getenv("RANK", "0")) == 0
+
+
+def warn_param_gather_load(args) -> bool:
+    """Warn (rank 0, once per process) when quantized param-gather is used with ``--load`` but without
+    ``--stream-ckpt-dequant``. Returns whether it warned now."""
+    global _PARAM_GATHER_WARNED
+    if _PARAM_GATHER_WARNED or not args.load or args.stream_ckpt_dequant:
+        return False
+    flags = [f for f, on in (("--fp8-param-gather", args.fp8_param_gather),
+                             ("--fp4-param-gather", args.fp4_param_gather)) if on]
+    if not flags or not _rank0():
+        return False
+    _PARAM_GATHER_WARNED = True
+    warnings.warn(PARAM_GATHER_LOAD_WARNING.format(flag=" / ".join(flags)), UserWarning, stacklevel=2)
+    return True
+
+
+def validate_args(args, defaults={}):
+    """Fill derived defaults and exit with a message naming the flags on bad combinations."""
+    for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+    # ---- parallelism ------------------------------------------------------------------------------------
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--context-parallel-size", args.context_parallel_size),
+                        ("--expert-model-parallel-size", args.expert_model_parallel_size)):
+        if value != 1:
+            _fail(f"{flag}={value} is not supported: this fork has data parallelism only (use 1)")
+    if args.sequence_parallel:
+        _fail("--sequence-parallel needs tensor parallelism, which this fork does not have")
+    if args.world_size <= 0:
+        _fail(f"WORLD_SIZE={args.world_size} must be positive")
+    args.data_parallel_size = args.world_size
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _fail("--distributed-backend nccl needs CUDA; there is no CUDA device here (use --distributed-backend gloo)")
+
+    # ---- model ------------------------------------------------------------------------------------------
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, flag)
+        if value is None or value <= 0:
+            _fail(f"--{flag.replace('_', '-')} is required and must be positive (got {value})")
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+              f"({args.num_attention_heads}) unless --kv-channels is given")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
+        _fail(f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
+              f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:  # keep the MLP parameter count of a 4h GELU MLP, rounded to a multiple of 64
+            args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.group_query_attention and args.num_attention_heads % args.num_query_groups != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
+              f"({args.num_query_groups})")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer"
+    if args.vocab_size is None or args.vocab_size < 2:
+        _fail(f"--vocab-size is required (>= 2) with --tokenizer-type {args.tokenizer_type} (got {args.vocab_size})")
+    args.padded_vocab_size = args.vocab_size
+    if args.transformer_impl is None:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        args.transformer_impl = "transformer_engine" if HAVE_TE else "local"
+
+    # ---- MoE --------------------------------------------------------------------------------------------
+    if args.num_experts is not None:
+        if args.num_experts <= 0:
+            _fail(f"--num-experts must be positive (got {args.num_experts})")
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            _fail(f"--moe-router-topk ({args.moe_router_topk}) must be in [1, --num-experts={args.num_experts}]")
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
+    else:
+        if args.moe_router_enable_expert_bias:
+            _fail("--moe-router-enable-expert-bias needs --num-experts (it is a MoE router option)")
+        if args.moe_ffn_hidden_size is not None:
+            _fail("--moe-ffn-hidden-size needs --num-experts")
+    if args.moe_router_bias_update_rate < 0:
+        _fail(f"--moe-router-bias-update-rate must be >= 0 (got {args.moe_router_bias_update_rate})")
+
+    # ---- batch sizes ------------------------------------------------------------------------------------
+    if args.micro_batch_size is None or args.micro_batch_size <= 0:
+        _fail(f"--micro-batch-size is required and must be positive (got {args.micro_batch_size})")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size <= 0 or args.global_batch_size % per_step != 0:
+        _fail(f"--global-batch-size ({args.global_batch_size}) must be a positive multiple of --micro-batch-size "
+              f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+
+    # ---- training / lr ------------------------------------------------------------------------------------
+    if args.train_iters is None or args.train_iters < 0:
+        _fail(f"--train-iters is required and must be >= 0 (got {args.train_iters})")
+    if args.lr is None:
+        _fail("--lr is required")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = max(args.train_iters, 1)
+    if args.lr_decay_iters <= 0:
+        _fail(f"--lr-decay-iters must be positive (got {args.lr_decay_iters})")
+    if args.lr_warmup_iters < 0 or (args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters
+                                    and args.lr_warmup_iters > 0):
+        _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters}))")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.log_interval <= 0:
+        _fail(f"--log-interval must be positive (got {args.log_interval})")
+    if args.eval_interval is not None and args.eval_interval <= 0:
+        _fail(f"--eval-interval must be positive (got {args.eval_interval})")
+    if args.eval_iters < 0:
+        _fail(f"--eval-iters must be >= 0 (got {args.eval_iters})")
+
+    # ---- precision ----------------------------------------------------------------------------------------
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 are mutually exclusive")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.fp8 is not None and args.fp4 is not None:
+        _fail("--fp8-format and --fp4-format are mutually exclusive (choose one quantized format)")
+    if args.fp8_param_gather and args.fp8 is None:
+        _fail("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+    if args.fp4_param_gather and args.fp4 is None:
+        _fail("--fp4-param-gather needs --fp4-format (e2m1)")
+    if (args.fp8 is not None or args.fp4 is not None) and args.transformer_impl != "transformer_engine":
+        _fail("--fp8-format / --fp4-format need --transformer-impl transformer_engine")
+
+    # ---- distributed / FSDP -------------------------------------------------------------------------------
+    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
+        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-FSDP materializes the model)")
+    if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
+        _fail(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs --use-megatron-fsdp")
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    if args.mock_data and args.data_path:
+        _fail("--mock-data and --data-path are mutually exclusive")
+    if not args.mock_data and not args.data_path:
+        _fail("give --data-path <prefix> (an indexed .bin/.idx dataset) or --mock-data")
+    if args.data_path and len(args.data_path) != 1:
+        _fail(f"--data-path: this fork takes one dataset prefix (no weighted blends), got {args.data_path}")
+    if args.split is None:
+        args.split = "969,30,1"
+    if args.reset_position_ids:
+        _fail("--reset-position-ids is not supported by this fork")
+
+    # ---- checkpointing ------------------------------------------------------------------------------------
+    if args.ckpt_format != "torch_dist":
+        _fail(f"--ckpt-format {args.ckpt_format} is not supported: this fork saves and loads torch_dist only")
+    if args.save_interval is not None and args.save_interval <= 0:
+        _fail(f"--save-interval must be positive (got {args.save_interval})")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval needs --save <dir>")
+    if args.exit_on_missing_checkpoint and not args.load:
+        _fail("--exit-on-missing-checkpoint needs --load <dir>")
+    if args.finetune and not args.load:
+        _fail("--finetune needs --load <dir>")
+    for flag in ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "use_cpu_initialization"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, False)
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        _fail("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
+    # --stream-ckpt-dequant without --load is accepted (it does nothing then).
+    warn_param_gather_load(args)
+
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+    args.iteration = 0
+    return args
+
+
+# ---- config builders -----------------------------------------------------------------------------------
+def core_transformer_config_from_args(args, config_class=None):
+    """``TransformerConfig`` (or ``config_class``) from validated args, upstream's field mapping."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config_class = config_class or TransformerConfig
+    kw = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=args.swiglu,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        init_method_std=args.init_method_std,
+        use_cpu_initialization=bool(args.use_cpu_initialization),
+        params_dtype=args.params_dtype,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe,
+        fp8_margin=args.fp8_margin,
+        fp8_amax_history_len=args.fp8_amax_history_len,
+        fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+        fp8_param=args.fp8_param_gather,
+        fp4=args.fp4,
+        fp4_recipe=args.fp4_recipe,
+        fp4_param=args.fp4_param_gather,
+        transformer_impl=args.transformer_impl,
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_layer_freq=args.moe_layer_freq,
+    )
+    if args.swiglu:
+        import torch.nn.functional as F
+
+        kw["activation_func"] = F.silu
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return config_class(**{k: v for k, v in kw.items() if k in names})
+
+
+def optimizer_config_from_args(args):
+    """``megatron.core.optimizer.OptimizerConfig`` from args (fields it does not have are left out)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    kw = dict(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return _build(OptimizerConfig, kw)
+
+
+def ddp_config_from_args(args):
+    """``DistributedDataParallelConfig`` from args (fields it does not have are left out)."""
+    from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
+    kw = dict(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        fp8_param_gather=args.fp8_param_gather,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        init_model_with_meta_device=args.init_model_with_meta_device,
+    )
+    return _build(DistributedDataParallelConfig, kw)
+
+
+def _build(cls, kw):
+    import dataclasses
+    import inspect
+
+    if dataclasses.is_dataclass(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+    else:
+        names = set(inspect.signature(cls).parameters)
+    return cls(**{k: v for k, v in kw.items() if k in names})
