@@ -5,7 +5,7 @@ defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size) a
 an error that names the field (and the command-line flag where there is one).
 """
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,28 @@ class TransformerConfig:
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+
+    # ---- accepted for upstream compatibility; no effect in this fork ------------------------------------------
+    gradient_accumulation_fusion: bool = False
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    apply_rope_fusion: bool = False
+    persist_layer_norm: bool = False
+    attention_softmax_in_fp32: bool = True
+    apply_query_key_layer_scaling: bool = False
+    deterministic_mode: bool = False
+    calculate_per_token_loss: bool = False
+    fp8_wgrad: bool = True
+    fp8_interval: int = 1
+    init_model_with_meta_device: bool = False
+
+    # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
+    recompute_granularity: Optional[str] = None
+    qk_layernorm: bool = False
+    fp8_dot_product_attention: bool = False
 
     # ---- mixture of experts ---------------------------------------------------------------------------------
     num_moe_experts: Optional[int] = None
@@ -77,7 +99,12 @@ class TransformerConfig:
     moe_router_bias_update_rate: float = 1e-3
     moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' | 'none'
     moe_aux_loss_coeff: float = 0.0
-    moe_layer_freq: int = 1  # every n-th layer is MoE (1: all layers)
+    moe_layer_freq: Union[int, List[int]] = 1  # every n-th layer is MoE (1: all), or a 0/1 list per layer
+    moe_router_dtype: Optional[str] = None  # router logits are always computed in float32 here
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_z_loss_coeff: Optional[float] = None
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -127,6 +154,19 @@ class TransformerConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) != 1:
                 raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
+        for name in ("context_parallel_size",):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
+        if self.virtual_pipeline_model_parallel_size not in (None, 1):
+            raise ValueError("virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage) is not supported")
+        if self.recompute_granularity is not None:
+            raise ValueError(
+                f"activation recomputation (--recompute-granularity {self.recompute_granularity}) is not supported"
+            )
+        if self.qk_layernorm:
+            raise ValueError("qk_layernorm (--qk-layernorm) is not supported")
+        if self.fp8_dot_product_attention:
+            raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.sequence_parallel:
             raise ValueError("sequence_parallel (--sequence-parallel) needs tensor parallelism, not supported here")
         if self.num_moe_experts is not None:
@@ -139,8 +179,20 @@ class TransformerConfig:
                 )
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
-            if self.moe_layer_freq < 1:
-                raise ValueError(f"moe_layer_freq must be >= 1 (--moe-layer-freq), got {self.moe_layer_freq}")
+            if isinstance(self.moe_layer_freq, int):
+                if self.moe_layer_freq < 1:
+                    raise ValueError(f"moe_layer_freq must be >= 1 (--moe-layer-freq), got {self.moe_layer_freq}")
+            elif len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+                raise ValueError(
+                    f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0/1 (--moe-layer-freq), "
+                    f"got {self.moe_layer_freq}"
+                )
+            if self.moe_grouped_gemm:
+                raise ValueError("moe_grouped_gemm (--moe-grouped-gemm) is not supported: experts are SequentialMLP")
+            if self.moe_shared_expert_intermediate_size:
+                raise ValueError("shared experts (--moe-shared-expert-intermediate-size) are not supported")
+            if self.moe_z_loss_coeff:
+                raise ValueError("the router z-loss (--moe-z-loss-coeff) is not supported")
         elif self.moe_router_enable_expert_bias:
             raise ValueError("moe_router_enable_expert_bias (--moe-router-enable-expert-bias) needs num_moe_experts")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):

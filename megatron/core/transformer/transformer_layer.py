@@ -15,7 +15,9 @@ def is_moe_layer(config, layer_number: int) -> bool:
     the first, when ``num_moe_experts`` is set."""
     if config.num_moe_experts is None:
         return False
-    return (layer_number - 1) % config.moe_layer_freq == 0
+    if isinstance(config.moe_layer_freq, int):
+        return (layer_number - 1) % config.moe_layer_freq == 0
+    return bool(config.moe_layer_freq[layer_number - 1])
 
 
 class TransformerLayer(MegatronModule):

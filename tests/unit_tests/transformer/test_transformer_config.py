@@ -41,3 +41,31 @@ def test_bad_config_names_the_flag(kwargs, needle):
     base.update(kwargs)
     with pytest.raises(ValueError, match=needle):
         TransformerConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(num_moe_experts=4, moe_layer_freq=[1, 2]), "--moe-layer-freq"),
+        (dict(num_moe_experts=4, moe_layer_freq=[1]), "--moe-layer-freq"),
+        (dict(num_moe_experts=4, moe_grouped_gemm=True), "--moe-grouped-gemm"),
+        (dict(recompute_granularity="full"), "--recompute-granularity"),
+        (dict(context_parallel_size=2), "--context-parallel-size"),
+    ],
+)
+def test_unsupported_options_rejected(kwargs, needle):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        TransformerConfig(**base)
+
+
+def test_moe_layer_freq_list_selects_layers():
+    from megatron.core.transformer.transformer_layer import is_moe_layer
+
+    c = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_moe_experts=2, moe_router_topk=1,
+                          moe_layer_freq=[0, 1, 1])
+    assert [is_moe_layer(c, i) for i in (1, 2, 3)] == [False, True, True]
+    c2 = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_moe_experts=2, moe_router_topk=1,
+                           moe_layer_freq=2)
+    assert [is_moe_layer(c2, i) for i in (1, 2, 3, 4)] == [True, False, True, False]
