@@ -159,3 +159,17 @@ def test_te_requested_without_te_is_a_clear_error():
 def test_bad_position_embedding_type():
     with pytest.raises(ValueError, match="--position-embedding-type"):
         _model(pos="alibi")
+
+
+def test_dropout_only_in_training_and_seeded():
+    model = _model("moe", hidden_dropout=0.1, attention_dropout=0.1)
+    ids, p = _batch()
+    model.eval()
+    a, b = model(ids, p), model(ids, p)
+    assert torch.equal(a, b)
+    model.train()
+    torch.manual_seed(3)
+    c = model(ids, p)
+    torch.manual_seed(3)
+    d = model(ids, p)
+    assert torch.equal(c, d) and not torch.allclose(a, c)
