@@ -94,7 +94,9 @@ def _te_device():
     ``with torch.device('cuda')`` or ``'meta'`` so every parameter shares one device and one RNG), else the
     current CUDA device (TE's default)."""
     dev = ambient_device()
-    if dev.type in ("meta", "cuda"):
+    if dev.type == "meta":
+        return "meta"  # the string: TE defers init on ``device == "meta"``, which a torch.device fails
+    if dev.type == "cuda":
         return dev
     return torch.device("cuda", torch.cuda.current_device())
 
