@@ -1,0 +1,59 @@
+"""``initialize_megatron``: arguments, torch.distributed, process groups, seeds.
+
+torch.distributed comes from the launcher's environment (``torchrun``: RANK, WORLD_SIZE, MASTER_ADDR, ...); an
+already-initialized default group is reused; without launcher variables a single process group is created
+(file store in a temp dir). Backend: ``--distributed-backend`` (default nccl with CUDA, gloo without).
+"""
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import set_random_seed
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import set_global_variables
+
+
+def _initialize_distributed(args) -> None:
+    if torch.cuda.is_available():
+        local_rank = int(os.getenv("LOCAL_RANK", args.local_rank or 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if dist.is_initialized():
+        args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+        return
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(
+            backend=args.distributed_backend, rank=args.rank, world_size=args.world_size, timeout=timeout
+        )
+    else:
+        if args.world_size != 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={args.world_size} but no MASTER_ADDR/RANK: launch with torchrun --nproc-per-node N"
+            )
+        fd, path = tempfile.mkstemp(prefix="megatron_store_")
+        os.close(fd)
+        os.unlink(path)
+        store = dist.FileStore(path, 1)
+        dist.init_process_group(backend=args.distributed_backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False, args=None,
+                        parsed_args=None):
+    """Parse + validate the arguments (``args``: a list, default ``sys.argv[1:]``; or ``parsed_args``), set them
+    globally, initialize torch.distributed and the process groups, seed every RNG. Returns the args."""
+    if parsed_args is None:
+        parsed_args = parse_args(extra_args_provider, ignore_unknown_args, args)
+    validate_args(parsed_args, args_defaults)
+    set_global_variables(parsed_args)
+    _initialize_distributed(parsed_args)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        parsed_args.tensor_model_parallel_size, parsed_args.pipeline_model_parallel_size,
+        parsed_args.expert_model_parallel_size,
+    )
+    set_random_seed(parsed_args.seed)
+    return parsed_args

@@ -1,0 +1,324 @@
+"""The training loop: ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func)``.
+
+Data order: iteration ``i`` uses global samples ``[i*G, (i+1)*G)`` (``G`` = global batch size) of the train
+dataset, cut into ``G / (m*D)`` micro-steps of ``m*D`` consecutive samples (``m`` micro-batch size, ``D``
+data-parallel size); DP rank ``r`` takes samples ``[r*m, (r+1)*m)`` of each micro-step. The position is
+``args.consumed_train_samples``, saved in the checkpoint, so a resumed run sees exactly the samples an
+uninterrupted one would, and a different DP size sees the same global batches.
+"""
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.arguments import (
+    core_transformer_config_from_args,
+    ddp_config_from_args,
+    optimizer_config_from_args,
+)
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.global_vars import get_args
+from megatron.training.initialize import initialize_megatron
+from megatron.training.utils import average_losses_across_data_parallel_group, memory_report, print_rank_0, unwrap_model
+
+try:
+    from megatron.core.enums import ModelType  # noqa: F401
+except ImportError:  # megatron/core/enums.py is not part of this fork (yet)
+    import enum
+
+    class ModelType(enum.Enum):
+        encoder_or_decoder = 1
+        retro_encoder = 2
+        retro_decoder = 3
+
+
+@dataclass
+class TrainingResult:
+    """What ``pretrain`` returns (upstream returns nothing): the final iteration, the per-iteration lm loss
+    (float32 value, averaged over micro-batches and DP ranks) and grad norm, the wrapped model and optimizer."""
+
+    iteration: int = 0
+    losses: Dict[int, float] = field(default_factory=dict)
+    grad_norms: Dict[int, float] = field(default_factory=dict)
+    learning_rates: Dict[int, float] = field(default_factory=dict)
+    valid_losses: Dict[int, float] = field(default_factory=dict)
+    model: list = None
+    optimizer: object = None
+    opt_param_scheduler: object = None
+
+
+def get_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---- model / optimizer --------------------------------------------------------------------------------------
+def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True):
+    """Build the model (under ``torch.device('meta')`` with ``--init-model-with-meta-device``), then wrap it in
+    ``FullyShardedDataParallel`` (``--use-megatron-fsdp``, which materializes a meta model) or
+    ``DistributedDataParallel``. Returns a list with one model chunk."""
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    device = get_device()
+    if args.init_model_with_meta_device:
+        with torch.device("meta"):
+            model = model_provider_func(pre_process=True, post_process=True)
+    elif device.type == "cuda" and not args.use_cpu_initialization:
+        with torch.device(device):
+            model = model_provider_func(pre_process=True, post_process=True)
+    else:
+        model = model_provider_func(pre_process=True, post_process=True).to(device)
+    if parallel_state.get_data_parallel_rank() == 0:
+        n = sum(p.numel() for p in model.parameters())
+        print(f" > number of parameters on data-parallel rank 0: {n}", flush=True)
+    if not wrap_with_ddp:
+        return [model]
+    ddp_config = ddp_config_from_args(args)
+    if args.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    else:
+        from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return [model]
+
+
+def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
+    """Iteration-based schedule, counted in samples (upstream's convention)."""
+    args = get_args()
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
+
+
+def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_or_decoder):
+    args = get_args()
+    model = get_model(model_provider_func, model_type)
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+    args.iteration, args.num_floating_point_operations_so_far = 0, 0
+    if args.load:
+        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+            model, optimizer, opt_param_scheduler
+        )
+    return model, optimizer, opt_param_scheduler
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+def _collate(samples: List[dict], device) -> dict:
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(device) for k in samples[0]}
+
+
+def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                        device=None):
+    """This DP rank's micro-batches from global sample ``consumed_samples`` on (see the module docstring)."""
+    if dataset is None:
+        return None
+    device = device or get_device()
+
+    def _gen():
+        start = consumed_samples
+        step = micro_batch_size * dp_size
+        while True:
+            first = start + dp_rank * micro_batch_size
+            if start + step > len(dataset):
+                raise RuntimeError(
+                    f"dataset {type(dataset).__name__} exhausted: micro-step at sample {start} needs {step} "
+                    f"samples, it has {len(dataset)}"
+                )
+            yield _collate([dataset[i] for i in range(first, first + micro_batch_size)], device)
+            start += step
+
+    return iter(_gen())
+
+
+def build_train_valid_test_datasets(train_valid_test_dataset_provider):
+    args = get_args()
+    gbs = args.global_batch_size
+    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
+    num_samples = [args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs]
+    print_rank_0(f" > datasets target sizes (train, valid, test): {num_samples}")
+    return train_valid_test_dataset_provider(num_samples)
+
+
+# ---- steps -----------------------------------------------------------------------------------------------
+def _unpack_loss(out):
+    """loss_func output: ``(loss, {'lm loss': ...})`` (a mean) or ``(loss_sum, num_tokens, {...})``."""
+    if isinstance(out, tuple) and len(out) == 3:
+        loss, num_tokens, reported = out
+        loss = loss / num_tokens
+        value = reported.get("lm loss", loss.detach())
+        if isinstance(value, torch.Tensor) and value.numel() == 2:
+            value = value[0] / value[1]
+        return loss, value
+    if isinstance(out, tuple) and len(out) == 2:
+        loss, reported = out
+        return loss, reported.get("lm loss", loss.detach()) if isinstance(reported, dict) else loss.detach()
+    return out, out.detach()
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config=None):
+    """One iteration: gradient accumulation over ``args.num_microbatches``, grad sync, optimizer step,
+    scheduler step, expert-bias update. Returns (lm loss averaged over micro-batches and DP, grad norm,
+    update_successful)."""
+    args = get_args()
+    chunk = model[0]
+    n = args.num_microbatches
+    if hasattr(chunk, "zero_grad_buffer"):
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    if args.num_experts is not None:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
+    reported = []
+    for i in range(n):
+        sync_ctx = chunk.no_sync() if (i < n - 1 and hasattr(chunk, "no_sync")) else nullcontext()
+        with sync_ctx:
+            output, loss_func = forward_step_func(data_iterator, chunk)
+            loss, value = _unpack_loss(loss_func(output))
+            (loss / n).backward()
+        reported.append(value.detach().float().reshape(()))
+    if hasattr(chunk, "finish_grad_sync"):
+        chunk.finish_grad_sync()
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        opt_param_scheduler.step(increment=args.global_batch_size)
+    if args.moe_router_enable_expert_bias:
+        from megatron.core.transformer.moe.moe_utils import update_expert_bias
+
+        update_expert_bias(model, parallel_state.get_data_parallel_group())
+    local = torch.stack(reported).mean()
+    loss = average_losses_across_data_parallel_group([local])[0]
+    gn = float(grad_norm) if grad_norm is not None else float("nan")
+    return loss, gn, update_successful
+
+
+@torch.no_grad()
+def evaluate(forward_step_func, dataset, model, eval_iters: int):
+    """Mean lm loss over ``eval_iters`` global batches of ``dataset`` from its first sample."""
+    args = get_args()
+    chunk = model[0]
+    chunk.eval()
+    it = build_data_iterator(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+                             parallel_state.get_data_parallel_world_size())
+    values = []
+    for _ in range(eval_iters * args.num_microbatches):
+        output, loss_func = forward_step_func(it, chunk)
+        values.append(_unpack_loss(loss_func(output))[1].detach().float().reshape(()))
+    chunk.train()
+    return float(average_losses_across_data_parallel_group([torch.stack(values).mean()])[0])
+
+
+def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters) -> str:
+    args = get_args()
+    per_iter = elapsed / max(iters, 1)
+    tokens_per_s = args.global_batch_size * args.seq_length / per_iter if per_iter > 0 else 0.0
+    line = (
+        f" iteration {iteration:8d}/{args.train_iters:8d} |"
+        f" consumed samples: {args.consumed_train_samples:12d} |"
+        f" elapsed time per iteration (ms): {per_iter * 1000:.1f} |"
+        f" tokens/s: {tokens_per_s:.1f} |"
+        f" learning rate: {lr:.6E} |"
+        f" global batch size: {args.global_batch_size:5d} |"
+        f" lm loss: {loss_avg:.6E} |"
+        f" grad norm: {grad_norm:.3f} |"
+        f" {memory_report()} |"
+    )
+    print_rank_0(line)
+    return line
+
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_dataset,
+          result: TrainingResult, on_iteration_end: Optional[Callable] = None):
+    args = get_args()
+    iteration = args.iteration
+    for m in model:
+        m.train()
+    interval_losses, t0, iters = [], time.time(), 0
+    saved_at = None
+    while iteration < args.train_iters:
+        loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
+                                         opt_param_scheduler)
+        iteration += 1
+        args.iteration = iteration
+        args.consumed_train_samples += args.global_batch_size
+        value = float(loss)
+        result.losses[iteration] = value
+        result.grad_norms[iteration] = grad_norm
+        lr = optimizer.param_groups[0]["lr"]
+        result.learning_rates[iteration] = lr
+        interval_losses.append(value)
+        iters += 1
+        if on_iteration_end is not None:
+            on_iteration_end(iteration, model, value)
+        if iteration % args.log_interval == 0:
+            training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0, iters)
+            interval_losses, t0, iters = [], time.time(), 0
+        if valid_dataset is not None and args.eval_iters > 0 and args.eval_interval and iteration % args.eval_interval == 0:
+            v = evaluate(forward_step_func, valid_dataset, model, args.eval_iters)
+            result.valid_losses[iteration] = v
+            print_rank_0(f" validation loss at iteration {iteration} | lm loss value: {v:.6E} |")
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                            args.num_floating_point_operations_so_far)
+            saved_at = iteration
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
+    return iteration, saved_at
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, get_embedding_ranks=None,
+             get_position_embedding_ranks=None, non_loss_data_func=None, args=None, on_iteration_end=None):
+    """Initialize, build model + optimizer (+ load), build data, train, save at the end.
+
+    ``args``: the command line as a list (default ``sys.argv[1:]``). ``on_iteration_end(iteration, model, loss)``
+    is called after each iteration (tests). Returns a ``TrainingResult``.
+    """
+    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, args=args)
+    args = get_args()
+    start = time.time()
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(train_valid_test_dataset_provider)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    train_iter = build_data_iterator(train_ds, args.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size)
+    print_rank_0(f" > setup done in {time.time() - start:.2f}s; training from iteration {args.iteration} "
+                 f"(consumed samples {args.consumed_train_samples}), {args.num_microbatches} micro-batch(es) "
+                 f"per iteration, data-parallel size {dp_size}")
+    result = TrainingResult(model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler)
+    iteration, saved_at = args.iteration, None
+    start_iteration = iteration
+    if not args.skip_train and args.train_iters > args.iteration:
+        iteration, saved_at = train(forward_step_func, model, optimizer, opt_param_scheduler, train_iter, valid_ds,
+                                    result, on_iteration_end)
+    if args.save and iteration > start_iteration and saved_at != iteration:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    result.iteration = iteration
+    return result

@@ -1,0 +1,63 @@
+"""Small helpers of the training loop: rank-0 printing, loss averaging, memory figures."""
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def get_rank_safe() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def print_rank_0(message: str) -> None:
+    if get_rank_safe() == 0:
+        print(message, flush=True)
+
+
+def is_last_rank() -> bool:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == dist.get_world_size() - 1
+    return True
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def unwrap_model(model):
+    """The innermost module below DDP/FSDP wrappers (``.module`` chains); keeps lists as lists."""
+    if isinstance(model, (list, tuple)):
+        return [unwrap_model(m) for m in model]
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def average_losses_across_data_parallel_group(losses):
+    """Mean of each loss over the data-parallel ranks (a float32 tensor)."""
+    averaged = torch.stack([l.detach().float().reshape(()) for l in losses])
+    group = parallel_state.get_data_parallel_group()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(averaged, group=group)
+        averaged = averaged / dist.get_world_size(group)
+    return averaged
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux ``/proc/self/statm``; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_report() -> str:
+    """``max allocated`` on CUDA, ``RSS`` on CPU, in MiB."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"mem max allocated (MiB): {torch.cuda.max_memory_allocated() / 2**20:.1f}"
+    return f"mem RSS (MiB): {current_rss_bytes() / 2**20:.1f}"

@@ -1,0 +1,88 @@
+"""Pretrain a GPT model (upstream's entry point).
+
+    python pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --mock-data            # one process (CPU: gloo)
+    torchrun --nproc-per-node N pretrain_gpt.py ...                                  # N data-parallel ranks
+"""
+from functools import partial
+
+import torch
+
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.global_vars import get_args
+from megatron.training.training import ModelType, pretrain
+from megatron.training.utils import print_rank_0
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, **unused):
+    """GPTModel from the global args."""
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def get_batch(data_iterator):
+    """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (causal: no mask)."""
+    batch = next(data_iterator)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], None, batch["position_ids"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"lm loss is {loss.item()} (not finite)")
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """MockGPTDataset with --mock-data, else GPTDataset over the --data-path prefix."""
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        split=args.split,
+        path_prefix=None if args.mock_data else args.data_path[0],
+        mock=args.mock_data,
+        vocab_size=args.padded_vocab_size,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    return build_gpt_datasets(config, train_val_test_num_samples)
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def main(argv=None):
+    return pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={"tokenizer_type": "NullTokenizer"},
+        args=argv,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Argument parsing, every validation error (each names its flags), the param-gather warning, config builders."""
+import warnings
+
+import pytest
+import torch
+
+from megatron.training import arguments
+from megatron.training.arguments import (
+    core_transformer_config_from_args,
+    ddp_config_from_args,
+    parse_args,
+    validate_args,
+)
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 "
+        "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --distributed-backend gloo").split()
+
+
+@pytest.fixture(autouse=True)
+def _single_rank(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(arguments, "_PARAM_GATHER_WARNED", False)
+
+
+def _args(*extra, world_size=None, monkeypatch=None):
+    a = parse_args(args=BASE + [str(x) for x in extra])
+    if world_size is not None:
+        a.world_size = world_size
+    return validate_args(a)
+
+
+def test_parse_upstream_flags():
+    a = _args("--ffn-hidden-size", 96, "--max-position-embeddings", 32, "--untie-embeddings-and-output-weights",
+              "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--transformer-impl", "local",
+              "--num-experts", 4, "--moe-router-topk", 2, "--moe-router-enable-expert-bias",
+              "--moe-router-bias-update-rate", 0.01, "--moe-router-score-function", "sigmoid",
+              "--moe-ffn-hidden-size", 24, "--moe-aux-loss-coeff", 0.01, "--global-batch-size", 8,
+              "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1, "--lr-decay-iters", 4,
+              "--weight-decay", 0.1, "--clip-grad", 0.5, "--adam-beta1", 0.8, "--adam-beta2", 0.95,
+              "--adam-eps", 1e-6, "--optimizer", "adam", "--seed", 7, "--bf16", "--log-interval", 2,
+              "--eval-iters", 1, "--eval-interval", 2, "--split", "9,1,0", "--tokenizer-type", "NullTokenizer",
+              "--use-megatron-fsdp", "--init-model-with-meta-device", "--use-distributed-optimizer",
+              "--data-parallel-sharding-strategy", "optim_grads_params", "--tensor-model-parallel-size", 1,
+              "--pipeline-model-parallel-size", 1, "--save", "/tmp/x", "--load", "/tmp/x", "--save-interval", 2,
+              "--ckpt-format", "torch_dist", "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+              "--stream-ckpt-dequant", "--no-load-optim", "--no-load-rng", "--finetune",
+              "--exit-on-missing-checkpoint")
+    assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.ffn_hidden_size) == (2, 32, 4, 96)
+    assert a.num_experts == 4 and a.moe_router_enable_expert_bias and a.moe_router_score_function == "sigmoid"
+    assert a.global_batch_size == 8 and a.num_microbatches == 4 and a.params_dtype == torch.bfloat16
+    assert a.use_megatron_fsdp and a.init_model_with_meta_device and a.stream_ckpt_dequant
+    assert a.ckpt_fully_parallel_save and a.ckpt_fully_parallel_load and a.finetune and a.no_load_optim
+    cfg = core_transformer_config_from_args(a)
+    assert cfg.num_moe_experts == 4 and cfg.moe_ffn_hidden_size == 24 and cfg.moe_router_bias_update_rate == 0.01
+    assert cfg.normalization == "RMSNorm" and cfg.bf16 and cfg.params_dtype == torch.bfloat16
+    ddp = ddp_config_from_args(a)
+    assert ddp.use_megatron_fsdp and ddp.use_distributed_optimizer
+    assert ddp.data_parallel_sharding_strategy == "optim_grads_params"
+
+
+def test_defaults_derived():
+    a = _args()
+    assert a.global_batch_size == 2 and a.num_microbatches == 1
+    assert a.ffn_hidden_size == 128 and a.max_position_embeddings == 16 and a.lr_decay_iters == 4
+    assert a.ckpt_format == "torch_dist" and not a.stream_ckpt_dequant and a.split == "969,30,1"
+    a = _args("--global-batch-size", 8, world_size=2)
+    assert a.data_parallel_size == 2 and a.num_microbatches == 2
+
+
+def test_unknown_flag():
+    with pytest.raises(SystemExit):
+        parse_args(args=BASE + ["--no-such-flag"])
+    a = parse_args(args=BASE + ["--no-such-flag"], ignore_unknown_args=True)
+    assert a.num_layers == 2
+
+
+ERRORS = [
+    (["--global-batch-size", 6], 2, ["--global-batch-size", "--micro-batch-size", "data-parallel"]),
+    (["--global-batch-size", 5], 1, ["--global-batch-size", "--micro-batch-size"]),
+    (["--fp8-param-gather"], None, ["--fp8-param-gather", "--fp8-format"]),
+    (["--fp4-param-gather"], None, ["--fp4-param-gather", "--fp4-format"]),
+    (["--fp8-format", "e4m3", "--fp4-format", "e2m1"], None, ["--fp8-format", "--fp4-format"]),
+    (["--fp8-format", "hybrid", "--transformer-impl", "local"], None, ["--fp8-format", "--transformer-impl"]),
+    (["--init-model-with-meta-device"], None, ["--init-model-with-meta-device", "--use-megatron-fsdp"]),
+    (["--moe-router-enable-expert-bias"], None, ["--moe-router-enable-expert-bias", "--num-experts"]),
+    (["--moe-ffn-hidden-size", 8], None, ["--moe-ffn-hidden-size", "--num-experts"]),
+    (["--num-experts", 2, "--moe-router-topk", 3], None, ["--moe-router-topk", "--num-experts"]),
+    (["--ckpt-format", "torch"], None, ["--ckpt-format"]),
+    (["--ckpt-format", "zarr"], None, ["--ckpt-format", "torch_dist"]),
+    (["--pipeline-model-parallel-size", 2], None, ["--pipeline-model-parallel-size"]),
+    (["--tensor-model-parallel-size", 2], None, ["--tensor-model-parallel-size"]),
+    (["--expert-model-parallel-size", 2], None, ["--expert-model-parallel-size"]),
+    (["--context-parallel-size", 2], None, ["--context-parallel-size"]),
+    (["--sequence-parallel"], None, ["--sequence-parallel"]),
+    (["--fp16", "--bf16"], None, ["--fp16", "--bf16"]),
+    (["--data-parallel-sharding-strategy", "optim"], None, ["--data-parallel-sharding-strategy", "--use-megatron-fsdp"]),
+    (["--data-path", "x"], None, ["--mock-data", "--data-path"]),
+    (["--min-lr", 1.0], None, ["--min-lr", "--lr"]),
+    (["--lr-warmup-iters", 4], None, ["--lr-warmup-iters", "--lr-decay-iters"]),
+    (["--save-interval", 2], None, ["--save-interval", "--save"]),
+    (["--exit-on-missing-checkpoint"], None, ["--exit-on-missing-checkpoint", "--load"]),
+    (["--finetune"], None, ["--finetune", "--load"]),
+    (["--seq-length", 64, "--max-position-embeddings", 32], None, ["--seq-length", "--max-position-embeddings"]),
+    (["--hidden-size", 30], None, ["--hidden-size", "--num-attention-heads"]),
+    (["--log-interval", 0], None, ["--log-interval"]),
+    (["--moe-router-bias-update-rate", -1], None, ["--moe-router-bias-update-rate"]),
+]
+
+
+@pytest.mark.parametrize("extra,world,flags", ERRORS, ids=[" ".join(map(str, e[0])) for e in ERRORS])
+def test_validation_errors_name_the_flags(extra, world, flags):
+    with pytest.raises(SystemExit) as exc:
+        _args(*extra, world_size=world)
+    message = str(exc.value)
+    for flag in flags:
+        assert flag in message, (flag, message)
+
+
+@pytest.mark.parametrize("missing", ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                                     "--micro-batch-size", "--train-iters", "--lr", "--vocab-size"])
+def test_required_flags(missing):
+    argv = list(BASE)
+    i = argv.index(missing)
+    del argv[i : i + 2]
+    with pytest.raises(SystemExit) as exc:
+        validate_args(parse_args(args=argv))
+    assert missing in str(exc.value)
+
+
+def test_mock_or_data_path_required():
+    argv = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(SystemExit, match="--data-path"):
+        validate_args(parse_args(args=argv))
+
+
+def test_stream_without_load_is_accepted():
+    a = _args("--stream-ckpt-dequant")
+    assert a.stream_ckpt_dequant and a.load is None
+
+
+# ---- param-gather / load warning ---------------------------------------------------------------------------
+FP8 = ["--fp8-format", "e4m3", "--transformer-impl", "transformer_engine"]
+FP4 = ["--fp4-format", "e2m1", "--transformer-impl", "transformer_engine"]
+
+
+def _warnings_for(*extra):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        a = _args(*extra)
+        validate_args(a)  # validating again must not warn again
+    return [str(w.message) for w in rec if "--stream-ckpt-dequant" in str(w.message)]
+
+
+@pytest.mark.parametrize("fmt,flag", [(FP8, "--fp8-param-gather"), (FP4, "--fp4-param-gather")])
+def test_param_gather_warning(fmt, flag, tmp_path, monkeypatch):
+    load = ["--load", str(tmp_path)]
+    got = _warnings_for(*fmt, flag, *load)
+    assert len(got) == 1, got
+    assert flag in got[0] and "Add --stream-ckpt-dequant" in got[0] and "2 bytes x params" in got[0]
+    monkeypatch.setattr(arguments, "_PARAM_GATHER_WARNED", False)
+    assert _warnings_for(*fmt, flag, *load, "--stream-ckpt-dequant") == []
+    monkeypatch.setattr(arguments, "_PARAM_GATHER_WARNED", False)
+    assert _warnings_for(*fmt, flag) == []  # no --load
+    monkeypatch.setattr(arguments, "_PARAM_GATHER_WARNED", False)
+    assert _warnings_for(*fmt, *load) == []  # no param gather
+
+
+def test_param_gather_warning_rank0_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert _warnings_for(*FP8, "--fp8-param-gather", "--load", str(tmp_path)) == []
