@@ -47,6 +47,15 @@ Float8BlockwiseQTensor = _optional(
     "transformer_engine.pytorch.tensor.float8_blockwise_tensor", "Float8BlockwiseQTensor"
 )
 NVFP4Tensor = _optional("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Tensor")
+MXFP8Quantizer = _optional("transformer_engine.pytorch.tensor.mxfp8_tensor", "MXFP8Quantizer")
+Float8BlockQuantizer = _optional("transformer_engine.pytorch.tensor.float8_blockwise_tensor", "Float8BlockQuantizer")
+NVFP4Quantizer = _optional("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Quantizer")
+te_DType = _optional("transformer_engine.pytorch.constants", "DType")
+# Hardware support per recipe: each returns (available, reason) with return_reason=True (None without TE).
+te_is_fp8_available = _optional("transformer_engine.pytorch", "is_fp8_available")
+te_is_fp8_block_scaling_available = _optional("transformer_engine.pytorch", "is_fp8_block_scaling_available")
+te_is_mxfp8_available = _optional("transformer_engine.pytorch", "is_mxfp8_available")
+te_is_nvfp4_available = _optional("transformer_engine.pytorch", "is_nvfp4_available")
 
 # ---- layers and autocast (used by megatron/core/transformer/) --------------------------------------------
 TELinear = _optional("transformer_engine.pytorch", "Linear")
