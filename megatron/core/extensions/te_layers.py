@@ -3,11 +3,13 @@
 Imports TE names ONLY from ``megatron.core.extensions.transformer_engine``. Without TE this module still imports;
 the wrapper names then raise a clear error naming ``--transformer-impl transformer_engine`` when used.
 
-Init contract (see ``megatron.core.transformer.utils.init_weights``): TE modules initialise their weights in
-their constructor; we run that constructor with the torch RNG state forked (saved and restored), so construction
-consumes no randomness, and the values come from the later ``reset_parameters()`` call (TE's own, which uses the
-``init_method`` we pass, from the global RNG). Under ``with torch.device('meta')`` the TE modules are created with
-``device='meta'`` (TE then defers init) so meta init and eager init give the same values.
+Init contract (see ``megatron.core.transformer.utils.init_weights``): TE modules are ALWAYS constructed with
+``device='meta'``, so TE defers its initialisation and construction consumes no randomness; the single
+initialisation is TE's own ``reset_parameters()`` (called by ``init_weights`` for an eager model, or after
+materialisation for a meta-built one), which allocates on the current CUDA device, runs the ``init_method`` we pass
+(global RNG) and, for fp8/fp4 primary weights, quantizes. Eager and meta-device builds thus run the same code.
+For bit-identical eager/meta values build the eager model under ``with torch.device('cuda')`` so that the local
+(non-TE) parameters also draw from the CUDA RNG.
 With ``config.fp8_param`` / ``config.fp4_param`` the module is built under TE's ``quantized_model_init`` (or
 ``fp8_model_init``): its weights are TE quantized tensors (Float8Tensor, MXFP8Tensor, ...).
 """
@@ -90,15 +92,8 @@ def te_quantized_init_context(config):
 
 
 def _te_device():
-    """Where TE allocates: the ambient device when it is meta or CUDA (build TE models under
-    ``with torch.device('cuda')`` or ``'meta'`` so every parameter shares one device and one RNG), else the
-    current CUDA device (TE's default)."""
-    dev = ambient_device()
-    if dev.type == "meta":
-        return "meta"  # the string: TE defers init on ``device == "meta"``, which a torch.device fails
-    if dev.type == "cuda":
-        return dev
-    return torch.device("cuda", torch.cuda.current_device())
+    """TE modules are always built on 'meta' (the string: TE defers init on ``device == "meta"``)."""
+    return "meta"
 
 
 @contextlib.contextmanager

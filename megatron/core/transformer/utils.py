@@ -41,9 +41,12 @@ def init_weights(model: torch.nn.Module) -> None:
 
     Each ``reset_parameters`` initialises only that module's direct parameters from the global torch RNG, so
     materialising a meta-built model module by module in the same order and calling ``reset_parameters`` gives
-    bit-identical values. Does nothing while any parameter is on the meta device (materialisation does it).
+    bit-identical values. Does nothing when the model was built on the meta device (all its parameters are meta;
+    materialisation does it then). TE layers are always built on meta (deferred init); their
+    ``reset_parameters`` materialises them, so an eager model with TE layers is initialised here.
     """
-    if any(p.is_meta for p in model.parameters()):
+    params = list(model.parameters())
+    if params and all(p.is_meta for p in params):
         return
     with torch.no_grad():
         for m in model.modules():

@@ -16,6 +16,8 @@ from megatron.core.transformer import TransformerConfig
 
 
 class _FakeTEBase(torch.nn.Module):
+    materialize_on = "cuda"  # as TE
+
     def _register(self, name, tensor, init_fn):
         self.register_parameter(name, torch.nn.Parameter(tensor))
         self.param_init_fns[name] = init_fn
@@ -25,7 +27,7 @@ class _FakeTEBase(torch.nn.Module):
             return
         for name, param in list(self.named_parameters(recurse=False)):
             if param.is_meta:
-                param = torch.empty_like(param, device="cpu")
+                param = torch.empty_like(param, device=self.materialize_on)
             self.param_init_fns[name](param.data)
             setattr(self, name, torch.nn.Parameter(param))  # TE: always a new Parameter object
         self.weight.tensor_model_parallel = True
@@ -121,10 +123,8 @@ def fake_te(monkeypatch):
     monkeypatch.setattr(transformer_engine, "te_autocast", fake_autocast)
     monkeypatch.setattr(transformer_engine, "te_recipe", fake_recipe)
     mod = importlib.reload(te_layers)
-    # on this CPU machine TE's default ('cuda') is unavailable: allocate on the ambient device instead
-    monkeypatch.setattr(
-        mod, "_te_device", lambda: "meta" if torch.empty(0).device.type == "meta" else torch.device("cpu")
-    )
+    # TE's reset_parameters materialises meta parameters on 'cuda'; the stand-in does it on the CPU here
+    monkeypatch.setattr(_FakeTEBase, "materialize_on", "cpu")
     yield mod
     monkeypatch.undo()
     importlib.reload(te_layers)
@@ -147,6 +147,7 @@ def _build(cfg, seed, meta=False):
 
 def test_te_model_structure_and_forward(fake_te):
     model = _build(_cfg(num_moe_experts=2, moe_router_topk=1, moe_layer_freq=2), 0)
+    assert not any(p.is_meta for p in model.parameters())  # init_weights materialised the deferred TE layers
     l0, l1 = model.decoder.layers
     assert isinstance(l0.self_attention.linear_qkv, fake_te.TELayerNormColumnParallelLinear)
     assert type(l0.input_layernorm).__name__ == "IdentityOp"
@@ -182,6 +183,9 @@ def test_te_constructor_consumes_no_rng_and_init_uses_init_method(fake_te):
         lin = fake_te.TERowParallelLinear(64, 32, config=_cfg(), init_method=lambda w: w.fill_(0.5), bias=True,
                                           skip_bias_add=True)
     assert torch.equal(state, torch.get_rng_state())
+    assert lin.weight.is_meta  # TE layers are built deferred; reset_parameters materialises and initialises
+    lin.reset_parameters()
+    assert not lin.weight.is_meta
     out, bias = lin(torch.ones(3, 64))
     assert bias is lin.bias and torch.allclose(out, torch.full((3, 32), 32.0))
 
