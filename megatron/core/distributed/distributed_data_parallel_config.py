@@ -1,0 +1,49 @@
+"""DistributedDataParallelConfig: upstream field names (``--use-megatron-fsdp``, ``--fp8-param-gather``, ...)."""
+from dataclasses import dataclass
+from typing import Optional
+
+_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    grad_reduce_in_fp32: bool = False
+    """Reduce gradients in fp32 (DDP). Megatron-FSDP with bf16/fp16 always reduces in fp32."""
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    bucket_size: Optional[int] = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    """All-gather FP8 (TE quantized) weights; with Megatron-FSDP through TE's FSDP2 tensor hooks (GPU + TE)."""
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    """'no_shard' | 'optim' | 'optim_grads' | 'optim_grads_params' (Megatron-FSDP here always shards all three,
+    i.e. FSDP2 full sharding; 'no_shard' with use_megatron_fsdp is treated as 'optim_grads_params')."""
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: Optional[int] = None
+    preserve_fp32_weights: bool = True
+    """Megatron-FSDP: keep the sharded (main) parameters in fp32 when compute is bf16/fp16."""
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    delay_wgrad_compute: bool = False
+    init_model_with_meta_device: bool = False
+    """The model was built under ``torch.device('meta')``; the wrapper materialises it (detected automatically
+    too: any meta tensor triggers materialisation)."""
+
+    def __post_init__(self):
+        if self.data_parallel_sharding_strategy not in _SHARDING:
+            raise ValueError(
+                f"data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of {_SHARDING}, "
+                f"got {self.data_parallel_sharding_strategy!r}"
+            )

@@ -1,0 +1,341 @@
+"""Megatron-FSDP on PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) and DTensor.
+
+``FullyShardedDataParallel(config, ddp_config, module, process_group=None)`` applies ``fully_shard`` to every
+``TransformerLayer`` (the FSDP unit) and then to the root module, over a 1-D ``DeviceMesh`` built from the
+data-parallel group. Parameters, gradients and (since the optimizer sees DTensor parameters) optimizer state are
+sharded on dim 0, ``torch.chunk``-style (uneven or empty shards are possible). With ``config.bf16`` / ``fp16``
+compute runs in that dtype while the sharded (main) parameters stay fp32 and gradients are reduced in fp32
+(``MixedPrecisionPolicy``). Buffers (the MoE router's ``expert_bias``) are not sharded: every rank holds the same
+replica (``update_expert_bias`` all-reduces the token counts).
+
+Meta-device init: when the model was built under ``with torch.device('meta')``, the model is materialised module
+by module in ``model.modules()`` order: a whole FSDP unit is materialised at full size (only its meta tensors get
+storage, see ``meta_init.py``), its modules' ``reset_parameters()`` run (same RNG order as eager init, so values are
+bit-identical to an eagerly initialised model), and then the unit is sharded, so peak memory stays about one
+unit above the sharded model. The root's own modules (embedding, final norm, output layer) are materialised and
+initialised in their place in that order and sharded last. New Parameter objects (meta -> device, then FSDP2's
+DTensor parameters) get the old objects' attributes, and ``param_keyed_maps`` passed in are remapped.
+"""
+import contextlib
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp.meta_init import (
+    copy_param_attributes,
+    has_meta_tensors,
+    materialize_module_tree,
+    meta_tensor_names,
+    remap_param_keyed_maps,
+)
+from megatron.core.transformer.module import MegatronModule
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """``(offset, length)`` of ``rank``'s piece of ``torch.chunk(t, world_size, dim=0)`` (length may be 0)."""
+    if dim0 == 0:
+        return 0, 0
+    size = -(-dim0 // world_size)
+    start = min(rank * size, dim0)
+    return start, max(0, min(size, dim0 - start))
+
+
+def _is_quantized(t) -> bool:
+    from megatron.core.extensions.transformer_engine import QuantizedTensor
+
+    return QuantizedTensor is not None and isinstance(t, QuantizedTensor)
+
+
+class FullyShardedDataParallel(MegatronModule):
+    """Megatron-FSDP: ``FullyShardedDataParallel(config, ddp_config, module, process_group=None)``.
+
+    Interface (same as ``DistributedDataParallel``): ``.module``, ``forward`` passthrough, ``zero_grad_buffer()``,
+    ``finish_grad_sync()``, ``no_sync()``, ``scale_gradients()``, ``param_to_name`` ({live param: name}),
+    ``state_dict()`` (the unwrapped model's keys, DTensor values), ``load_state_dict()`` (accepts local shards,
+    as ``dist_checkpointing.load`` returns them, or full tensors), ``sharded_state_dict(prefix='')``.
+    ``old_to_new_params`` maps every Parameter object the model had before wrapping to the live one.
+    """
+
+    def __init__(
+        self,
+        config,
+        ddp_config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        process_group: Optional[dist.ProcessGroup] = None,
+        fsdp_unit_modules: Optional[Sequence[Type[torch.nn.Module]]] = None,
+        device: Optional[torch.device] = None,
+        param_keyed_maps: Iterable = (),
+        reshard_after_forward: bool = True,
+    ):
+        super().__init__(config)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.ddp_config = ddp_config
+        self.module = module
+        self.process_group = process_group if process_group is not None else parallel_state.get_data_parallel_group()
+        if self.process_group is None or not dist.is_initialized():
+            raise RuntimeError("FullyShardedDataParallel (--use-megatron-fsdp) needs torch.distributed initialised")
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        if fsdp_unit_modules is None:
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+
+            fsdp_unit_modules = (TransformerLayer,)
+        self.fsdp_unit_modules = tuple(fsdp_unit_modules)
+
+        compute_dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
+            torch.float16 if getattr(config, "fp16", False) else None
+        )
+        self.compute_dtype = compute_dtype
+        self.mp_policy = (
+            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            if compute_dtype is not None
+            else MixedPrecisionPolicy()
+        )
+        if ddp_config.fp8_param_gather:
+            self._check_fp8_param_gather(module)
+
+        def shard(m: torch.nn.Module, **kw):
+            fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
+
+        # Snapshot every (module, name) -> original Parameter, to carry attributes and remap maps at the end.
+        originals: List[Tuple[torch.nn.Module, str, torch.nn.Parameter]] = [
+            (m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None
+        ]
+        self.is_meta_init = bool(ddp_config.init_model_with_meta_device) or has_meta_tensors(module)
+        all_modules = list(module.modules())
+        units = [m for m in all_modules if isinstance(m, self.fsdp_unit_modules) and m is not module]
+        unit_ids = {id(u) for u in units}
+        inside_unit = set()
+        for u in units:
+            for sub in u.modules():
+                if sub is not u:
+                    inside_unit.add(id(sub))
+        root_seen: Dict = {}  # keeps parameters tied across the root's own modules one object
+        for m in all_modules:
+            if id(m) in inside_unit:
+                continue  # handled together with its unit
+            if id(m) in unit_ids:
+                if self.is_meta_init:
+                    # fresh maps per unit: nothing here may keep the full-size intermediates alive after sharding
+                    materialize_module_tree(m, self.device, init=True, old_to_new={}, _seen={})
+                    left = meta_tensor_names(m)
+                    if left:
+                        raise RuntimeError(f"FullyShardedDataParallel: meta tensors left in an FSDP unit: {left[:10]}")
+                self._keep_fp32_main_params(m)
+                shard(m, reshard_after_forward=reshard_after_forward)
+            elif self.is_meta_init:
+                materialize_module_tree(m, self.device, init=True, old_to_new={}, _seen=root_seen, modules=[m])
+        left = meta_tensor_names(module)
+        if left:
+            raise RuntimeError(f"FullyShardedDataParallel: tensors still on the meta device: {left[:10]}")
+        self._keep_fp32_main_params(module)
+        shard(module)
+
+        # Carry attributes from the ORIGINAL objects to the live DTensor parameters and build old -> live.
+        self.old_to_new_params = {}
+        for m, n, orig in originals:
+            live = m._parameters.get(n)
+            if live is not None and live is not orig:
+                copy_param_attributes(orig, live)
+                self.old_to_new_params[orig] = live
+        remap_param_keyed_maps(self.old_to_new_params, *param_keyed_maps)
+        self.param_to_name = {p: n for n, p in module.named_parameters()}
+        self._grad_sync = True
+
+    # ---- construction helpers ----------------------------------------------------------------------------
+    def _keep_fp32_main_params(self, m: torch.nn.Module) -> None:
+        """With bf16/fp16 compute, the sharded parameters are the fp32 main parameters (upcast in place, same
+        Parameter objects) unless ``ddp_config.preserve_fp32_weights`` is False. Quantized (FP8) weights stay."""
+        if self.compute_dtype is None or not self.ddp_config.preserve_fp32_weights:
+            return
+        from torch.distributed.tensor import DTensor
+
+        for p in m.parameters():
+            if isinstance(p, DTensor):
+                continue  # already sharded (an FSDP unit, upcast before its fully_shard)
+            if p.is_floating_point() and p.dtype != torch.float32 and not _is_quantized(p):
+                p.data = p.data.float()
+
+    def _check_fp8_param_gather(self, module: torch.nn.Module) -> None:
+        """``--fp8-param-gather`` with Megatron-FSDP: the weights must be TE quantized tensors (built under TE's
+        ``quantized_model_init``); FSDP2 then all-gathers them in FP8 through their ``fsdp_pre_all_gather`` /
+        ``fsdp_post_all_gather`` hooks. Checked on GPU with TE; here only the preconditions are verified."""
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        if not HAVE_TE:
+            raise RuntimeError("--fp8-param-gather needs Transformer Engine (not installed)")
+        quantized = [p for p in module.parameters() if _is_quantized(p)]
+        if not quantized:
+            raise RuntimeError(
+                "--fp8-param-gather: no Transformer Engine quantized weights in the model; build it with "
+                "--fp8-param-gather so TE layers are created under quantized_model_init (config.fp8_param)"
+            )
+        missing = [type(p).__name__ for p in quantized if not hasattr(p, "fsdp_pre_all_gather")]
+        if missing:
+            raise RuntimeError(
+                f"--fp8-param-gather: this Transformer Engine version's {sorted(set(missing))} has no FSDP2 "
+                "all-gather hooks (fsdp_pre_all_gather); upgrade Transformer Engine"
+            )
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- gradients ---------------------------------------------------------------------------------------
+    def zero_grad_buffer(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients without reduce-scatter (the last micro-batch, outside, syncs)."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def start_grad_sync(self, *unused) -> None:
+        pass
+
+    def start_param_sync(self, *unused, **unused_kw) -> None:
+        pass
+
+    def finish_grad_sync(self) -> None:
+        """FSDP2 has finished the reduce-scatter when backward returns; only the optional NaN check is left."""
+        if self.ddp_config.check_for_nan_in_grad:
+            for n, p in self.module.named_parameters():
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if g is not None and not torch.isfinite(g).all():
+                    raise RuntimeError(f"FullyShardedDataParallel: NaN/Inf in the gradient of {n} (--check-for-nan-in-grad)")
+
+    @torch.no_grad()
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scaling_factor)
+
+    def broadcast_params(self) -> None:
+        pass  # parameters are sharded; buffers are rank-identical by construction
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def _dp(self) -> Tuple[int, int]:
+        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
+        """``{prefix + state_dict key: ShardedTensor}``: each DTensor parameter's local shard (dim 0,
+        ``torch.chunk``-style, possibly uneven or empty) with explicit ``global_shape`` / ``global_offset`` and
+        ``replica_id=0``; buffers (``expert_bias``) replicated (``replica_id=(0, 0, dp_rank)``); TE
+        ``_extra_state`` as ShardedObject. Keys equal the unwrapped model's."""
+        from torch.distributed.tensor import DTensor
+
+        from megatron.core.transformer.utils import make_sharded_object_for_checkpoint, make_sharded_tensor_for_checkpoint
+
+        if sharded_offsets:
+            raise NotImplementedError("FullyShardedDataParallel.sharded_state_dict: sharded_offsets (pipeline/expert axes)")
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            full = f"{prefix}{key}"
+            if key.endswith("_extra_state"):
+                out[full] = make_sharded_object_for_checkpoint(value, full)
+            elif isinstance(value, DTensor):
+                out[full] = self._sharded_tensor_of(full, value)
+            elif isinstance(value, torch.Tensor):
+                out[full] = make_sharded_tensor_for_checkpoint(value, full)
+            else:
+                raise TypeError(f"FullyShardedDataParallel.sharded_state_dict: entry {full!r} is a {type(value)}")
+        return out
+
+    def _sharded_tensor_of(self, key: str, value) -> object:
+        from torch.distributed.tensor import Shard
+
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if len(value.placements) != 1 or value.placements[0] != Shard(0):
+            raise NotImplementedError(f"{key}: only Shard(0) DTensor parameters are supported, got {value.placements}")
+        rank, ws = value.device_mesh.get_local_rank(), value.device_mesh.size()
+        local = value.to_local()
+        if isinstance(local, torch.nn.Parameter):
+            local = local.data
+        global_shape = tuple(value.shape)
+        if len(global_shape) == 0:
+            raise NotImplementedError(f"{key}: 0-dim sharded parameter")
+        start, length = chunk_range(global_shape[0], ws, rank)
+        if local.shape[0] != length or tuple(local.shape[1:]) != global_shape[1:]:
+            raise RuntimeError(
+                f"{key}: local shard shape {tuple(local.shape)} is not torch.chunk's piece {length} of {global_shape}"
+            )
+        return ShardedTensor(
+            key=key,
+            data=local,
+            dtype=local.dtype,
+            local_shape=tuple(local.shape),
+            global_shape=global_shape,
+            global_offset=(start,) + (0,) * (len(global_shape) - 1),
+            axis_fragmentations=(ws,) + (1,) * (len(global_shape) - 1),
+            replica_id=0,
+            prepend_axis_num=0,
+        )
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load the unwrapped model's keys. A DTensor parameter accepts a DTensor, its LOCAL shard (what
+        ``dist_checkpointing.load`` returns for ``sharded_state_dict()``) or the FULL tensor (its chunk is taken).
+        Buffers and other entries go through ``torch.nn.Module.load_state_dict``."""
+        from torch.distributed.tensor import DTensor
+
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"FullyShardedDataParallel.load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
+            )
+        rest = {}
+        for k, v in state_dict.items():
+            if k not in own:
+                continue
+            target = own[k]
+            if isinstance(target, DTensor):
+                self._load_into_dtensor(k, target, v)
+            else:
+                rest[k] = v
+        if rest:
+            self.module.load_state_dict(rest, strict=False)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    @staticmethod
+    def _load_into_dtensor(key: str, target, value) -> None:
+        from torch.distributed.tensor import DTensor
+
+        local = target.to_local()
+        if isinstance(value, DTensor):
+            if value.placements == target.placements:
+                local.copy_(value.to_local())
+                return
+            value = value.full_tensor()
+        if tuple(value.shape) == tuple(local.shape):
+            local.copy_(value)
+        elif tuple(value.shape) == tuple(target.shape):
+            rank, ws = target.device_mesh.get_local_rank(), target.device_mesh.size()
+            start, length = chunk_range(target.shape[0], ws, rank)
+            local.copy_(value[start : start + length])
+        else:
+            raise RuntimeError(
+                f"FullyShardedDataParallel.load_state_dict: {key} has shape {tuple(value.shape)}, expected the local "
+                f"shard {tuple(local.shape)} or the full tensor {tuple(target.shape)}"
+            )

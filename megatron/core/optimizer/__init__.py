@@ -1,0 +1,107 @@
+"""Optimizer construction: ``get_megatron_optimizer(config, model_chunks)`` -> ``MegatronOptimizer``."""
+from typing import Callable, List, Optional, Union
+
+import torch
+
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+__all__ = ["OptimizerConfig", "MegatronOptimizer", "get_megatron_optimizer", "get_param_groups"]
+
+
+def _named_params(chunk: torch.nn.Module):
+    """(name, param) with the UNWRAPPED model's names (DDP / FSDP wrappers expose ``param_to_name``)."""
+    p2n = getattr(chunk, "param_to_name", None)
+    if p2n is not None:
+        return [(n, p) for p, n in p2n.items()]
+    return list(chunk.named_parameters())
+
+
+def _default_no_wd(name: str, param: torch.Tensor) -> bool:
+    return name.endswith(".bias") or len(param.shape) == 1
+
+
+def get_param_groups(
+    model_chunks: List[torch.nn.Module],
+    no_weight_decay_cond: Optional[Callable] = None,
+    scale_lr_cond: Optional[Callable] = None,
+    lr_mult: float = 1.0,
+    lr: Optional[float] = None,
+    min_lr: Optional[float] = None,
+):
+    """Param groups keyed by (wd_mult, lr_mult, is_expert_parallel), with upstream's group keys (``wd_mult``,
+    ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``, ``max_lr``, ``min_lr``) that
+    ``OptimizerParamScheduler`` reads. Biases and 1-D params (norms) get no weight decay by default."""
+    groups = {}
+    names = {}
+    for chunk in model_chunks:
+        for name, p in _named_params(chunk):
+            if not p.requires_grad:
+                continue
+            no_wd = no_weight_decay_cond(name, p) if no_weight_decay_cond is not None else _default_no_wd(name, p)
+            scale_lr = scale_lr_cond(name, p) if scale_lr_cond is not None else False
+            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, not getattr(p, "allreduce", True))
+            groups.setdefault(key, []).append(p)
+            names[p] = name
+    out = []
+    for (wd_mult, lm, is_expert), params in groups.items():
+        out.append(
+            {
+                "params": params,
+                "wd_mult": wd_mult,
+                "lr_mult": lm,
+                "is_expert_parallel": is_expert,
+                "is_decoupled_lr": False,
+                "max_lr": lr,
+                "min_lr": min_lr,
+            }
+        )
+    return out, names
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: Union[torch.nn.Module, List[torch.nn.Module]],
+    no_weight_decay_cond: Optional[Callable] = None,
+    scale_lr_cond: Optional[Callable] = None,
+    lr_mult: float = 1.0,
+    **unused,
+) -> MegatronOptimizer:
+    """AdamW (``config.optimizer == 'adam'``) or SGD over the model chunks' parameters.
+
+    Parameters that are bf16/fp16 plain tensors (DDP with ``--bf16``) get fp32 main copies that the optimizer
+    updates; FSDP2 parameters (DTensor, already fp32 main params) are optimised directly, so their optimizer
+    state is sharded too.
+    """
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr (--lr) must be set")
+    min_lr = config.min_lr if config.min_lr is not None else 0.0
+    groups, names = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config.lr, min_lr)
+    model_params = [p for g in groups for p in g["params"]]
+    from megatron.core.optimizer.optimizer import _is_dtensor
+
+    needs_main = any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) and not _is_dtensor(p)
+                     for p in model_params)
+    main_params = None
+    if needs_main:
+        main_params = []
+        for g in groups:
+            mains = []
+            for p in g["params"]:
+                m = torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+                mains.append(m)
+            main_params.extend(mains)
+            g["params"] = mains
+    for g in groups:
+        g["weight_decay"] = config.weight_decay * g["wd_mult"]
+        g["lr"] = config.lr * g["lr_mult"]
+    if config.optimizer == "adam":
+        opt = torch.optim.AdamW(
+            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+    else:
+        opt = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
+    return MegatronOptimizer(opt, config, model_params, names, main_params)

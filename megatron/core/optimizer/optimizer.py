@@ -1,0 +1,285 @@
+"""MegatronOptimizer: a torch.optim optimizer (AdamW / SGD) with global grad-norm clipping, fp32 main params for
+bf16/fp16 models, and ``sharded_state_dict`` for dist_checkpointing. Works with plain tensors (DDP) and with FSDP2
+DTensor parameters (Megatron-FSDP: the optimizer state is then sharded like the parameters)."""
+import copy
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
+    ``param`` is a DTensor)."""
+    if not _is_dtensor(param) or _is_dtensor(value):
+        return value
+    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import chunk_range
+
+    out = torch.zeros_like(param, dtype=value.dtype)
+    local = out.to_local()
+    if tuple(value.shape) == tuple(local.shape):
+        local.copy_(value)
+    elif tuple(value.shape) == tuple(param.shape):
+        start, length = chunk_range(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+        local.copy_(value[start : start + length])
+    else:
+        raise RuntimeError(
+            f"optimizer state of shape {tuple(value.shape)} fits neither the local shard {tuple(local.shape)} nor "
+            f"the parameter {tuple(param.shape)}"
+        )
+    return out
+
+
+class MegatronOptimizer:
+    """Wraps ``optimizer`` (built over ``main params``: the model params themselves, or fp32 copies of bf16/fp16
+    model params). ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config,
+        model_params: List[torch.Tensor],
+        param_to_name: Dict[torch.Tensor, str],
+        main_params: Optional[List[torch.Tensor]] = None,
+    ):
+        self.optimizer = optimizer
+        self.config = config
+        self.model_params = list(model_params)  # in optimizer param order (groups concatenated)
+        self.main_params = list(main_params) if main_params is not None else None
+        self.param_to_name = dict(param_to_name)
+        opt_order = [p for g in optimizer.param_groups for p in g["params"]]
+        expected = self.main_params if self.main_params is not None else self.model_params
+        if len(opt_order) != len(expected) or any(a is not b for a, b in zip(opt_order, expected)):
+            raise ValueError("MegatronOptimizer: optimizer param order differs from the given model/main params")
+
+    # ---- torch.optim-like surface ------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params + (self.main_params or []):
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad = None
+
+    def remap_params(self, old_to_new: Dict) -> None:
+        """Point at new Parameter objects (meta-init / FSDP2 wrapping after the optimizer was built)."""
+        from megatron.core.distributed.fsdp.meta_init import _final, remap_param_keyed_maps
+
+        self.model_params = [_final(old_to_new, p) for p in self.model_params]
+        self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
+        if self.main_params is None:
+            remap_param_keyed_maps(old_to_new, self.optimizer)
+
+    # ---- gradients ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _copy_model_grads_to_main(self) -> None:
+        if self.main_params is None:
+            return
+        for mp, main in zip(self.model_params, self.main_params):
+            g = getattr(mp, "main_grad", None)
+            if g is None:
+                g = mp.grad
+            main.grad = None if g is None else g.detach().float()
+
+    @torch.no_grad()
+    def _copy_main_params_to_model(self) -> None:
+        if self.main_params is None:
+            return
+        for mp, main in zip(self.model_params, self.main_params):
+            mp.copy_(main.to(mp.dtype))
+
+    def _grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the gradients (DTensor grads: over all shards)."""
+        grads = self._grads()
+        parts = []
+        for group in ([g for g in grads if _is_dtensor(g)], [g for g in grads if not _is_dtensor(g)]):
+            if group:
+                n = torch.nn.utils.get_total_norm(group, 2.0)
+                parts.append(float((n.full_tensor() if _is_dtensor(n) else n).item()))
+        return math.sqrt(sum(x * x for x in parts)) if all(math.isfinite(x) for x in parts) else float("nan")
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Compute the global grad norm and, when ``clip_grad > 0``, scale the grads so it is at most
+        ``clip_grad`` (``torch.nn.utils.clip_grad_norm_``, which handles DTensor grads)."""
+        params = [p for p in self.get_parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        kinds = {_is_dtensor(p.grad) for p in params}
+        if len(kinds) == 1:
+            max_norm = clip_grad if clip_grad > 0 else float("inf")
+            n = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            n = float((n.full_tensor() if _is_dtensor(n) else n).item())
+            return n
+        norm = self.get_grad_norm()  # mixed DTensor / plain grads
+        if clip_grad > 0 and math.isfinite(norm):
+            coef = clip_grad / (norm + 1e-6)
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> int:
+        local = sum(int((_local(g) == 0).sum().item()) for g in self._grads() if _is_dtensor(g))
+        plain = sum(int((g == 0).sum().item()) for g in self._grads() if not _is_dtensor(g))
+        if local and dist.is_initialized():
+            t = torch.tensor([local], dtype=torch.int64)
+            group = parallel_state.get_data_parallel_group()
+            if group is not None:
+                dist.all_reduce(t, group=group)
+            local = int(t.item())
+        return local + plain
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, float, Optional[int]]:
+        """Clip and step. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a non-finite grad norm
+        skips the update (parameters and optimizer state unchanged) and returns ``update_successful=False``."""
+        self._copy_model_grads_to_main()
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, num_zeros
+        self.optimizer.step()
+        self._copy_main_params_to_model()
+        return True, grad_norm, num_zeros
+
+    # ---- state -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create zero optimizer state for params that have none yet (the same values torch's lazy init gives,
+        so a later step is unchanged): needed to describe the state's shapes before a checkpoint load."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                st = self.optimizer.state[p]
+                if len(st) > 0:
+                    continue
+                if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad", False):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif isinstance(self.optimizer, torch.optim.SGD):
+                    if group.get("momentum", 0) != 0 and group.get("dampening", 0) == 0:
+                        st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif group.get("momentum", 0) != 0:
+                        raise NotImplementedError("SGD with dampening: state cannot be pre-initialised exactly")
+
+    def state_dict(self) -> dict:
+        sd = self.optimizer.state_dict()
+        if self.main_params is None:
+            return sd
+        return {"optimizer": sd, "fp32_from_fp16_params": [p.detach().clone() for p in self.main_params]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict()`` output, or what ``dist_checkpointing.load`` returned for ``sharded_state_dict``
+        (plain local shards where the state is a DTensor: they are put back into the parameter's layout)."""
+        if "optimizer" in state_dict and "state" not in state_dict:
+            inner, mains = state_dict["optimizer"], state_dict.get("fp32_from_fp16_params")
+        else:
+            inner, mains = state_dict, None
+        inner = dict(inner)
+        inner["state"] = {k: dict(v) for k, v in inner.get("state", {}).items()}
+        self.optimizer.load_state_dict(inner)
+        for p in self.get_parameters():
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            for k, v in list(st.items()):
+                if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0:
+                    st[k] = _as_layout_of(v, p)
+        if mains is not None:
+            if self.main_params is None:
+                raise RuntimeError("optimizer checkpoint has fp32_from_fp16_params but this optimizer has no main params")
+            flat = [t for g in mains for t in g] if mains and isinstance(mains[0], (list, tuple)) else list(mains)
+            if len(flat) != len(self.main_params):
+                raise RuntimeError(f"fp32_from_fp16_params: {len(flat)} tensors, expected {len(self.main_params)}")
+            for main, v in zip(self.main_params, flat):
+                _local(main).copy_(_local(_as_layout_of(v, main)))
+            self._copy_main_params_to_model()
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
+        """The optimizer's ``state_dict()`` with each state tensor of the param named ``n`` replaced by a
+        ShardedTensor shaped like that param's ShardedTensor in ``model_sharded_state_dict`` (key
+        ``optimizer.state.<exp_avg|exp_avg_sq|momentum_buffer>.<param key>``; fp32 main params
+        ``optimizer.state.fp32_param.<param key>``). ``step`` and the param-group hyper-parameters stay plain
+        (common state)."""
+        self.init_state()
+        sd = self.optimizer.state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # never modify the live state dicts
+        shs = [self._param_sharded_tensor(p, model_sharded_state_dict) for p in self.model_params]
+        opt_params = self.get_parameters()
+        for idx, (sh, p) in enumerate(zip(shs, opt_params)):
+            st = sd["state"].get(idx)
+            if st is None:
+                continue
+            for k, v in list(st.items()):
+                if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                st[k] = _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", _local(v))
+        if self.main_params is None:
+            return sd
+        mains = [
+            _state_sharded_tensor(sh, f"optimizer.state.fp32_param.{sh.key}", _local(m).detach())
+            for sh, m in zip(shs, self.main_params)
+        ]
+        return {"optimizer": sd, "fp32_from_fp16_params": mains}
+
+    def _param_sharded_tensor(self, p, model_sharded_state_dict: dict):
+        name = self.param_to_name.get(p)
+        if name is None:
+            raise KeyError("MegatronOptimizer.sharded_state_dict: a parameter has no name (param_to_name)")
+        if name in model_sharded_state_dict:
+            return model_sharded_state_dict[name]
+        hits = [k for k in model_sharded_state_dict if k.endswith("." + name)]
+        if len(hits) == 1:
+            return model_sharded_state_dict[hits[0]]
+        raise KeyError(
+            f"MegatronOptimizer.sharded_state_dict: no ShardedTensor for parameter {name!r} in the model's "
+            f"sharded state dict (candidates: {hits[:5]})"
+        )
+
+
+def _state_sharded_tensor(sh, key: str, data: torch.Tensor):
+    if tuple(data.shape) != tuple(sh.local_shape):
+        raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter shard {tuple(sh.local_shape)}")
+    out = copy.copy(sh)
+    out.key = key
+    out.data = data
+    out.dtype = data.dtype
+    return out
