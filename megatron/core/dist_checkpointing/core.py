@@ -1,0 +1,48 @@
+"""Checkpoint-level metadata: the backends a checkpoint was written with (``metadata.json``)."""
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+CONFIG_FNAME = "metadata.json"
+
+
+class CheckpointingException(Exception):
+    """Any error of the distributed checkpointing machinery (bad input, bad checkpoint, bad sharding)."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """What ``metadata.json`` holds: which strategies (backend, version) wrote the sharded and the common parts."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
+    """True iff ``checkpoint_dir`` holds a distributed checkpoint (it has a ``metadata.json``)."""
+    return maybe_load_config(checkpoint_dir) is not None
+
+
+def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
+    """The checkpoint's CheckpointingConfig, or None if ``checkpoint_dir`` has no ``metadata.json``."""
+    config_path = Path(checkpoint_dir) / CONFIG_FNAME
+    if not config_path.is_file():
+        return None
+    try:
+        with open(config_path) as f:
+            config_dict = json.load(f)
+        return CheckpointingConfig(**config_dict)
+    except (ValueError, TypeError) as e:
+        raise CheckpointingException(f"{config_path} is not a valid checkpoint metadata file: {e}") from e
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
+    """Write ``metadata.json`` (call on one rank only)."""
+    config_path = Path(checkpoint_dir) / CONFIG_FNAME
+    tmp = config_path.with_name(CONFIG_FNAME + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(asdict(config), f)
+    tmp.replace(config_path)

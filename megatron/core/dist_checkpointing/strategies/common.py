@@ -1,0 +1,54 @@
+"""The common-state strategy ('torch', 1): rank 0 writes the non-sharded state to ``common.pt`` with torch.save."""
+import logging
+from pathlib import Path
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+from ..core import CheckpointingException
+from ..mapping import StateDict
+from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+
+COMMON_STATE_FNAME = "common.pt"
+
+logger = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    def __init__(self, backend: str = "torch", version: int = 1):
+        super().__init__(backend, version)
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]):
+        if _rank() == 0:
+            path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+            tmp = path.with_name(COMMON_STATE_FNAME + ".tmp")
+            torch.save(common_state_dict, tmp)
+            tmp.replace(path)
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        if not path.is_file():
+            raise CheckpointingException(f"common state file {path} is missing")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise CheckpointingException(f"cannot read common state file {path}: {type(e).__name__}: {e}") from e
+
+    def check_backend_compatibility(self, loaded_backend):
+        if loaded_backend != "torch":
+            raise CheckpointingException(f"{type(self).__name__} cannot read common backend {loaded_backend!r}")
+
+    def check_version_compatibility(self, loaded_version):
+        if loaded_version != 1:
+            raise CheckpointingException(f"{type(self).__name__} cannot read common backend version {loaded_version}")
+
+
+register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
+register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())

@@ -1,0 +1,727 @@
+"""The ``torch_dist`` sharded strategy: PyTorch Distributed Checkpoint (DCP) files, upstream megatron-core's format.
+
+On disk (``FileSystemWriter``): ``.metadata`` (DCP Metadata) and ``__<rank>_<n>.distcp`` data files. Each MCore
+ShardedTensor key is one DCP tensor (``TensorStorageMetadata`` with one chunk per saved shard), written from a
+``torch.distributed._shard.sharded_tensor.ShardedTensor`` built from the rank's main-replica shards (with the
+prepended singleton axes as real axes of size 1). A ShardedObject is a DCP bytes item keyed by its ``unique_key``
+holding ``torch.save(obj)``.
+
+Flattened-range ShardedTensors of an N-D (N > 1) global tensor are stored like upstream's "N-D flattened"
+reformulation: DCP tensor of shape ``axis_fragmentations + (prod(local_shape),)`` where the shard at grid index ``i``
+with flat range ``[a, b)`` is the chunk at offset ``i + (a,)``; the original global shape is recorded in the DCP
+metadata's ``mcore_data[key]['nd_reformulated_orig_global_shape']``. A flattened shard of a 1-D tensor is an ordinary
+1-D shard. Loading re-slices as needed, so a flattened checkpoint loads into another grid/flattening and a plain
+checkpoint into flattened destinations.
+"""
+import io
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard
+from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+from ..core import CheckpointingException
+from ..dict_utils import nested_items_iter
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from .quantized_load import QuantizedLoadPlannerMixin, dequantize_upfront
+
+logger = logging.getLogger(__name__)
+
+MCORE_DATA_ORIG_SHAPE = "nd_reformulated_orig_global_shape"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def raise_collectively(error: Optional[str], what: str = "checkpointing") -> None:
+    """Raise the same CheckpointingException on every rank if any rank has an error (collective)."""
+    if _world_size() == 1:
+        if error is not None:
+            raise CheckpointingException(error)
+        return
+    errors: List[Optional[str]] = [None] * _world_size()
+    dist.all_gather_object(errors, error)
+    msgs = []
+    for r, e in enumerate(errors):
+        if e is not None and e not in msgs:
+            msgs.append(e)
+    if msgs:
+        ranks = [r for r, e in enumerate(errors) if e is not None]
+        if len(msgs) == 1:
+            raise CheckpointingException(msgs[0] if len(ranks) == len(errors) else f"{msgs[0]} (ranks {ranks})")
+        raise CheckpointingException(f"{what} failed on ranks {ranks}: " + "; ".join(msgs))
+
+
+# ---- torch ShardedTensor <-> MCore ShardedTensor ---------------------------------------------------------------
+def _is_nd_flattened(sh_ten: ShardedTensor) -> bool:
+    return sh_ten.flattened_range is not None and len(sh_ten.global_shape) > 1
+
+
+def _grid(sh_ten: ShardedTensor) -> Tuple[int, ...]:
+    """Grid of shards (axis_fragmentations) of a flattened N-D shard; derived from the shapes if not given."""
+    box_shape = (1,) * sh_ten.prepend_axis_num + sh_ten.local_shape
+    if sh_ten.axis_fragmentations is not None:
+        frags = sh_ten.axis_fragmentations
+    else:
+        frags = []
+        for g, l in zip(sh_ten.global_shape, box_shape):
+            if l == 0 or g % l:
+                raise CheckpointingException(
+                    f"{sh_ten.key}: a flattened_range shard needs a regular grid of shards; local shape "
+                    f"{sh_ten.local_shape} does not divide global shape {sh_ten.global_shape}"
+                )
+            frags.append(g // l)
+        frags = tuple(frags)
+    for g, l, f in zip(sh_ten.global_shape, box_shape, frags):
+        if l * f != g:
+            raise CheckpointingException(
+                f"{sh_ten.key}: flattened_range shard of local shape {sh_ten.local_shape} is not on a regular grid "
+                f"{frags} of global shape {sh_ten.global_shape}"
+            )
+    return frags
+
+
+def _chunk_index(sh_ten: ShardedTensor) -> Tuple[int, ...]:
+    box_shape = (1,) * sh_ten.prepend_axis_num + sh_ten.local_shape
+    for o, l in zip(sh_ten.global_offset, box_shape):
+        if o % l:
+            raise CheckpointingException(
+                f"{sh_ten.key}: flattened_range shard offset {sh_ten.global_offset} not on the grid of local shape "
+                f"{sh_ten.local_shape}"
+            )
+    return tuple(o // l for o, l in zip(sh_ten.global_offset, box_shape))
+
+
+@dataclass
+class _Piece:
+    """One box read/written for a key: ``tensor`` has shape ``shape`` at ``offset`` in the DCP tensor; ``strip`` is
+    the number of leading singleton axes that the MCore data does not have."""
+
+    offset: Tuple[int, ...]
+    shape: Tuple[int, ...]
+    tensor: Any
+    strip: int
+    direct: bool = True  # tensor is (a view of) the destination data itself, not a temporary
+
+
+def _save_piece(sh_ten: ShardedTensor) -> Tuple[Tuple[int, ...], _Piece]:
+    """(DCP global shape, piece) of a shard to save."""
+    data = sh_ten.data
+    if isinstance(data, torch.Tensor) and type(data) is torch.Tensor and not data.is_contiguous():
+        data = data.contiguous()
+    if sh_ten.flattened_range is None:
+        n = sh_ten.prepend_axis_num
+        shape = (1,) * n + sh_ten.local_shape
+        return sh_ten.global_shape, _Piece(sh_ten.global_offset, shape, data.view(shape) if n else data, n)
+    fr = sh_ten.flattened_range
+    length = fr.stop - fr.start
+    if len(sh_ten.global_shape) == 1:
+        return sh_ten.global_shape, _Piece((sh_ten.global_offset[0] + fr.start,), (length,), data, 0)
+    frags = _grid(sh_ten)
+    idx = _chunk_index(sh_ten)
+    n = len(frags)
+    shape = (1,) * n + (length,)
+    return frags + (_prod(sh_ten.local_shape),), _Piece(idx + (fr.start,), shape, data.view(shape), n)
+
+
+def _make_torch_sharded_tensor(key: str, global_shape, dtype, pieces: List[_Piece], mcore_sh_ten=None):
+    """A torch ShardedTensor whose local shards are ``pieces`` (no communication).
+
+    DCP only uses the local shards and the global size/properties; the global shard list given to torch is one box
+    covering the whole tensor (a valid non-overlapping cover, which torch requires; the real layout of other ranks
+    is not needed for save/load planning)."""
+    rank = _rank()
+    local_shards = []
+    for p in pieces:
+        device = p.tensor.device if isinstance(p.tensor, torch.Tensor) else torch.device("cpu")
+        placement = f"rank:{rank}/{device}"
+        md = ShardMetadata(shard_offsets=list(p.offset), shard_sizes=list(p.shape), placement=placement)
+        local_shards.append(Shard(tensor=p.tensor, metadata=md))
+    full = ShardMetadata(
+        shard_offsets=[0] * len(global_shape), shard_sizes=list(global_shape), placement=f"rank:{rank}/cpu"
+    )
+    properties = TensorProperties(
+        dtype=dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    metadata = ShardedTensorMetadata(shards_metadata=[full], size=torch.Size(global_shape), tensor_properties=properties)
+    pyt = ShardedTensorBase._init_from_local_shards_and_global_metadata(
+        local_shards, metadata, sharding_spec=EnumerableShardingSpec([full])
+    )
+    if dist.is_available() and dist.is_initialized():
+        pyt._prepare_init(process_group=None, init_rrefs=False)
+    else:
+        pyt._init_rrefs, pyt._sharded_tensor_id, pyt._process_group, pyt._remote_shards = False, None, None, {}
+    pyt.mcore_sh_ten = mcore_sh_ten
+    pyt.mcore_strip = [p.strip for p in pieces]
+    return pyt
+
+
+def _unwrap_pyt_sharded_tensor(sh_ten: TorchShardedTensor) -> List[torch.Tensor]:
+    """The local shards of a torch ShardedTensor built here, with the prepended singleton axes stripped.
+
+    Strips with ``tensor.view(tensor.shape[n:])`` (never indexing or squeeze: a quantized tensor implements view
+    without dequantizing), after checking that each of the ``n`` leading axes has size 1.
+    """
+    strips = getattr(sh_ten, "mcore_strip", None)
+    mcore = getattr(sh_ten, "mcore_sh_ten", None)
+    key = mcore.key if mcore is not None else "<unknown>"
+    ret = []
+    for i, shard in enumerate(sh_ten.local_shards()):
+        ten = shard.tensor
+        if strips is not None:
+            n = strips[i]
+        elif mcore is not None:
+            n = len(ten.shape) - 1 if mcore.flattened_range is not None else mcore.prepend_axis_num
+        else:
+            n = 0
+        if n:
+            shape = tuple(ten.shape)
+            if len(shape) < n:
+                raise CheckpointingException(
+                    f"{key}: local shard of shape {shape} has fewer than the {n} prepended axes to strip"
+                )
+            for axis in range(n):
+                if shape[axis] != 1:
+                    raise CheckpointingException(
+                        f"{key}: prepended axis {axis} of local shard of shape {shape} has size {shape[axis]}, not 1"
+                    )
+            ten = ten.view(ten.shape[n:])
+        ret.append(ten)
+    return ret
+
+
+def _object_to_bytes(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+# ---- planners --------------------------------------------------------------------------------------------------
+class MCoreSavePlanner(DefaultSavePlanner):
+    """DefaultSavePlanner that records MCore data (``mcore_data``: original global shapes of N-D flattened tensors)
+    in the DCP metadata, like upstream."""
+
+    def __init__(self, *args, mcore_data: Optional[Dict[str, dict]] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mcore_data = dict(mcore_data or {})
+
+    def create_global_plan(self, all_plans):
+        global_plan, metadata = super().create_global_plan(all_plans)
+        metadata.mcore_data = dict(self.mcore_data)
+        return global_plan, metadata
+
+
+class MCoreLoadPlanner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
+    """DefaultLoadPlanner (with the quantized-destination mixin) that checks the checkpoint's global shapes and
+    dtypes against the requested ones before planning reads."""
+
+    def __init__(
+        self,
+        *args,
+        shapes_validation_sharded_tensors: Tuple[ShardedTensor, ...] = (),
+        allow_shape_mismatch_sharded_tensors: Optional[Dict[str, ShardedTensor]] = None,
+        stream_ckpt_dequant: bool = False,
+        **kwargs,
+    ):
+        kwargs.setdefault("flatten_state_dict", False)
+        kwargs.setdefault("flatten_sharded_tensors", False)
+        super().__init__(*args, stream_ckpt_dequant=stream_ckpt_dequant, **kwargs)
+        self.shapes_validation_sharded_tensors = tuple(shapes_validation_sharded_tensors)
+        self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors or {}
+
+    def _validate_global_shapes(self, metadata: Metadata, sharded_tensors) -> None:
+        for sh_ten in sharded_tensors:
+            md = metadata.state_dict_metadata.get(sh_ten.key)
+            if md is None:
+                raise CheckpointingException(f"key {sh_ten.key!r} not found in the checkpoint")
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointingException(f"key {sh_ten.key!r} is not a tensor in the checkpoint")
+            if sh_ten.key in self.allow_shape_mismatch_sharded_tensors:
+                continue
+            if tuple(md.size) != tuple(sh_ten.global_shape):
+                raise CheckpointingException(
+                    f"global shape mismatch for key {sh_ten.key!r}: requested {tuple(sh_ten.global_shape)}, "
+                    f"checkpoint has {tuple(md.size)}"
+                )
+
+    def create_local_plan(self):
+        self._validate_global_shapes(self.metadata, self.shapes_validation_sharded_tensors)
+        return super().create_local_plan()
+
+
+# ---- file checks -----------------------------------------------------------------------------------------------
+def _read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
+    path = Path(checkpoint_dir) / ".metadata"
+    if not path.is_file():
+        raise CheckpointingException(f"DCP metadata file {path} is missing: {checkpoint_dir} is not a torch_dist checkpoint")
+    try:
+        return FileSystemReader(str(checkpoint_dir)).read_metadata()
+    except Exception as e:
+        raise CheckpointingException(f"cannot read DCP metadata file {path}: {type(e).__name__}: {e}") from e
+
+
+def _check_data_files(checkpoint_dir: Path, metadata: Metadata, keys=None) -> Optional[str]:
+    """An error naming the first missing or truncated data file referenced by ``metadata`` (for ``keys``)."""
+    needed: Dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if keys is not None and index.fqn not in keys:
+            continue
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        path = Path(checkpoint_dir) / rel
+        if not path.is_file():
+            return f"checkpoint data file {path} is missing"
+        size = path.stat().st_size
+        if size < end:
+            return f"checkpoint data file {path} is truncated: {size} bytes, the metadata needs at least {end}"
+    return None
+
+
+def _wrap_dcp_error(e: BaseException, checkpoint_dir: Path, metadata: Optional[Metadata], action: str):
+    failures = getattr(e, "failures", None) or {}
+    inner = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, CheckpointingException):
+            return CheckpointingException(str(exc))
+        inner.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    file_error = _check_data_files(checkpoint_dir, metadata) if metadata is not None else None
+    detail = "; ".join(inner) if inner else f"{type(e).__name__}: {e}"
+    if file_error:
+        return CheckpointingException(f"{action} of {checkpoint_dir} failed: {file_error} ({detail})")
+    return CheckpointingException(f"{action} of {checkpoint_dir} failed: {detail}")
+
+
+# ---- save ------------------------------------------------------------------------------------------------------
+class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+    """Save with PyTorch DCP (``FileSystemWriter``): upstream's ``torch_dist`` format.
+
+    Only main replicas (replica_id 0) are written when ``keep_only_main_replica`` (the default); empty shards are
+    skipped.
+    """
+
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        separation_hint: Optional[str] = None,
+    ):
+        super().__init__(backend, version)
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def _to_pyt_state_dict(self, sharded_state_dict: ShardedStateDict):
+        tensors: Dict[str, List[ShardedTensor]] = defaultdict(list)
+        pyt_state_dict: Dict[str, Any] = {}
+        for _, item in nested_items_iter(sharded_state_dict):
+            if isinstance(item, ShardedTensor):
+                if self.keep_only_main_replica and not is_main_replica(item.replica_id):
+                    continue
+                if item.numel() == 0:
+                    continue
+                tensors[item.key].append(item)
+            elif isinstance(item, ShardedObject):
+                if self.keep_only_main_replica and not is_main_replica(item.replica_id):
+                    continue
+                if item.unique_key in pyt_state_dict:
+                    continue
+                pyt_state_dict[item.unique_key] = _object_to_bytes(item.data)
+        mcore_data: Dict[str, dict] = {}
+        seen_boxes = set()
+        for key, sh_tens in tensors.items():
+            flat = {t.flattened_range is not None and len(t.global_shape) > 1 for t in sh_tens}
+            if len(flat) > 1:
+                raise CheckpointingException(f"{key}: mixing flattened and non-flattened shards of one tensor")
+            pieces, dcp_shape = [], None
+            for t in sh_tens:
+                shape, piece = _save_piece(t)
+                if dcp_shape is not None and shape != dcp_shape:
+                    raise CheckpointingException(
+                        f"{key}: shards on rank {_rank()} disagree on the global shape ({dcp_shape} vs {shape})"
+                    )
+                dcp_shape = shape
+                box = (key, piece.offset, piece.shape)
+                if box in seen_boxes:  # the same main shard twice on one rank: write it once
+                    continue
+                seen_boxes.add(box)
+                pieces.append(piece)
+            if flat == {True}:
+                mcore_data[key] = {MCORE_DATA_ORIG_SHAPE: tuple(sh_tens[0].global_shape)}
+            pyt_state_dict[key] = _make_torch_sharded_tensor(
+                key, dcp_shape, sh_tens[0].dtype, pieces, sh_tens[0].without_data()
+            )
+        return pyt_state_dict, mcore_data
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]):
+        checkpoint_dir = Path(checkpoint_dir)
+        error, pyt_state_dict, mcore_data = None, None, {}
+        try:
+            pyt_state_dict, mcore_data = self._to_pyt_state_dict(sharded_state_dict)
+        except CheckpointingException as e:
+            error = str(e)
+        raise_collectively(error, "save")
+        # Every rank contributes the mcore_data of its keys; the coordinator stores the union.
+        if _world_size() > 1:
+            gathered: List[Optional[dict]] = [None] * _world_size()
+            dist.all_gather_object(gathered, mcore_data)
+        else:
+            gathered = [mcore_data]
+        union = {}
+        for d in gathered:
+            union.update(d or {})
+        planner = MCoreSavePlanner(mcore_data=union)
+        writer = FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count)
+        try:
+            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+        except TorchCheckpointException as e:
+            raise _wrap_dcp_error(e, checkpoint_dir, None, "save") from None
+
+
+# ---- load ------------------------------------------------------------------------------------------------------
+def _box_intersection(o1, s1, o2, s2):
+    lo = tuple(max(a, b) for a, b in zip(o1, o2))
+    hi = tuple(min(a + x, b + y) for a, x, b, y in zip(o1, s1, o2, s2))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def _orig_global_shape(metadata: Metadata, key: str, md: TensorStorageMetadata) -> Tuple[int, ...]:
+    mcore_data = getattr(metadata, "mcore_data", None) or {}
+    orig = (mcore_data.get(key) or {}).get(MCORE_DATA_ORIG_SHAPE)
+    return tuple(orig) if orig is not None else tuple(md.size)
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Load a ``torch_dist`` checkpoint with PyTorch DCP (``FileSystemReader``), resharding as needed.
+
+    ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``): quantized destinations are filled through the load planner
+    one scratch at a time instead of being dequantized upfront (see ``strategies/quantized_load.py``).
+    """
+
+    def __init__(self, stream_ckpt_dequant: bool = False):
+        super().__init__()
+        self.stream_ckpt_dequant = stream_ckpt_dequant
+        self.cached_global_metadata: Optional[Metadata] = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend):
+        if loaded_backend != "torch_dist":
+            raise CheckpointingException(f"{type(self).__name__} cannot read sharded backend {loaded_backend!r}")
+
+    def check_version_compatibility(self, loaded_version):
+        if loaded_version != 1:
+            raise CheckpointingException(f"{type(self).__name__} cannot read torch_dist version {loaded_version}")
+
+    # -- metadata --
+    def load_tensors_metadata(self, checkpoint_dir: Union[str, Path], metadata: Optional[Metadata] = None):
+        if metadata is None:
+            metadata = _read_dcp_metadata(Path(checkpoint_dir))
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            shape = _orig_global_shape(metadata, key, md)
+            out[key] = ShardedTensor.from_rank_offsets(
+                key, torch.empty(shape, dtype=md.properties.dtype, device="meta")
+            )
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path], metadata: Optional[Metadata] = None):
+        if metadata is None:
+            metadata = _read_dcp_metadata(Path(checkpoint_dir))
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                try:
+                    sh_obj = ShardedObject.empty_from_unique_key(key)
+                except CheckpointingException:
+                    continue
+                out[sh_obj.unique_key] = sh_obj
+        out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str):
+        """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (rank 0 rewrites
+        ``.metadata`` atomically; the data files are left as they are)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        if _rank() == 0:
+            metadata = _read_dcp_metadata(checkpoint_dir)
+            metadata.state_dict_metadata = {
+                k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+            }
+            if metadata.storage_data is not None:
+                metadata.storage_data = {
+                    k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(key_prefix)
+                }
+            mcore_data = getattr(metadata, "mcore_data", None)
+            if mcore_data:
+                metadata.mcore_data = {k: v for k, v in mcore_data.items() if not k.startswith(key_prefix)}
+            import pickle
+
+            tmp = checkpoint_dir / ".metadata.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(metadata, f)
+            os.replace(tmp, checkpoint_dir / ".metadata")
+        if _world_size() > 1:
+            dist.barrier()
+
+    # -- load --
+    def _precheck(self, tensors: List[ShardedTensor], objects: List[ShardedObject], metadata, checkpoint_dir):
+        sdm = metadata.state_dict_metadata
+        for t in tensors:
+            md = sdm.get(t.key)
+            if md is None:
+                return f"key {t.key!r} not found in checkpoint {checkpoint_dir}"
+            if not isinstance(md, TensorStorageMetadata):
+                return f"key {t.key!r} is not a tensor in checkpoint {checkpoint_dir}"
+            shape = _orig_global_shape(metadata, t.key, md)
+            if not t.allow_shape_mismatch and tuple(shape) != tuple(t.global_shape):
+                return (
+                    f"global shape mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested "
+                    f"{tuple(t.global_shape)}, checkpoint has {tuple(shape)}"
+                )
+            if md.properties.dtype != t.dtype:
+                return (
+                    f"dtype mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested {t.dtype}, "
+                    f"checkpoint has {md.properties.dtype}"
+                )
+        for o in objects:
+            if o.unique_key not in sdm:
+                return f"sharded object {o.unique_key!r} (key {o.key!r}) not found in checkpoint {checkpoint_dir}"
+        keys = {t.key for t in tensors} | {o.unique_key for o in objects}
+        return _check_data_files(checkpoint_dir, metadata, keys)
+
+    def _load_pieces(self, t: ShardedTensor, md: TensorStorageMetadata, metadata, post: List[Callable]):
+        """The pieces that fill ``t`` (in place where possible; else via temporaries and a ``post`` copy)."""
+        dcp_shape = tuple(md.size)
+        if t.flattened_range is None:
+            n = t.prepend_axis_num
+            shape = (1,) * n + t.local_shape
+            return [_Piece(t.global_offset, shape, t.data.view(shape) if n else t.data, n)]
+        fr = t.flattened_range
+        length = fr.stop - fr.start
+        if len(t.global_shape) == 1:
+            return [_Piece((t.global_offset[0] + fr.start,), (length,), t.data, 0)]
+        box_shape = (1,) * t.prepend_axis_num + t.local_shape
+        if len(dcp_shape) == len(t.global_shape):
+            # Plain checkpoint, flattened destination: read the N-D box, keep the slice.
+            tmp = torch.empty(box_shape, dtype=t.dtype, device=t.data.device)
+
+            def _copy(t=t, tmp=tmp, fr=fr):
+                t.data.copy_(tmp.reshape(-1)[fr.start : fr.stop])
+
+            post.append(_copy)
+            return [_Piece(t.global_offset, box_shape, tmp, 0, direct=False)]
+        if len(dcp_shape) != len(t.global_shape) + 1:
+            raise CheckpointingException(
+                f"{t.key}: checkpoint tensor of shape {dcp_shape} is neither the {len(t.global_shape)}-D tensor nor "
+                f"its flattened reformulation"
+            )
+        ckpt_frags = dcp_shape[:-1]
+        my_frags = _grid(t)
+        if ckpt_frags == my_frags and dcp_shape[-1] == _prod(t.local_shape):
+            idx = _chunk_index(t)
+            shape = (1,) * len(idx) + (length,)
+            return [_Piece(idx + (fr.start,), shape, t.data.view(shape), len(idx))]
+        # Different grid: read every overlapping checkpoint chunk fully, assemble the local box, take the slice.
+        chunk = []
+        for g, f in zip(t.global_shape, ckpt_frags):
+            if f == 0 or g % f:
+                raise CheckpointingException(
+                    f"{t.key}: checkpoint grid {ckpt_frags} does not divide global shape {t.global_shape}"
+                )
+            chunk.append(g // f)
+        chunk = tuple(chunk)
+        if _prod(chunk) != dcp_shape[-1]:
+            raise CheckpointingException(
+                f"{t.key}: checkpoint chunks of {dcp_shape[-1]} elements do not match grid {ckpt_frags} of "
+                f"global shape {t.global_shape}"
+            )
+        lo = t.global_offset
+        ranges = [range(o // c, (o + s - 1) // c + 1) if s else range(0) for o, s, c in zip(lo, box_shape, chunk)]
+        import itertools
+
+        pieces, parts = [], []
+        for cidx in itertools.product(*ranges):
+            c_off = tuple(i * c for i, c in zip(cidx, chunk))
+            inter = _box_intersection(lo, box_shape, c_off, chunk)
+            if inter is None:
+                continue
+            tmp = torch.empty((1,) * len(cidx) + (_prod(chunk),), dtype=t.dtype, device=t.data.device)
+            pieces.append(_Piece(tuple(cidx) + (0,), tuple(tmp.shape), tmp, len(cidx), direct=False))
+            parts.append((tmp, c_off, inter))
+
+        def _assemble(t=t, parts=parts, box_shape=box_shape, chunk=chunk, fr=fr):
+            full = torch.empty(box_shape, dtype=t.dtype, device=t.data.device)
+            for tmp, c_off, (i_off, i_shape) in parts:
+                src = tmp.view(chunk)[tuple(slice(a - c, a - c + s) for a, c, s in zip(i_off, c_off, i_shape))]
+                full[tuple(slice(a - o, a - o + s) for a, o, s in zip(i_off, t.global_offset, i_shape))] = src
+            t.data.copy_(full.reshape(-1)[fr.start : fr.stop])
+
+        post.append(_assemble)
+        return pieces
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        checkpoint_dir = Path(checkpoint_dir)
+        items = list(nested_items_iter(sharded_state_dict))
+        tensors = [v for _, v in items if isinstance(v, ShardedTensor)]
+        objects = [v for _, v in items if isinstance(v, ShardedObject)]
+        error, metadata = None, None
+        try:
+            metadata = _read_dcp_metadata(checkpoint_dir)
+            error = self._precheck(tensors, objects, metadata, checkpoint_dir)
+        except CheckpointingException as e:
+            error = str(e)
+        raise_collectively(error, "load")
+
+        restore = None if self.stream_ckpt_dequant else dequantize_upfront(sharded_state_dict)
+        try:
+            result_of = self._read(tensors, objects, metadata, checkpoint_dir)
+        finally:
+            if restore is not None:
+                restore()
+
+        def _result(path, v):
+            return result_of[id(v)] if isinstance(v, (ShardedTensor, ShardedObject)) else v
+
+        return _rebuild(sharded_state_dict, _result)
+
+    def _read(self, tensors, objects, metadata: Metadata, checkpoint_dir: Path) -> Dict[int, Any]:
+        sdm = metadata.state_dict_metadata
+        post: List[Callable] = []
+        by_key: Dict[str, List[Tuple[ShardedTensor, List[_Piece]]]] = defaultdict(list)
+        duplicates: List[Tuple[ShardedTensor, ShardedTensor]] = []
+        first_of: Dict[tuple, ShardedTensor] = {}
+        error = None
+        try:
+            for t in tensors:
+                fr = t.flattened_range
+                ident = (t.key, t.global_offset, t.local_shape, (fr.start, fr.stop) if fr is not None else None)
+                if t.numel() == 0:
+                    continue
+                if ident in first_of:
+                    duplicates.append((t, first_of[ident]))
+                    continue
+                first_of[ident] = t
+                by_key[t.key].append((t, self._load_pieces(t, sdm[t.key], metadata, post)))
+        except CheckpointingException as e:
+            error = str(e)
+        raise_collectively(error, "load")
+
+        pyt_state_dict: Dict[str, Any] = {}
+        allow_mismatch = {}
+        validate = []
+        for key, entries in by_key.items():
+            md = sdm[key]
+            pieces = [p for _, ps in entries for p in ps]
+            some = entries[0][0]
+            if some.allow_shape_mismatch:
+                allow_mismatch[key] = some
+            elif some.flattened_range is None:
+                validate.append(some.without_data())
+            pyt_state_dict[key] = _make_torch_sharded_tensor(
+                key, tuple(md.size), md.properties.dtype, pieces, some.without_data()
+            )
+        for o in objects:
+            pyt_state_dict[o.unique_key] = io.BytesIO()
+
+        planner = MCoreLoadPlanner(
+            shapes_validation_sharded_tensors=tuple(validate),
+            allow_shape_mismatch_sharded_tensors=allow_mismatch,
+            stream_ckpt_dequant=self.stream_ckpt_dequant,
+        )
+        reader = FileSystemReader(str(checkpoint_dir))
+        try:
+            dcp_load(pyt_state_dict, storage_reader=reader, planner=planner)
+        except TorchCheckpointException as e:
+            raise _wrap_dcp_error(e, checkpoint_dir, metadata, "load") from None
+        self.cached_global_metadata = metadata
+        loaded = getattr(planner, "state_dict", pyt_state_dict)
+
+        for fn in post:
+            fn()
+
+        result_of: Dict[int, Any] = {}
+        for key, entries in by_key.items():
+            unwrapped = _unwrap_pyt_sharded_tensor(pyt_state_dict[key])
+            i = 0
+            for t, ps in entries:
+                direct = len(ps) == 1 and ps[0].direct
+                result_of[id(t)] = unwrapped[i] if direct else t.data
+                i += len(ps)
+        for t, first in duplicates:
+            t.data.copy_(first.data)
+            result_of[id(t)] = t.data
+        for t in tensors:
+            if t.numel() == 0:
+                result_of[id(t)] = t.data
+        for o in objects:
+            value = loaded.get(o.unique_key, pyt_state_dict.get(o.unique_key))
+            if isinstance(value, io.BytesIO):
+                value.seek(0)
+                value = torch.load(value, weights_only=False)
+            result_of[id(o)] = value
+        return result_of
+
+
+def _rebuild(x, fn, path=()):
+    if isinstance(x, dict):
+        return {k: _rebuild(v, fn, path + (k,)) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rebuild(v, fn, path + (i,)) for i, v in enumerate(x)]
+    return fn(path, x)
+
+
+def register_default_torch_strategies():
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1)
+    )
+
+
+register_default_torch_strategies()
