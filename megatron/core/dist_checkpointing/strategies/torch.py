@@ -16,6 +16,7 @@ checkpoint into flattened destinations.
 import io
 import logging
 import os
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,7 +414,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         planner = MCoreSavePlanner(mcore_data=union)
         writer = FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count)
         try:
-            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+                dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
         except TorchCheckpointException as e:
             raise _wrap_dcp_error(e, checkpoint_dir, None, "save") from None
 
@@ -539,11 +542,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _load_pieces(self, t: ShardedTensor, md: TensorStorageMetadata, metadata, post: List[Callable]):
         """The pieces that fill ``t`` (in place where possible; else via temporaries and a ``post`` copy)."""
         dcp_shape = tuple(md.size)
-        if t.flattened_range is None:
+        reformulated = len(dcp_shape) == len(t.global_shape) + 1 and len(t.global_shape) > 1
+        if t.flattened_range is None and not reformulated:
             n = t.prepend_axis_num
             shape = (1,) * n + t.local_shape
             return [_Piece(t.global_offset, shape, t.data.view(shape) if n else t.data, n)]
-        fr = t.flattened_range
+        fr = t.flattened_range if t.flattened_range is not None else slice(0, _prod(t.local_shape))
         length = fr.stop - fr.start
         if len(t.global_shape) == 1:
             return [_Piece((t.global_offset[0] + fr.start,), (length,), t.data, 0)]
@@ -563,7 +567,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 f"its flattened reformulation"
             )
         ckpt_frags = dcp_shape[:-1]
-        my_frags = _grid(t)
+        my_frags = _grid(t) if t.flattened_range is not None else None
         if ckpt_frags == my_frags and dcp_shape[-1] == _prod(t.local_shape):
             idx = _chunk_index(t)
             shape = (1,) * len(idx) + (length,)
@@ -601,7 +605,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             for tmp, c_off, (i_off, i_shape) in parts:
                 src = tmp.view(chunk)[tuple(slice(a - c, a - c + s) for a, c, s in zip(i_off, c_off, i_shape))]
                 full[tuple(slice(a - o, a - o + s) for a, o, s in zip(i_off, t.global_offset, i_shape))] = src
-            t.data.copy_(full.reshape(-1)[fr.start : fr.stop])
+            t.data.copy_(full.reshape(-1)[fr.start : fr.stop].view(t.data.shape))
 
         post.append(_assemble)
         return pieces
@@ -662,7 +666,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             some = entries[0][0]
             if some.allow_shape_mismatch:
                 allow_mismatch[key] = some
-            elif some.flattened_range is None:
+            elif some.flattened_range is None and len(md.size) == len(some.global_shape):
                 validate.append(some.without_data())
             pyt_state_dict[key] = _make_torch_sharded_tensor(
                 key, tuple(md.size), md.properties.dtype, pieces, some.without_data()
@@ -677,7 +681,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         )
         reader = FileSystemReader(str(checkpoint_dir))
         try:
-            dcp_load(pyt_state_dict, storage_reader=reader, planner=planner)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+                dcp_load(pyt_state_dict, storage_reader=reader, planner=planner)
         except TorchCheckpointException as e:
             raise _wrap_dcp_error(e, checkpoint_dir, metadata, "load") from None
         self.cached_global_metadata = metadata
