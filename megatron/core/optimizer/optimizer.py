@@ -2,6 +2,7 @@
 bf16/fp16 models, and ``sharded_state_dict`` for dist_checkpointing. Works with plain tensors (DDP) and with FSDP2
 DTensor parameters (Megatron-FSDP: the optimizer state is then sharded like the parameters)."""
 import copy
+import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -278,8 +279,8 @@ class MegatronOptimizer:
 def _state_sharded_tensor(sh, key: str, data: torch.Tensor):
     if tuple(data.shape) != tuple(sh.local_shape):
         raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter shard {tuple(sh.local_shape)}")
+    if dataclasses.is_dataclass(sh):
+        return dataclasses.replace(sh, key=key, data=data, dtype=data.dtype)
     out = copy.copy(sh)
-    out.key = key
-    out.data = data
-    out.dtype = data.dtype
+    out.key, out.data, out.dtype = key, data, data.dtype
     return out

@@ -279,16 +279,8 @@ class FullyShardedDataParallel(MegatronModule):
             raise RuntimeError(
                 f"{key}: local shard shape {tuple(local.shape)} is not torch.chunk's piece {length} of {global_shape}"
             )
-        return ShardedTensor(
-            key=key,
-            data=local,
-            dtype=local.dtype,
-            local_shape=tuple(local.shape),
-            global_shape=global_shape,
-            global_offset=(start,) + (0,) * (len(global_shape) - 1),
-            axis_fragmentations=(ws,) + (1,) * (len(global_shape) - 1),
-            replica_id=0,
-            prepend_axis_num=0,
+        return ShardedTensor.from_global_offsets(
+            key, local, global_shape, (start,) + (0,) * (len(global_shape) - 1), replica_id=0
         )
 
     @torch.no_grad()
