@@ -686,6 +686,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 dcp_load(pyt_state_dict, storage_reader=reader, planner=planner)
         except TorchCheckpointException as e:
             raise _wrap_dcp_error(e, checkpoint_dir, metadata, "load") from None
+        if self.stream_ckpt_dequant:  # every quantized destination got all its slices (else: which ones did not)
+            error = None
+            try:
+                planner.finish_quantized_load()
+            except CheckpointingException as e:
+                error = str(e)
+            raise_collectively(error, "load")
         self.cached_global_metadata = metadata
         loaded = getattr(planner, "state_dict", pyt_state_dict)
 
