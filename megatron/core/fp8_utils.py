@@ -154,3 +154,59 @@ def restore_amax(t, snap) -> None:
     with torch.no_grad():
         for live, saved in snap.values():
             live.copy_(saved)
+
+
+# ---- Transformer Engine: recipe availability and building quantized tensors (tests, benchmarks) -------------
+_TE_AVAILABILITY = {
+    DELAYED: "te_is_fp8_available",
+    TENSORWISE: "te_is_fp8_available",
+    BLOCKWISE: "te_is_fp8_block_scaling_available",
+    MXFP8: "te_is_mxfp8_available",
+    NVFP4: "te_is_nvfp4_available",
+}
+
+
+def te_recipe_available(kind: str):
+    """``(available, reason)`` for building TE quantized tensors of ``kind`` on this machine."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown quantization kind {kind!r}; expected one of {KINDS}")
+    if not _te.HAVE_TE:
+        return False, "Transformer Engine is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    fn = getattr(_te, _TE_AVAILABILITY[kind], None)
+    if fn is None:
+        return False, f"this Transformer Engine has no {_TE_AVAILABILITY[kind][3:]}"
+    ok, reason = fn(return_reason=True)
+    return bool(ok), str(reason or "")
+
+
+def te_quantize(x: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = None,
+                amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A TE quantized tensor of ``kind`` holding ``x`` (nominal dtype ``x.dtype``), made with a fresh quantizer.
+
+    ``delayed``: ``Float8Quantizer(scale, amax)`` (default scale 1, amax a zero; pass views into an amax history to
+    mimic a TE module); ``tensorwise``: ``Float8CurrentScalingQuantizer``; ``blockwise``: ``Float8BlockQuantizer``
+    (2-D 128x128 blocks); ``mxfp8``: ``MXFP8Quantizer``; ``nvfp4``: ``NVFP4Quantizer``."""
+    _te.require_te(f"te_quantize({kind!r})")
+    dt = _te.te_DType
+    e4m3 = dt.kFloat8E4M3
+    dev = x.device
+    if kind == DELAYED:
+        q = _te.Float8Quantizer(
+            scale=scale if scale is not None else torch.ones(1, dtype=torch.float32, device=dev),
+            amax=amax if amax is not None else torch.zeros(1, dtype=torch.float32, device=dev),
+            fp8_dtype=e4m3,
+        )
+    elif kind == TENSORWISE:
+        q = _te.Float8CurrentScalingQuantizer(e4m3, dev)
+    elif kind == BLOCKWISE:
+        q = _te.Float8BlockQuantizer(e4m3, rowwise=True, columnwise=True, block_scaling_dim=2)
+    elif kind == MXFP8:
+        q = _te.MXFP8Quantizer(e4m3)
+    elif kind == NVFP4:
+        q = _te.NVFP4Quantizer()
+    else:
+        raise ValueError(f"unknown quantization kind {kind!r}; expected one of {KINDS}")
+    with torch.no_grad():
+        return q(x)

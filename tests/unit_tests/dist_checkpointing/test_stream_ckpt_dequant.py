@@ -88,11 +88,14 @@ class _Spy:
 
         def upfront(sharded_state_dict):
             spy.upfront_calls += 1
+            quantized = [
+                v for v in quantized_load._nested_values(sharded_state_dict)
+                if isinstance(v, ShardedTensor) and fp8_utils.is_quantized_tensor(v.data)
+            ]
             fn = spy._orig_upfront(sharded_state_dict)
-            for v in quantized_load._nested_values(sharded_state_dict):
-                if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor) and v.data.is_floating_point():
-                    if fn.num_dequantized and not fp8_utils.is_quantized_tensor(v.data):
-                        spy.upfront_bytes += v.data.numel() * v.data.element_size()
+            for v in quantized:  # now holding their dequantized copies, all alive at once
+                assert not fp8_utils.is_quantized_tensor(v.data)
+                spy.upfront_bytes += v.data.numel() * v.data.element_size()
             return fn
 
         QuantizedLoadPlannerMixin.__init__ = init
@@ -403,20 +406,24 @@ def test_prepended_axes_load(tmp_path, stream):
 @needs_core
 def test_unwrap_pyt_sharded_tensor():
     unwrap = getattr(torch_strategy, "_unwrap_pyt_sharded_tensor", None)
-    to_pyt = getattr(torch_strategy, "sharded_tensor_to_torch_sharded_tensor", None)
-    if unwrap is None or to_pyt is None:
-        pytest.skip("strategies/torch.py has no _unwrap_pyt_sharded_tensor / sharded_tensor_to_torch_sharded_tensor")
+    make = getattr(torch_strategy, "_make_torch_sharded_tensor", None)
+    if unwrap is None or make is None:
+        pytest.skip("strategies/torch.py has no _unwrap_pyt_sharded_tensor / _make_torch_sharded_tensor")
+    piece_cls = torch_strategy._Piece
+
+    def pyt_of(key, data, view_shape):
+        sh = ShardedTensor.from_rank_offsets(key, data, prepend_axis_num=2)
+        piece = piece_cls((0,) * len(view_shape), view_shape, data.view(view_shape), 2)
+        return make(key, view_shape, torch.bfloat16, [piece], sh.without_data())
+
     data = quantized_like(torch.randn(4, 6), "tensorwise")
-    good = ShardedTensor.from_rank_offsets("good", data, prepend_axis_num=2)
-    pyt = to_pyt([good], 0)
     n = FakeQuantizedTensor.dequantize_calls
-    out = unwrap(pyt)
+    out = unwrap(pyt_of("good", data, (1, 1, 4, 6)))
     assert len(out) == 1 and tuple(out[0].shape) == (4, 6)
-    assert type(out[0]) is FakeQuantizedTensor and FakeQuantizedTensor.dequantize_calls == n
-    # A loaded tensor whose prepended axis 1 has size 4 (not 1) must be rejected, not silently squeezed.
-    bad = ShardedTensor.from_rank_offsets("bad.key", quantized_like(torch.randn(4, 6), "tensorwise"), prepend_axis_num=2)
-    pyt_bad = to_pyt([bad], 0)
-    for shard in pyt_bad.local_shards():
-        shard.tensor = shard.tensor.view(1, 4, 6, 1)
-    with pytest.raises(CheckpointingException, match="bad.key"):
-        unwrap(pyt_bad)
+    assert type(out[0]) is FakeQuantizedTensor and FakeQuantizedTensor.dequantize_calls == n  # view, no dequantize
+    assert out[0]._data.data_ptr() == data._data.data_ptr()
+    # prepend_axis_num=2 and the local shard's axis 1 has size 4 (not 1): rejected, naming the key (upstream only
+    # checked axis 0 repeatedly, so this passed and squeezed the wrong axis).
+    with pytest.raises(CheckpointingException, match=r"bad\.key.*axis 1"):
+        unwrap(pyt_of("bad.key", quantized_like(torch.randn(4, 6), "tensorwise"), (1, 4, 1, 6)))
+    assert FakeQuantizedTensor.dequantize_calls == n
