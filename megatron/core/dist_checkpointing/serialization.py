@@ -94,6 +94,19 @@ def _split(sharded_state_dict: ShardedStateDict):
     return sharded, nonpersistent, common
 
 
+def _restore_list_types(x, like):
+    """Turn the {index: value} dicts that stand for lists of ``like`` (fully sharded lists) back into lists."""
+    if isinstance(like, list) and isinstance(x, dict) and set(x) == set(range(len(like))):
+        return [_restore_list_types(x[i], like[i]) for i in range(len(like))]
+    if isinstance(like, list) and isinstance(x, list):
+        return [_restore_list_types(a, b) for a, b in zip(x, like)] + x[len(like):]
+    if isinstance(like, dict) and isinstance(x, dict):
+        return {k: _restore_list_types(v, like[k]) if k in like else v for k, v in x.items()}
+    if isinstance(like, list) and isinstance(x, dict):
+        return {k: _restore_list_types(v, like[k]) if isinstance(k, int) and k < len(like) else v for k, v in x.items()}
+    return x
+
+
 # ---- save ------------------------------------------------------------------------------------------------------
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
     return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
@@ -282,6 +295,7 @@ def load(
         merge(common_state_dict, loaded_objects)
     loaded = sharded_strategy.load(sharded_part, checkpoint_dir) if sharded_part else {}
     loaded = apply_factory_merges(loaded, with_factories)
+    loaded = _restore_list_types(loaded, with_factories)
     merge(common_state_dict, loaded)
     nonpersistent = dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent) if nonpersistent else nonpersistent
     if nonpersistent:
