@@ -17,6 +17,7 @@ initialised in their place in that order and sharded last. New Parameter objects
 DTensor parameters) get the old objects' attributes, and ``param_keyed_maps`` passed in are remapped.
 """
 import contextlib
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -151,7 +152,9 @@ class FullyShardedDataParallel(MegatronModule):
                 self.old_to_new_params[orig] = live
         remap_param_keyed_maps(self.old_to_new_params, *param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
-        self._grad_sync = True
+        # GPTModel returns the per-token loss as a ``view``; nothing here modifies it in place, so FSDP2's
+        # per-step warning about view outputs is noise for this model
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
 
     # ---- construction helpers ----------------------------------------------------------------------------
     def _keep_fp32_main_params(self, m: torch.nn.Module) -> None:

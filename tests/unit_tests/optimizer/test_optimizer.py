@@ -1,0 +1,176 @@
+"""MegatronOptimizer: param groups, clipping (plain and DTensor grads), NaN skip, fp32 main params for bf16 models,
+state_dict round trip, sharded_state_dict keys/shapes."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed._common import batches, build_gpt, position_ids, tiny_config
+
+
+def _loss(model, seed=0, batch=4):
+    tok, lab = batches(1, batch, seed=seed)[0]
+    return model(tok, position_ids(batch), labels=lab).float().mean()
+
+
+def test_param_groups_weight_decay_and_expert_flag():
+    model = build_gpt(tiny_config(moe=True), 0)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, min_lr=0.01, weight_decay=0.05), model)
+    names = {p: n for n, p in model.named_parameters()}
+    seen = 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            n = names[p]
+            seen += 1
+            no_wd = n.endswith(".bias") or p.dim() == 1
+            assert g["wd_mult"] == (0.0 if no_wd else 1.0), n
+            assert g["weight_decay"] == pytest.approx(0.05 * g["wd_mult"])
+            assert g["is_expert_parallel"] == (".local_experts." in n), n
+            assert g["max_lr"] == 0.1 and g["min_lr"] == 0.01 and g["lr"] == 0.1
+    assert seen == len(names)
+    assert isinstance(opt.optimizer, torch.optim.AdamW)
+    sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1), model)
+    assert isinstance(sgd.optimizer, torch.optim.SGD)
+    with pytest.raises(ValueError, match="--optimizer"):
+        OptimizerConfig(optimizer="lion", lr=1.0)
+
+
+def test_clip_grad_norm_and_returned_norm():
+    model = build_gpt(tiny_config(moe=False), 1)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.0, clip_grad=1e-3, weight_decay=0.0), model)
+    _loss(model).backward()
+    expected = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+    ok, norm, zeros = opt.step()
+    assert ok and zeros is None
+    assert norm == pytest.approx(expected, rel=1e-5)
+    assert expected > 1e-3
+    clipped = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+    assert clipped == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_nan_grad_skips_update():
+    model = build_gpt(tiny_config(moe=False), 2)
+    cfg = OptimizerConfig(lr=0.1, log_num_zeros_in_grad=True)
+    opt = get_megatron_optimizer(cfg, model)
+    _loss(model).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.output_layer.weight.grad[0, 0] = float("nan")
+    ok, norm, zeros = opt.step()
+    assert ok is False and math.isnan(norm) and isinstance(zeros, int)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert len(opt.state) == 0
+
+
+def test_bf16_model_gets_fp32_main_params():
+    cfg = tiny_config(moe=False, bf16=True, params_dtype=torch.bfloat16)
+    model = build_gpt(cfg, 3)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, clip_grad=0.0), model)
+    assert all(p.dtype == torch.float32 for p in opt.get_parameters())
+    w = model.output_layer.weight
+    main = opt.main_params[[id(p) for p in opt.model_params].index(id(w))]
+    before_main = main.detach().clone()
+    _loss(model).backward()
+    assert opt.step()[0]
+    # the fp32 main param moved by less than a bf16 ulp in places, and the model param is its bf16 rounding
+    assert not torch.equal(main, before_main)
+    assert torch.equal(w, main.to(torch.bfloat16))
+    sd = opt.state_dict()
+    assert len(sd["fp32_from_fp16_params"]) == len(opt.main_params)
+
+
+def test_state_dict_round_trip_gives_identical_next_step():
+    cfg = tiny_config(moe=True)
+    a, b = build_gpt(cfg, 4), build_gpt(cfg, 4)
+    oa = get_megatron_optimizer(OptimizerConfig(lr=1e-2), a)
+    ob = get_megatron_optimizer(OptimizerConfig(lr=1e-2), b)
+    for seed in range(2):
+        oa.zero_grad()
+        _loss(a, seed).backward()
+        oa.step()
+    b.load_state_dict(a.state_dict())
+    # deepcopy: like torch.optim, state_dict() holds the live state tensors (a save/load makes fresh ones)
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    for o in (oa, ob):
+        o.zero_grad()
+    _loss(a, 5).backward()
+    _loss(b, 5).backward()
+    oa.step()
+    ob.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_sharded_state_dict_keys_and_shapes():
+    model = build_gpt(tiny_config(moe=True), 6)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), model)
+    model_sd = model.sharded_state_dict()
+    sd = opt.sharded_state_dict(model_sd, is_loading=True)  # state initialised to describe the shapes
+    keys = set()
+    names = {p: n for n, p in model.named_parameters()}
+    for idx, p in enumerate(opt.get_parameters()):
+        st = sd["state"][idx]
+        assert isinstance(st["step"], torch.Tensor) and float(st["step"]) == 0.0
+        for k in ("exp_avg", "exp_avg_sq"):
+            sh = st[k]
+            assert isinstance(sh, ShardedTensor)
+            assert sh.key == f"optimizer.state.{k}.{model_sd[names[p]].key}"
+            assert tuple(sh.global_shape) == tuple(model_sd[names[p]].global_shape)
+            assert sh.replica_id == model_sd[names[p]].replica_id
+            keys.add(sh.key)
+    assert len(keys) == 2 * len(names)
+    assert all("lr" in g and "params" in g for g in sd["param_groups"])
+    # the live optimizer state was not replaced by ShardedTensors
+    assert all(isinstance(v, torch.Tensor) and not isinstance(v, ShardedTensor)
+               for st in opt.state.values() for v in st.values())
+    with pytest.raises(KeyError, match="no ShardedTensor"):
+        opt.sharded_state_dict({})
+
+
+def test_lazily_initialised_state_equals_torch_lazy_init():
+    """init_state (used before a checkpoint load) must not change the next step."""
+    cfg = tiny_config(moe=False)
+    for kind in ("adam", "sgd"):
+        a, b = build_gpt(cfg, 8), build_gpt(cfg, 8)
+        oa = get_megatron_optimizer(OptimizerConfig(optimizer=kind, lr=1e-2), a)
+        ob = get_megatron_optimizer(OptimizerConfig(optimizer=kind, lr=1e-2), b)
+        ob.init_state()
+        _loss(a).backward()
+        _loss(b).backward()
+        oa.step()
+        ob.step()
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), (kind, n)
+
+
+def _dtensor_clip_body(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    full = [torch.randn(5, 3), torch.randn(7)]  # uneven shards over 2 ranks
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    mesh = init_device_mesh("cpu", (ws,))
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    for p, g in zip(params, grads):
+        p.grad = distribute_tensor(g, mesh, [Shard(0)])
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    from megatron.core.optimizer import MegatronOptimizer
+
+    cfg = OptimizerConfig(lr=0.1, clip_grad=0.5, log_num_zeros_in_grad=True)
+    opt = MegatronOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.0), cfg, params, names)
+    expected = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    ok, norm, zeros = opt.step()
+    assert ok and norm == pytest.approx(expected, rel=1e-5) and zeros == 0
+    for p, t, g in zip(params, full, grads):
+        torch.testing.assert_close(p.full_tensor(), t - 0.1 * g * (0.5 / (expected + 1e-6)), atol=1e-6, rtol=1e-5)
+
+
+def test_clip_with_dtensor_grads_two_ranks():
+    run_distributed(_dtensor_clip_body, 2)
