@@ -41,7 +41,7 @@ from ..core import CheckpointingException
 from ..dict_utils import nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
-from .quantized_load import QuantizedLoadPlannerMixin, dequantize_upfront
+from .quantized_load import QuantizedLoadPlannerMixin, dequantize_upfront, quantized_base, view_keeping_base
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,8 @@ def _unwrap_pyt_sharded_tensor(sh_ten: TorchShardedTensor) -> List[torch.Tensor]
                     raise CheckpointingException(
                         f"{key}: prepended axis {axis} of local shard of shape {shape} has size {shape[axis]}, not 1"
                     )
-            ten = ten.view(ten.shape[n:])
+            base = quantized_base(ten)  # a quantized destination: hand back the original, not a view of it
+            ten = base if base is not None and base.shape == ten.shape[n:] else ten.view(ten.shape[n:])
         ret.append(ten)
     return ret
 
@@ -546,7 +547,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if t.flattened_range is None and not reformulated:
             n = t.prepend_axis_num
             shape = (1,) * n + t.local_shape
-            return [_Piece(t.global_offset, shape, t.data.view(shape) if n else t.data, n)]
+            return [_Piece(t.global_offset, shape, view_keeping_base(t.data, shape) if n else t.data, n)]
         fr = t.flattened_range if t.flattened_range is not None else slice(0, _prod(t.local_shape))
         length = fr.stop - fr.start
         if len(t.global_shape) == 1:
