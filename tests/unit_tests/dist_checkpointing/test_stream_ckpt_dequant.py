@@ -223,6 +223,9 @@ def test_strip_prepended_axes():
     out = strip_prepended_axes(q.view(1, 1, 4, 6), 2, "k")
     assert type(out) is FakeQuantizedTensor and tuple(out.shape) == (4, 6)
     assert FakeQuantizedTensor.dequantize_calls == n
+    v = quantized_load.view_keeping_base(q, (1, 1, 4, 6))
+    assert quantized_load.quantized_base(v) is q and strip_prepended_axes(v, 2, "k") is q
+    assert quantized_load.quantized_base(quantized_load.view_keeping_base(torch.zeros(4, 6), (1, 4, 6))) is None
     with pytest.raises(CheckpointingException, match=r"bad\.key.*axis 1 .*size 4"):
         strip_prepended_axes(q.view(1, 4, 6), 2, "bad.key")
 
@@ -391,6 +394,7 @@ def _prepend_body(rank, world_size, ckpt, vals, stream):
         ref = FakeQuantizedTensor.quantize(vals[k][rank * n : (rank + 1) * n], "tensorwise")
         assert d.scale_inv == ref.scale_inv and torch.equal(d._data.float(), ref._data.float()), k
         assert tuple(loaded[k].shape) == tuple(d.shape), k
+        assert loaded[k] is d or not stream, k  # streaming hands back the original quantized tensor
     if stream:
         assert FakeQuantizedTensor.dequantize_calls == 0
 
@@ -422,6 +426,10 @@ def test_unwrap_pyt_sharded_tensor():
     assert len(out) == 1 and tuple(out[0].shape) == (4, 6)
     assert type(out[0]) is FakeQuantizedTensor and FakeQuantizedTensor.dequantize_calls == n  # view, no dequantize
     assert out[0]._data.data_ptr() == data._data.data_ptr()
+    # A view made with view_keeping_base (what the strategy builds for DCP) unwraps to the original tensor itself.
+    sh = ShardedTensor.from_rank_offsets("based", data, prepend_axis_num=2)
+    piece = piece_cls((0, 0, 0, 0), (1, 1, 4, 6), quantized_load.view_keeping_base(data, (1, 1, 4, 6)), 2)
+    assert unwrap(make("based", (1, 1, 4, 6), torch.bfloat16, [piece], sh.without_data()))[0] is data
     # prepend_axis_num=2 and the local shard's axis 1 has size 4 (not 1): rejected, naming the key (upstream only
     # checked axis 0 repeatedly, so this passed and squeezed the wrong axis).
     with pytest.raises(CheckpointingException, match=r"bad\.key.*axis 1"):

@@ -88,7 +88,30 @@ def strip_prepended_axes(ten: torch.Tensor, prepend_axis_num: int, key: str = "?
                 f"{key}: prepended axis {i} of the loaded tensor has size {ten.shape[i]}, expected 1 "
                 f"(shape {tuple(ten.shape)}, prepend_axis_num={prepend_axis_num})"
             )
+    base = quantized_base(ten)
+    if base is not None and tuple(base.shape) == tuple(ten.shape[prepend_axis_num:]):
+        return base
     return ten.view(tuple(ten.shape[prepend_axis_num:]))
+
+
+_BASE_ATTR = "_mcore_quantized_base"
+
+
+def view_keeping_base(ten: torch.Tensor, shape) -> torch.Tensor:
+    """``ten.view(shape)``; for a quantized ``ten`` the view also remembers ``ten`` as its base.
+
+    A view of a TE quantized tensor is a new tensor object sharing the data but not everything (a Float8Tensor view
+    that changes the number of axes drops the cached transpose). The streaming planner therefore quantizes into the
+    base, and ``quantized_base`` lets the strategy hand back the original tensor after the load."""
+    v = ten.view(tuple(shape))
+    if v is not ten and fp8_utils.is_quantized_tensor(ten):
+        setattr(v, _BASE_ATTR, getattr(ten, _BASE_ATTR, ten))
+    return v
+
+
+def quantized_base(ten):
+    """The quantized tensor ``ten`` was made from by :func:`view_keeping_base`, or None."""
+    return getattr(ten, _BASE_ATTR, None) if isinstance(ten, torch.Tensor) else None
 
 
 # ---- legacy upfront path ---------------------------------------------------------------------------------------
@@ -216,6 +239,9 @@ class QuantizedLoadPlannerMixin:
     def _quantize_and_free(self, key: DestKey) -> None:
         scratch = self._release(key)
         dest, buf = scratch.dest, scratch.buf
+        base = quantized_base(dest)
+        if base is not None:  # a view made for DCP (prepended axes): quantize into the original tensor
+            dest = base
         snap = fp8_utils.snapshot_amax(dest)
         fp8_utils.quantize_into(dest, buf)
         fp8_utils.restore_amax(dest, snap)
