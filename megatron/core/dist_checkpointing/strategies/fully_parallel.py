@@ -70,25 +70,10 @@ def _shard_nbytes(sh_ten) -> int:
     return numel * torch.empty((), dtype=sh_ten.dtype).element_size()
 
 
-def _leaves(obj, out: List[Tuple[Any, Any]], parent=None, key=None):
-    """Collect ``(parent, key)`` references of every leaf of nested dicts/lists."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _leaves(v, out, obj, k)
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _leaves(v, out, obj, i)
-    else:
-        out.append((parent, key))
-    return out
-
-
 def _map_leaves(obj, fn: Callable[[Any], Any]):
     """A copy of nested dicts/lists with ``fn`` applied to every leaf (containers are new, leaves are fn's)."""
     if isinstance(obj, dict):
-        return type(obj)((k, _map_leaves(v, fn)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: _map_leaves(v, fn) for k, v in obj.items()
-        }
+        return {k: _map_leaves(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_map_leaves(v, fn) for v in obj]
     return fn(obj)
@@ -365,32 +350,18 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             self._cached_fingerprint = _fingerprint(local)
         return distribution
 
-    def _precheck(self, sharded_tensors, checkpoint_dir) -> Optional[str]:
-        """Check every requested tensor against the checkpoint's metadata on its own rank (not only the reader), so
-        that bad input fails on all ranks together instead of hanging the ranks that did not read the bad key."""
-        try:
-            metadata = self.base_strategy.load_tensors_metadata(checkpoint_dir)
-        except Exception as e:  # not a checkpoint, missing/corrupt metadata
-            return f"{type(e).__name__}: {e}"
-        for t in sharded_tensors:
-            md = metadata.get(t.key)
-            if md is None:
-                return f"key {t.key!r} not found in checkpoint {checkpoint_dir}"
-            if not getattr(t, "allow_shape_mismatch", False) and tuple(md.global_shape) != tuple(t.global_shape):
-                return (
-                    f"global shape mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: "
-                    f"requested {tuple(t.global_shape)}, checkpoint has {tuple(md.global_shape)}"
-                )
-        return None
-
-    def _raise_if_any_failed(self, error: Optional[str], group, what: str):
-        if not _any_rank_true(error is not None, group):
+    def _sync_errors(self, exc: Optional[BaseException], group):
+        """Raise on every rank of the group if the wrapped load failed on any (the wrapped strategy usually raises
+        collectively itself; this covers failures on some ranks only, so the exchange never waits for a dead rank)."""
+        if not _any_rank_true(exc is not None, group):
             return
         _, size = _group_rank_size(group)
         errors = [None] * size
-        dist.all_gather_object(errors, error, group=group)
+        dist.all_gather_object(errors, None if exc is None else f"{type(exc).__name__}: {exc}", group=group)
+        if exc is not None and all(e is not None for e in errors):
+            raise exc  # failed everywhere (a collective error): the wrapped strategy's own exception
         msgs = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
-        raise CheckpointingException(f"fully-parallel load {what} failed: {msgs}")
+        raise CheckpointingException(f"fully-parallel load failed: {msgs}") from exc
 
     # -- load --
     def load(self, sharded_state_dict, checkpoint_dir):
@@ -405,7 +376,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         for t in sharded_tensors:
             by_id.setdefault(_shard_id(t), []).append(t)
 
-        self._raise_if_any_failed(self._precheck(sharded_tensors, checkpoint_dir), group, "check")
         reader, holders, meta = self.determine_distribution(sharded_tensors)
 
         # What this rank reads through the wrapped strategy: its own destination, or a high-precision buffer when
@@ -428,22 +398,19 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         for i, o in enumerate(objects):
             to_load[f"o{i}"] = o
 
-        error = None
-        loaded = {}
+        exc, loaded = None, {}
         try:
             loaded = self.base_strategy.load(to_load, checkpoint_dir)
-        except CheckpointingException as e:
-            error = str(e)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        self._raise_if_any_failed(error, group, "read")
+            exc = e
+        self._sync_errors(exc, group)
 
         loaded_objects = {}
         for name, item in to_load.items():
             value = loaded[name]
             if isinstance(item, ShardedObject):
                 loaded_objects[id(item)] = value
-            elif isinstance(value, torch.Tensor) and value is not item.data:
+            elif isinstance(value, torch.Tensor) and not _same_memory(value, item.data):
                 item.data.copy_(value)  # strategies that do not load in place
 
         # Destinations that this rank read itself, held more than once on this rank.
@@ -486,6 +453,15 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                 for t in by_id[sid]:
                     t.data.copy_(buf.view(t.data.shape) if t.data.shape != buf.shape else buf)
             del buf
+
+
+def _same_memory(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+    except Exception:  # tensor subclasses without storage
+        return False
 
 
 def _buffer_device(tensor) -> torch.device:

@@ -1,0 +1,363 @@
+"""Fully-parallel save/load wrappers, for real on 2 and 4 gloo ranks.
+
+Checked: the wrappers give bit-exactly the values of the plain torch_dist strategies (replicated, sharded, partly
+replicated, 2-D sharded tensors; fp32/bf16/int64; sharded objects); each shard is read from disk exactly once across
+the group (counted in DCP's FileSystemReader.read_data and in what the wrapped strategy is asked to load); the save
+writes each replicated shard once with the bytes spread over the ranks; ``stream_ckpt_dequant`` reaches the planner.
+"""
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+    distribute_shards_to_ranks,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+from tests.unit_tests.dist_utils import run_distributed
+
+REPL_ROWS = 64  # rows of each replicated tensor
+
+
+def _values(rank, world, seed):
+    """Local tensors of this rank (deterministic); replicated ones are equal on all ranks."""
+    g = torch.Generator().manual_seed(seed)
+    full = {
+        "sharded": torch.randn(8 * world, 16, generator=g),
+        "sharded_bf16": torch.randn(4 * world, 8, generator=g).to(torch.bfloat16),
+        "repl0": torch.randn(REPL_ROWS, 32, generator=g),
+        "repl1": torch.randn(REPL_ROWS, 32, generator=g),
+        "repl2": torch.randn(REPL_ROWS, 32, generator=g),
+        "repl3": torch.randn(REPL_ROWS, 32, generator=g),
+        "repl_int": torch.randint(0, 1000, (10,), generator=g),
+        "half": torch.randn(6, 4, generator=g),
+        "grid": torch.randn(4, 6, generator=g),
+    }
+    half_rank, half_n = (rank % 2, 2) if world >= 2 else (0, 1)
+    local = {
+        "sharded": full["sharded"].chunk(world)[rank].clone(),
+        "sharded_bf16": full["sharded_bf16"].chunk(world)[rank].clone(),
+        "half": full["half"].chunk(half_n)[half_rank].clone(),
+    }
+    for k in ("repl0", "repl1", "repl2", "repl3", "repl_int"):
+        local[k] = full[k].clone()
+    if world == 4:
+        local["grid"] = full["grid"].chunk(2, 0)[rank // 2].chunk(2, 1)[rank % 2].clone()
+    else:
+        local["grid"] = full["grid"].chunk(world, 1)[rank].clone()
+    return local
+
+
+def _ssd(local, rank, world, obj=None):
+    """Sharded state dict over ``local`` tensors (the tensors are the destinations/sources)."""
+    half_rank, half_n = (rank % 2, 2)
+    sd = {
+        "sharded": ShardedTensor.from_rank_offsets("sharded", local["sharded"], (0, rank, world)),
+        "nested": {
+            "sharded_bf16": ShardedTensor.from_rank_offsets("sharded_bf16", local["sharded_bf16"], (0, rank, world)),
+            "list": [
+                ShardedTensor.from_rank_offsets(k, local[k], replica_id=rank)
+                for k in ("repl0", "repl1", "repl2", "repl3")
+            ],
+        },
+        "repl_int": ShardedTensor.from_rank_offsets("repl_int", local["repl_int"], replica_id=rank),
+        "half": ShardedTensor.from_rank_offsets(
+            "half", local["half"], (0, half_rank, half_n), replica_id=rank // half_n
+        ),
+    }
+    if world == 4:
+        sd["grid"] = ShardedTensor.from_rank_offsets("grid", local["grid"], (0, rank // 2, 2), (1, rank % 2, 2))
+    else:
+        sd["grid"] = ShardedTensor.from_rank_offsets("grid", local["grid"], (1, rank, world))
+    if obj is not None:
+        sd["obj"] = ShardedObject("obj", obj, (1,), (0,), replica_id=rank)
+    return sd
+
+
+def _zeros_like(local):
+    return {k: torch.zeros_like(v) for k, v in local.items()}
+
+
+def _assert_same(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (what, k)
+        assert torch.equal(a[k], b[k]), (what, k)
+
+
+def _fp_save(group=None, cache=False):
+    return FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1), group, cache)
+
+
+def _fp_load(group=None, cache=False, base=None):
+    return FullyParallelLoadStrategyWrapper(base or TorchDistLoadShardedStrategy(), group, cache)
+
+
+def _shared_dir(tmp_path, name):
+    d = os.path.join(str(tmp_path), name)
+    if dist.get_rank() == 0:
+        os.makedirs(d, exist_ok=True)
+    dist.barrier()
+    return d
+
+
+def _rank_file_bytes(ckpt_dir):
+    """Bytes of .distcp data files per writing rank (file names ``__<rank>_<i>.distcp``)."""
+    per_rank = Counter()
+    for f in os.listdir(ckpt_dir):
+        if f.endswith(".distcp"):
+            per_rank[int(f.split("_")[2])] += os.path.getsize(os.path.join(ckpt_dir, f))
+    return per_rank
+
+
+# ---- read counting -------------------------------------------------------------------------------------------
+class _ReadCounter:
+    """Patch DCP's FileSystemReader.read_data in this process: records (fqn, offsets, lengths) of what it reads."""
+
+    def __init__(self):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.cls = FileSystemReader
+        self.orig = FileSystemReader.read_data
+        self.items = []
+        counter = self
+
+        def read_data(reader, plan, planner):
+            for it in plan.items:
+                counter.items.append((it.storage_index.fqn, tuple(it.storage_offsets), tuple(it.lengths)))
+            return counter.orig(reader, plan, planner)
+
+        FileSystemReader.read_data = read_data
+
+    def restore(self):
+        self.cls.read_data = self.orig
+
+
+def _all_gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _CountingLoad(TorchDistLoadShardedStrategy):
+    """Records the shard ids (and destination identities) the wrapped strategy is asked to load."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.asked = []
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        for v in fp._nested_values(sharded_state_dict):
+            if isinstance(v, ShardedTensor):
+                self.asked.append((fp._shard_id(v), id(v.data)))
+        return super().load(sharded_state_dict, checkpoint_dir)
+
+
+def _elements(items):
+    n = 0
+    for _, _, lengths in items:
+        k = 1
+        for x in lengths:
+            k *= x
+        n += k
+    return n
+
+
+# ---- bodies ----------------------------------------------------------------------------------------------------
+def _roundtrip_body(rank, world, tmp_path):
+    src = _values(rank, world, seed=7)
+    plain_dir = _shared_dir(tmp_path, "plain")
+    fp_dir = _shared_dir(tmp_path, "fp")
+    dist_checkpointing.save(_ssd(src, rank, world, obj={"step": 3}), plain_dir)
+    dist_checkpointing.save(
+        _ssd(src, rank, world, obj={"step": 3}), fp_dir, sharded_strategy=_fp_save()
+    )
+
+    # Save: each replicated shard written once, bytes spread over ranks (plain puts all replicas on rank 0).
+    plain_bytes, fp_bytes = _rank_file_bytes(plain_dir), _rank_file_bytes(fp_dir)
+    repl_bytes = 4 * REPL_ROWS * 32 * 4
+    assert plain_bytes[0] - max(plain_bytes[r] for r in range(1, world)) >= repl_bytes * 0.9, plain_bytes
+    assert max(fp_bytes.values()) - min(fp_bytes.values()) <= REPL_ROWS * 32 * 4, fp_bytes
+    total_plain, total_fp = sum(plain_bytes.values()), sum(fp_bytes.values())
+    assert abs(total_plain - total_fp) <= 4096 * world, (total_plain, total_fp)  # nothing saved twice
+    md = TorchDistLoadShardedStrategy().load_tensors_metadata(fp_dir)
+    assert tuple(md["repl0"].global_shape) == (REPL_ROWS, 32)
+
+    results = {}
+    for tag, d in (("plain_dir", plain_dir), ("fp_dir", fp_dir)):
+        for how in ("plain", "fp"):
+            dst = _zeros_like(src)
+            counter = _ReadCounter()
+            base = _CountingLoad()
+            try:
+                strategy = _fp_load(base=base) if how == "fp" else base
+                loaded = dist_checkpointing.load(_ssd(dst, rank, world, obj={}), d, sharded_strategy=strategy)
+            finally:
+                counter.restore()
+            # values land in the caller's destination tensors and equal the saved ones
+            _assert_same(dst, src, (tag, how))
+            assert loaded["obj"] == {"step": 3}
+            assert torch.equal(loaded["sharded"], src["sharded"])
+            assert torch.equal(loaded["nested"]["list"][2], src["repl2"])
+            results[(tag, how)] = dst
+            all_items = _all_gather(counter.items)
+            all_asked = _all_gather(base.asked)
+            read_elems = sum(_elements(i) for i in all_items)
+            if how == "fp":
+                # every distinct shard was handed to the wrapped strategy by exactly one rank ...
+                asked = Counter(sid for per_rank in all_asked for sid, _ in per_rank)
+                requested = {fp._shard_id(v) for v in fp._nested_values(_ssd(src, rank, world))
+                             if isinstance(v, ShardedTensor)}
+                all_requested = set().union(*_all_gather(requested))
+                assert set(asked) == all_requested and set(asked.values()) == {1}, asked
+                # ... and every element of the checkpoint's tensors was read from disk once in total
+                total_elems = sum(_numel_md(m) for m in md.values())
+                assert read_elems == total_elems, (read_elems, total_elems)
+                per_rank_read = [_elements(i) for i in all_items]
+                assert min(per_rank_read) > 0, per_rank_read  # the reads are spread
+            else:
+                assert read_elems > sum(_numel_md(m) for m in md.values())  # plain: every rank reads replicas
+    for k in results:
+        _assert_same(results[k], results[("plain_dir", "plain")], k)
+
+
+def _numel_md(m):
+    n = 1
+    for s in m.global_shape:
+        n *= s
+    return n
+
+
+def _cache_and_errors_body(rank, world, tmp_path):
+    src = _values(rank, world, seed=11)
+    d = _shared_dir(tmp_path, "c1")
+    save = _fp_save(cache=True)
+    dist_checkpointing.save(_ssd(src, rank, world), d, sharded_strategy=save)
+    first = save.cached_distribution
+    assert first is not None and sum(save.last_saved_bytes_per_rank) > 0
+    d2 = _shared_dir(tmp_path, "c2")
+    src2 = {k: v + 1 if v.is_floating_point() else v + 1 for k, v in src.items()}
+    dist_checkpointing.save(_ssd(src2, rank, world), d2, sharded_strategy=save)
+    assert save.cached_distribution is first  # same structure: reused
+
+    load = _fp_load(cache=True)
+    for directory, expected in ((d, src), (d2, src2), (d, src)):
+        dst = _zeros_like(src)
+        dist_checkpointing.load(_ssd(dst, rank, world), directory, sharded_strategy=load)
+        _assert_same(dst, expected, directory)
+    cached = load.cached_distribution
+    # A changed structure on one rank only is detected on all ranks (no hang) and recomputed.
+    dst = _zeros_like(src)
+    sd = _ssd(dst, rank, world)
+    if rank == 1:
+        del sd["repl_int"]
+    dist_checkpointing.load(sd, d, sharded_strategy=load)
+    assert load.cached_distribution is not cached
+    assert torch.equal(dst["repl0"], src["repl0"])
+    if rank == 1:
+        assert torch.equal(dst["repl_int"], torch.zeros_like(src["repl_int"]))
+    else:
+        assert torch.equal(dst["repl_int"], src["repl_int"])
+
+    # A key missing from the checkpoint, requested by one rank only: every rank raises, naming the key.
+    dst = _zeros_like(src)
+    sd = _ssd(dst, rank, world)
+    if rank == world - 1:
+        sd["missing"] = ShardedTensor.from_rank_offsets("no_such_key", torch.zeros(3))
+    with pytest.raises(CheckpointingException, match="no_such_key"):
+        dist_checkpointing.load(sd, d, sharded_strategy=_fp_load())
+
+
+def _stream_flag_body(rank, world, tmp_path):
+    from megatron.core.dist_checkpointing.strategies import quantized_load
+
+    src = _values(rank, world, seed=5)
+    d = _shared_dir(tmp_path, "s")
+    dist_checkpointing.save(_ssd(src, rank, world), d, sharded_strategy=_fp_save())
+    for flag in (True, False):
+        seen = []
+        orig = quantized_load.QuantizedLoadPlannerMixin.__init__
+
+        def spy(self, *a, **kw):
+            seen.append(kw.get("stream_ckpt_dequant", False))
+            orig(self, *a, **kw)
+
+        quantized_load.QuantizedLoadPlannerMixin.__init__ = spy
+        try:
+            wrapper = _fp_load(base=TorchDistLoadShardedStrategy(stream_ckpt_dequant=flag))
+            assert wrapper.stream_ckpt_dequant is flag
+            dst = _zeros_like(src)
+            dist_checkpointing.load(_ssd(dst, rank, world), d, sharded_strategy=wrapper)
+        finally:
+            quantized_load.QuantizedLoadPlannerMixin.__init__ = orig
+        _assert_same(dst, src, flag)
+        assert seen and set(seen) == {flag}, seen
+
+
+def _fake_quantized_body(rank, world, tmp_path):
+    """Destinations marked quantized: the reader loads shared shards into a high-precision buffer (not into its
+    destination), every rank gets the value with dest.copy_(buf); unshared shards go to the destination directly."""
+    src = _values(rank, world, seed=3)
+    d = _shared_dir(tmp_path, "q")
+    dist_checkpointing.save(_ssd(src, rank, world), d)
+    fp.is_quantized_destination = lambda t: bool(getattr(t, "_fake_quantized", False))
+    dst = _zeros_like(src)
+    for t in dst.values():
+        t._fake_quantized = True
+    base = _CountingLoad()
+    dist_checkpointing.load(_ssd(dst, rank, world), d, sharded_strategy=_fp_load(base=base))
+    _assert_same(dst, src, "fake quantized")
+    dest_ids = {id(t) for t in dst.values()}
+    for sid, data_id in base.asked:
+        shared = sid[0] not in ("sharded", "sharded_bf16", "grid")
+        assert (data_id in dest_ids) != shared, (sid, shared)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_parallel_roundtrip_matches_plain(tmp_path, world):
+    run_distributed(_roundtrip_body, world, tmp_path)
+
+
+def test_fully_parallel_cache_and_error_sync(tmp_path):
+    run_distributed(_cache_and_errors_body, 2, tmp_path)
+
+
+def test_stream_ckpt_dequant_forwarded(tmp_path):
+    assert FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(stream_ckpt_dequant=True)).stream_ckpt_dequant
+    assert not FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()).stream_ckpt_dequant
+    run_distributed(_stream_flag_body, 2, tmp_path)
+
+
+def test_quantized_destinations_get_high_precision_buffers(tmp_path):
+    run_distributed(_fake_quantized_body, 4, tmp_path)
+
+
+def test_distribute_shards_balances_deterministically():
+    shards = {("a", (0,), (4,), ()): [0, 1], ("b", (0,), (4,), ()): [0, 1], ("c", (0,), (2,), ()): [0, 1],
+              ("d", (0,), (2,), ()): [0, 1], ("e", (0,), (1,), ()): [1]}
+    sizes = {"a": 40, "b": 40, "c": 20, "d": 20, "e": 10}
+    sizes = {s: sizes[s[0]] for s in shards}
+    out = distribute_shards_to_ranks(shards, sizes, 2)
+    assert out == distribute_shards_to_ranks(dict(reversed(list(shards.items()))), sizes, 2)
+    per_rank = Counter()
+    for s, r in out.items():
+        assert r in shards[s]
+        per_rank[r] += sizes[s]
+    assert per_rank == {0: 60, 1: 70}
+    assert out[("e", (0,), (1,), ())] == 1
+
+
+def test_unknown_exchange_algo():
+    with pytest.raises(CheckpointingException, match="exchange_algo"):
+        FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="carrier_pigeon")
