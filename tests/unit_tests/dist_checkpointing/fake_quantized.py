@@ -45,6 +45,7 @@ class FakeQuantizer:
 class FakeQuantizedTensor(torch.Tensor):
     __mcore_quantized_tensor__ = True
     dequantize_calls = 0  # class-wide counter, reset by tests
+    view_keeps_ndim_only = False  # True in a subclass: view cannot add/remove axes (like TE's blockwise tensor)
     quantize_calls = 0
 
     @staticmethod
@@ -124,6 +125,8 @@ class FakeQuantizedTensor(torch.Tensor):
             return cls(t._data, t._scale_inv, t._quantizer, dtype=t.dtype)
         if func is aten.view.default:
             t, shape = args[0], args[1]
+            if cls.view_keeps_ndim_only and len(shape) != t.dim():
+                raise NotImplementedError("Changing shape with view not implemented")  # like TE's blockwise
             return cls(t._data.view(shape), t._scale_inv, t._quantizer, dtype=t.dtype)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]

@@ -379,11 +379,18 @@ def test_flag_through_fully_parallel_wrapper(tmp_path):
     run_distributed(_fully_parallel_body, 2, str(tmp_path), vals)
 
 
-def _prepend_body(rank, world_size, ckpt, vals, stream):
+class _NoReshapeView(FakeQuantizedTensor):
+    view_keeps_ndim_only = True
+
+
+def _prepend_body(rank, world_size, ckpt, vals, stream, no_reshape_view=False):
     dests = {}
 
     def make(k, local):
         dests[k] = _seeded_destination(local, "tensorwise")
+        if no_reshape_view:
+            d = dests[k]
+            dests[k] = _NoReshapeView(d._data, d._scale_inv, d._quantizer, dtype=d.dtype)
         return dests[k]
 
     sd = _sharded_sd(vals, rank, world_size, make, prepend=2)
@@ -400,11 +407,12 @@ def _prepend_body(rank, world_size, ckpt, vals, stream):
 
 
 @needs_core
-@pytest.mark.parametrize("stream", [False, True])
-def test_prepended_axes_load(tmp_path, stream):
+@pytest.mark.parametrize("stream,no_reshape_view", [(False, False), (True, False), (True, True), (False, True)])
+def test_prepended_axes_load(tmp_path, stream, no_reshape_view):
+    # no_reshape_view: a quantized tensor whose view cannot add axes (TE's blockwise) still streams
     vals = _values([(16, 8)], 6)
     run_distributed(_save_body, 2, str(tmp_path), vals, 2)
-    run_distributed(_prepend_body, 2, str(tmp_path), vals, stream)
+    run_distributed(_prepend_body, 2, str(tmp_path), vals, stream, no_reshape_view)
 
 
 @needs_core

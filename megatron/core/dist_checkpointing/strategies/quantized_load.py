@@ -103,8 +103,17 @@ def view_keeping_base(ten: torch.Tensor, shape) -> torch.Tensor:
     A view of a TE quantized tensor is a new tensor object sharing the data but not everything (a Float8Tensor view
     that changes the number of axes drops the cached transpose). The streaming planner therefore quantizes into the
     base, and ``quantized_base`` lets the strategy hand back the original tensor after the load."""
-    v = ten.view(tuple(shape))
-    if v is not ten and fp8_utils.is_quantized_tensor(ten):
+    shape = tuple(shape)
+    if not fp8_utils.is_quantized_tensor(ten):
+        return ten.view(shape)
+    try:
+        v = ten.view(shape)
+    except (NotImplementedError, RuntimeError):
+        # Some quantized tensors cannot change their number of axes by view (TE's Float8BlockwiseQTensor). Then
+        # DCP gets a storage-free stand-in of the right shape (one element, expanded): only the streaming planner
+        # touches it (reads go into a scratch, which is quantized into the base).
+        v = torch.empty(1, dtype=fp8_utils.high_precision_dtype(ten), device=ten.device).expand(shape)
+    if v is not ten:
         setattr(v, _BASE_ATTR, getattr(ten, _BASE_ATTR, ten))
     return v
 
@@ -194,10 +203,14 @@ class QuantizedLoadPlannerMixin:
                 key = self._dest_key(item.dest_index)
                 if key in pending:
                     pending[key] += 1
-                elif fp8_utils.is_quantized_tensor(self.lookup_tensor(item.dest_index)):
+                elif self._is_quantized_destination(self.lookup_tensor(item.dest_index)):
                     pending[key] = 1
             self._quantized_pending = pending
         return plan
+
+    @staticmethod
+    def _is_quantized_destination(dest) -> bool:
+        return fp8_utils.is_quantized_tensor(dest) or quantized_base(dest) is not None
 
     def resolve_tensor(self, read_item):
         if not self.stream_ckpt_dequant:
@@ -208,7 +221,9 @@ class QuantizedLoadPlannerMixin:
         scratch = self._quantized_scratch.get(key)
         if scratch is None:
             dest = self.lookup_tensor(read_item.dest_index)
-            buf = torch.empty(dest.shape, dtype=fp8_utils.high_precision_dtype(dest), device=dest.device)
+            base = quantized_base(dest)
+            hp = fp8_utils.high_precision_dtype(base if base is not None else dest)
+            buf = torch.empty(dest.shape, dtype=hp, device=dest.device)
             scratch = self._quantized_scratch[key] = _Scratch(dest, buf)
             self.scratch_bytes_live += scratch.nbytes
             self.scratch_bytes_peak = max(self.scratch_bytes_peak, self.scratch_bytes_live)
