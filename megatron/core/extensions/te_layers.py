@@ -19,7 +19,7 @@ import inspect
 import torch
 
 from megatron.core.extensions import transformer_engine as _te
-from megatron.core.transformer.utils import ambient_device, set_param_attrs
+from megatron.core.transformer.utils import set_param_attrs
 
 HAVE_TE = _te.HAVE_TE and _te.TELinear is not None and _te.TELayerNormLinear is not None
 
@@ -98,6 +98,7 @@ def _te_device():
 
 @contextlib.contextmanager
 def _rng_untouched():
+    """Belt and braces: construction (deferred on meta) must not consume RNG even if a TE version initialises."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         yield
@@ -132,9 +133,12 @@ class _TEWrapperMixin:
 
     def reset_parameters(self, defer_init=False):
         """TE's own reset (its ``init_method``, global RNG, re-quantisation of fp8/fp4 primary weights). TE wraps
-        every parameter in a NEW ``nn.Parameter``; the attributes of the old ones (``allreduce``, ...) are copied
-        onto the new ones so they survive."""
-        saved = {n: dict(vars(p)) for n, p in self.named_parameters(recurse=False)}
+        every parameter in a NEW ``nn.Parameter``; the public attributes of the old ones (``allreduce``, ...) are
+        copied onto the new ones so they survive (private ``_*`` ones belong to TE's tensor classes)."""
+        saved = {
+            n: {k: v for k, v in vars(p).items() if not k.startswith("_")}
+            for n, p in self.named_parameters(recurse=False)
+        }
         super().reset_parameters(defer_init=defer_init)
         for n, p in self.named_parameters(recurse=False):
             for k, v in saved.get(n, {}).items():
