@@ -84,8 +84,10 @@ class OptimizerParamScheduler:
     def get_lr(self, param_group: Optional[dict] = None) -> float:
         max_lr, min_lr = self.max_lr, self.min_lr
         if param_group is not None:
-            max_lr = param_group.get("max_lr", max_lr)
-            min_lr = param_group.get("min_lr", min_lr)
+            if param_group.get("max_lr") is not None:
+                max_lr = param_group["max_lr"]
+            if param_group.get("min_lr") is not None:
+                min_lr = param_group["min_lr"]
         n = self.num_steps
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
             return self.init_lr + (max_lr - self.init_lr) * n / self.lr_warmup_steps
@@ -147,6 +149,8 @@ class OptimizerParamScheduler:
             self.lr_decay_style, sd.get("lr_decay_style", self.lr_decay_style), "learning rate decay style"
         )
         for name in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+            if name == "wd_incr_steps" and self.wd_incr_style == "constant" and sd.get("wd_incr_style") == "constant":
+                continue  # irrelevant for a constant weight decay (it follows --train-iters)
             if name in sd:
                 setattr(self, name, self._check_and_set(getattr(self, name), sd[name], name))
         num_steps = sd.get("num_steps", sd.get("num_iters", 0))

@@ -279,6 +279,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if iteration % args.log_interval == 0:
             training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0, iters)
             interval_losses, t0, iters = [], time.time(), 0
+        t_extra = time.time()  # evaluation and saving are not counted in the iteration time
         if valid_dataset is not None and args.eval_iters > 0 and args.eval_interval and iteration % args.eval_interval == 0:
             v = evaluate(forward_step_func, valid_dataset, model, args.eval_iters)
             result.valid_losses[iteration] = v
@@ -287,6 +288,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                             args.num_floating_point_operations_so_far)
             saved_at = iteration
+        t0 += time.time() - t_extra
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
             break
