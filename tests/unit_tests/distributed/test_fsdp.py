@@ -27,7 +27,7 @@ from tests.unit_tests.distributed._common import (
 GLOBAL_BATCH = 8
 
 
-def _fsdp(cfg, seed, meta=True, tied=False, maps=(), **ddp_kw):
+def _fsdp(cfg, seed, meta=True, tied=False, maps=(), **ddp_kw):  # noqa: D103
     model = build_gpt(cfg, seed, meta=meta, tied=tied)
     ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, init_model_with_meta_device=meta, **ddp_kw)
     return FullyShardedDataParallel(cfg, ddp_config, model, param_keyed_maps=maps)
@@ -110,7 +110,7 @@ def test_meta_init_equals_eager_attributes_maps_sharded_state_dict(ws, tied):
 
 
 # ---- training: FSDP on a slice of the batch per rank == one process on the whole batch --------------------
-def _train_body(rank, ws, moe, meta, steps=3):
+def _train_body(rank, ws, moe, meta, accum=False, steps=3):
     cfg = tiny_config(moe=moe)
     fsdp = _fsdp(cfg, 11, meta=meta)
     opt = _opt(fsdp)
@@ -121,8 +121,17 @@ def _train_body(rank, ws, moe, meta, steps=3):
     sl = slice(rank * per, (rank + 1) * per)
     for tok, lab in batches(steps, GLOBAL_BATCH):
         opt.zero_grad()
-        loss = fsdp(tok[sl], position_ids(per), labels=lab[sl]).mean()
-        loss.backward()
+        if accum:  # two micro-batches: the first without reduce-scatter (no_sync), the second syncs
+            half = per // 2
+            with fsdp.no_sync():
+                l1 = fsdp(tok[sl][:half], position_ids(half), labels=lab[sl][:half]).mean() / 2
+                l1.backward()
+            l2 = fsdp(tok[sl][half:], position_ids(per - half), labels=lab[sl][half:]).mean() / 2
+            l2.backward()
+            loss = l1 + l2
+        else:
+            loss = fsdp(tok[sl], position_ids(per), labels=lab[sl]).mean()
+            loss.backward()
         fsdp.finish_grad_sync()
         ok, norm, _ = opt.step()
         update_expert_bias(fsdp.module)
@@ -149,9 +158,60 @@ def _train_body(rank, ws, moe, meta, steps=3):
             assert r_f.expert_bias.abs().sum() > 0  # it was updated
 
 
-@pytest.mark.parametrize("ws,moe,meta", [(2, True, True), (4, True, True), (2, False, False)])
-def test_fsdp_training_equals_single_process(ws, moe, meta):
-    run_distributed(_train_body, ws, moe, meta)
+@pytest.mark.parametrize("ws,moe,meta,accum", [(2, True, True, False), (4, True, True, False), (2, False, False, True)])
+def test_fsdp_training_equals_single_process(ws, moe, meta, accum):
+    run_distributed(_train_body, ws, moe, meta, accum)
+
+
+# ---- peak memory of meta init: at most one FSDP unit at full size besides the root's own modules ---------
+def _peak_body(rank, ws):
+    import megatron.core.distributed.fsdp.fully_sharded_data_parallel as fsdp_mod
+
+    cfg = tiny_config(moe=True, num_layers=4)
+    model = build_gpt(cfg, 0, meta=True)
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.decoder.layers]
+    layer_ids = {id(p) for layer in model.decoder.layers for p in layer.parameters()}
+    root_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in layer_ids)
+    samples = []
+    orig = fsdp_mod.materialize_module_tree
+
+    def full_size_bytes():
+        return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta and not isinstance(p, DTensor))
+
+    def spy(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        samples.append(full_size_bytes())
+        return out
+
+    fsdp_mod.materialize_module_tree = spy
+    try:
+        FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), model)
+    finally:
+        fsdp_mod.materialize_module_tree = orig
+    assert samples and max(samples) <= root_bytes + max(layer_bytes), (samples, root_bytes, layer_bytes)
+    assert max(samples) >= max(layer_bytes)  # a layer really was materialised at full size (then sharded)
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    total = sum(layer_bytes) + root_bytes
+    assert local <= total / ws + 4 * 64 * 4 * len(list(model.parameters())), (local, total)
+    assert full_size_bytes() == 0  # everything ended up sharded
+
+
+def test_meta_init_peak_is_one_unit():
+    run_distributed(_peak_body, 2)
+
+
+def test_fp8_param_gather_without_te_is_a_clear_error():
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if HAVE_TE:
+        pytest.skip("TE installed: checked by the GPU tests")
+    run_distributed(_fp8_guard_body, 2)
+
+
+def _fp8_guard_body(rank, ws):
+    cfg = tiny_config(moe=False)
+    with pytest.raises(RuntimeError, match="--fp8-param-gather needs Transformer Engine"):
+        _fsdp(cfg, 0, meta=True, fp8_param_gather=True)
 
 
 def _bf16_body(rank, ws):

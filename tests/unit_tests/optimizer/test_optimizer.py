@@ -174,3 +174,44 @@ def _dtensor_clip_body(rank, ws):
 
 def test_clip_with_dtensor_grads_two_ranks():
     run_distributed(_dtensor_clip_body, 2)
+
+
+def _ddp_bf16_ckpt_body(rank, ws, ckpt_dir):
+    """DDP with a bf16 model: fp32 main params + Adam state through dist_checkpointing, then an identical step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = tiny_config(moe=True, bf16=True, params_dtype=torch.bfloat16)
+
+    def build(seed):
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), build_gpt(cfg, seed))
+        return ddp, get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True), [ddp])
+
+    def step(ddp, opt, seed):
+        opt.zero_grad()
+        ddp.zero_grad_buffer()
+        tok, lab = batches(1, 4, seed=seed)[0]
+        ddp(tok[rank * 2:(rank + 1) * 2], position_ids(2), labels=lab[rank * 2:(rank + 1) * 2]).float().mean().backward()
+        ddp.finish_grad_sync()
+        assert all(p.main_grad.dtype == torch.float32 for p in ddp.module.parameters())  # reduced in fp32
+        assert opt.step()[0]
+
+    a, oa = build(1)
+    step(a, oa, 0)
+    sd = a.sharded_state_dict()
+    dist_checkpointing.save({"model": sd, "optimizer": oa.sharded_state_dict(sd)}, ckpt_dir)
+    b, ob = build(2)
+    sd_b = b.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": sd_b, "optimizer": ob.sharded_state_dict(sd_b, is_loading=True)}, ckpt_dir)
+    b.load_state_dict(loaded["model"])
+    ob.load_state_dict(loaded["optimizer"])
+    for m_a, m_b in zip(oa.main_params, ob.main_params):
+        assert torch.equal(m_a, m_b)  # fp32 main params restored exactly (not from the bf16 model weights)
+    step(a, oa, 1)
+    step(b, ob, 1)
+    for (n, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_ddp_bf16_main_params_checkpoint_round_trip(tmp_path):
+    run_distributed(_ddp_bf16_ckpt_body, 2, str(tmp_path))
