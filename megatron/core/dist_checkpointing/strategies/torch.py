@@ -413,7 +413,10 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         for d in gathered:
             union.update(d or {})
         planner = MCoreSavePlanner(mcore_data=union)
-        writer = FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count)
+        # No more files than items on this rank: an empty data file would not be referenced by the metadata, so its
+        # loss could not be detected.
+        n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
+        writer = FileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
