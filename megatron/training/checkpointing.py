@@ -147,6 +147,15 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
     return state_dict
 
 
+def _parallelization_group():
+    """The data-parallel group for the fully-parallel wrappers; None (= WORLD) when it spans every rank, as it
+    always does in this DP-only fork (this also sidesteps fully_parallel._global_rank's ``dist.Group`` lookup)."""
+    group = parallel_state.get_data_parallel_group()
+    if group is None or not _dist() or dist.get_world_size(group) == dist.get_world_size():
+        return None
+    return group
+
+
 def _save_strategy(args):
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -154,7 +163,7 @@ def _save_strategy(args):
     if args.ckpt_fully_parallel_save:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-        strategy = FullyParallelSaveStrategyWrapper(strategy, parallel_state.get_data_parallel_group())
+        strategy = FullyParallelSaveStrategyWrapper(strategy, _parallelization_group())
     return strategy
 
 
@@ -165,7 +174,7 @@ def _load_strategy(args):
     if args.ckpt_fully_parallel_load:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-        strategy = FullyParallelLoadStrategyWrapper(strategy, parallel_state.get_data_parallel_group())
+        strategy = FullyParallelLoadStrategyWrapper(strategy, _parallelization_group())
     return strategy
 
 
@@ -293,8 +302,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     if opt_param_scheduler is not None and load_optim:
         state_dict.pop("opt_param_scheduler")  # a plain dict: comes from the checkpoint's common state
     try:
-        loaded = dist_checkpointing.load(state_dict, checkpoint_dir, sharded_strategy=_load_strategy(args),
-                                         strict=args.dist_ckpt_strictness)
+        with torch.no_grad():  # values land in place in parameters (leaves that require grad)
+            loaded = dist_checkpointing.load(state_dict, checkpoint_dir, sharded_strategy=_load_strategy(args),
+                                             strict=args.dist_ckpt_strictness)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {checkpoint_dir} is incomplete: {e}") from e
 
