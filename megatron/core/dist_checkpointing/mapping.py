@@ -285,6 +285,18 @@ class ShardedTensor(ShardedBase):
             chunks.append(axis_sh // axis_fragm)
         return tuple(chunks)
 
+    @property
+    def has_regular_grid(self) -> bool:
+        return self.axis_fragmentations is not None
+
+    def init_data(self, device: Union[str, torch.device], init_fn=torch.empty) -> None:
+        """Allocate ``data`` (if None) with ``init_fn(shape, dtype=..., device=...)``."""
+        if self.data is not None:
+            return
+        shape = (self.flattened_range.stop - self.flattened_range.start,) if self.flattened_range is not None \
+            else self.local_shape
+        self.data = init_fn(shape, dtype=self.dtype, device=device)
+
     def global_box(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """(offset, shape) of the N-D local shard in the global tensor, prepended axes included."""
         return self.global_offset, (1,) * self.prepend_axis_num + self.local_shape

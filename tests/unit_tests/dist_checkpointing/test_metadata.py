@@ -82,3 +82,100 @@ def test_metadata_2_ranks(tmp_path):
 
 def test_metadata_4_ranks(tmp_path):
     run_distributed(_body, 4, tmp_path)
+
+
+# ---- interoperability with plain DCP (the format upstream reads and writes) --------------------------------------
+def _foreign_write(rank, world, tmp_path):
+    """Write a checkpoint the way upstream does, with torch APIs only: torch ShardedTensors with a full regular-grid
+    global shard list, objects as BytesIO under their unique keys, DefaultSavePlanner, hand-written metadata.json
+    and common.pt."""
+    import io
+    import json
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    d = os.path.join(str(tmp_path), "foreign")
+    if rank == 0:
+        os.makedirs(d)
+    dist.barrier()
+    full = torch.arange(4.0 * world * 3).reshape(1, 4 * world, 3)  # a prepended singleton axis
+    shards_md = [
+        ShardMetadata([0, 4 * r, 0], [1, 4, 3], f"rank:{r}/cpu") for r in range(world)
+    ]
+    local = Shard(full[:, 4 * rank : 4 * rank + 4].clone(), shards_md[rank])
+    props = TensorProperties(dtype=torch.float32)
+    st = TorchShardedTensor._init_from_local_shards_and_global_metadata(
+        [local], ShardedTensorMetadata(shards_md, torch.Size(full.shape), props)
+    )
+    buf = io.BytesIO()
+    torch.save({"obj_rank": rank}, buf)
+    state = {"layers.w": st, f"opt/shard_{rank}_{world}": buf}
+    save(state, storage_writer=FileSystemWriter(d), planner=DefaultSavePlanner())
+    if rank == 0:
+        torch.save({"iteration": 9}, os.path.join(d, "common.pt"))
+        with open(os.path.join(d, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}, f)
+    dist.barrier()
+
+
+def _foreign_read_here(rank, world, tmp_path):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    d = os.path.join(str(tmp_path), "foreign")
+    full = torch.arange(4.0 * 4 * 3).reshape(16, 3)
+    # saved on 4 ranks along axis 1 of (1, 16, 3); read on `world` ranks along the last axis
+    dst = torch.zeros(16, 3)
+    out = dist_checkpointing.load(
+        {
+            "w": ShardedTensor.from_rank_offsets("layers.w", dst, prepend_axis_num=1, replica_id=rank),
+            "o": ShardedObject("opt", None, (4,), (rank,)),
+        },
+        d,
+        validate_access_integrity=False,
+    )
+    assert torch.equal(out["w"], full) and out["o"] == {"obj_rank": rank} and out["iteration"] == 9
+    md = dist_checkpointing.load_tensors_metadata(d)
+    assert md["layers.w"].global_shape == (1, 16, 3)
+
+
+def test_foreign_dcp_checkpoint_loads(tmp_path):
+    run_distributed(_foreign_write, 4, tmp_path)
+    run_distributed(_foreign_read_here, 2, tmp_path)
+
+
+def _save_for_foreign_reader(rank, world, tmp_path):
+    d = os.path.join(str(tmp_path), "ours")
+    if rank == 0:
+        os.makedirs(d)
+    dist.barrier()
+    full = torch.arange(24.0).reshape(8, 3)
+    dist_checkpointing.save(
+        {
+            "w": ShardedTensor.from_rank_offsets("w", full.chunk(world)[rank].clone(), (0, rank, world)),
+            "p": ShardedTensor.from_rank_offsets("p", full[rank].clone(), (0, rank, world), prepend_axis_num=1),
+            "o": ShardedObject("opt", [rank], (world,), (rank,)),
+        },
+        d,
+    )
+
+
+def test_plain_dcp_reads_our_checkpoint(tmp_path):
+    """torch's own DCP reader (no MCore code) reads every tensor and object of our checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run_distributed(_save_for_foreign_reader, 2, tmp_path)
+    out_path = os.path.join(str(tmp_path), "plain.pt")
+    dcp_to_torch_save(os.path.join(str(tmp_path), "ours"), out_path)
+    sd = torch.load(out_path, weights_only=False)
+    full = torch.arange(24.0).reshape(8, 3)
+    assert torch.equal(sd["w"], full)
+    assert torch.equal(sd["p"], full[:2])  # layers 0 and 1 of the (2, 3) stack
+    # objects are torch.save bytes under their unique keys (torch's reader leaves them as BytesIO)
+    objs = {k: torch.load(v, weights_only=False) if hasattr(v, "read") else v for k, v in sd.items() if "/" in k}
+    assert objs == {"opt/shard_0_2": [0], "opt/shard_1_2": [1]}

@@ -229,6 +229,14 @@ def _object_to_bytes(obj) -> io.BytesIO:
     return buf
 
 
+@dataclass
+class MCoreMetadata(Metadata):
+    """DCP Metadata with the MCore data (``mcore_data``), for unpickling checkpoints whose ``.metadata`` was written
+    with such a class; this fork itself sets ``mcore_data`` as an attribute of the plain Metadata."""
+
+    mcore_data: Optional[Dict[str, Dict[str, Any]]] = None
+
+
 # ---- planners --------------------------------------------------------------------------------------------------
 class MCoreSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner that records MCore data (``mcore_data``: original global shapes of N-D flattened tensors)
