@@ -179,7 +179,12 @@ def save(
     if not sharded_strategy.can_handle_sharded_objects:
         objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
         common_strategy.save_sharded_objects(objects, checkpoint_dir)
-    common_strategy.save_common(common_state_dict, checkpoint_dir)
+    error = None
+    try:
+        common_strategy.save_common(common_state_dict, checkpoint_dir)
+    except Exception as e:  # e.g. an unpicklable common value: fail on every rank, before any sharded file
+        error = f"saving the common state to {checkpoint_dir} failed: {type(e).__name__}: {e}"
+    _collective_error(error)
     sharded_strategy.save(sharded_part, checkpoint_dir)
     _barrier()
     if _rank() == 0:
@@ -275,7 +280,12 @@ def load(
     sharded_strategy, common_strategy = strategies
     strict = parse_strict_flag(strict)
 
-    common_state_dict = common_strategy.load_common(checkpoint_dir)
+    common_state_dict, error = None, None
+    try:
+        common_state_dict = common_strategy.load_common(checkpoint_dir)
+    except CheckpointingException as e:
+        error = str(e)
+    _collective_error(error)
 
     sharded_state_dict = _copy_containers(sharded_state_dict)
     with_factories = _copy_containers(sharded_state_dict)
@@ -284,7 +294,12 @@ def load(
 
     ckpt_sharded_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        ckpt_sharded_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
+        error = None
+        try:
+            ckpt_sharded_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
+        except CheckpointingException as e:
+            error = str(e)
+        _collective_error(error)
     sharded_part, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
         sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_sharded_metadata
     )
@@ -293,7 +308,7 @@ def load(
         objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
         loaded_objects = common_strategy.load_sharded_objects(objects, checkpoint_dir)
         merge(common_state_dict, loaded_objects)
-    loaded = sharded_strategy.load(sharded_part, checkpoint_dir) if sharded_part else {}
+    loaded = sharded_strategy.load(sharded_part, checkpoint_dir)  # collective: called even with nothing to load
     loaded = apply_factory_merges(loaded, with_factories)
     loaded = _restore_list_types(loaded, with_factories)
     merge(common_state_dict, loaded)

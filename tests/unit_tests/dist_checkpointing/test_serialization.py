@@ -258,3 +258,26 @@ def _errors(rank, world, tmp_path):
 
 def test_errors(tmp_path):
     run_distributed(_errors, 2, tmp_path)
+
+
+def _uneven_participation(rank, world, tmp_path):
+    import threading
+
+    d = _dir(tmp_path, "uneven")
+    # only rank 0 has sharded state; the other ranks still take part in save and load
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))} if rank == 0 else {"x": 1}
+    dist_checkpointing.save(sd, d)
+    out = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3))} if rank == 0 else {}, d)
+    assert torch.equal(out["w"], torch.ones(3)) if rank == 0 else "w" not in out
+    # an unpicklable common value fails on every rank and leaves nothing behind
+    d2 = _dir(tmp_path, "unpicklable")
+    with pytest.raises(CheckpointingException, match="common state"):
+        dist_checkpointing.save(
+            {"lock": threading.Lock(), "w": ShardedTensor.from_rank_offsets("w", torch.ones(3), replica_id=rank)}, d2
+        )
+    dist.barrier()
+    assert os.listdir(d2) == []
+
+
+def test_uneven_participation(tmp_path):
+    run_distributed(_uneven_participation, 2, tmp_path)

@@ -27,7 +27,11 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         if _rank() == 0:
             path = Path(checkpoint_dir) / COMMON_STATE_FNAME
             tmp = path.with_name(COMMON_STATE_FNAME + ".tmp")
-            torch.save(common_state_dict, tmp)
+            try:
+                torch.save(common_state_dict, tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             tmp.replace(path)
 
 
