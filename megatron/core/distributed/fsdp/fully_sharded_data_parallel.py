@@ -12,8 +12,9 @@ Meta-device init: when the model was built under ``with torch.device('meta')``, 
 by module in ``model.modules()`` order: a whole FSDP unit is materialised at full size (only its meta tensors get
 storage, see ``meta_init.py``), its modules' ``reset_parameters()`` run (same RNG order as eager init, so values are
 bit-identical to an eagerly initialised model), and then the unit is sharded, so peak memory stays about one
-unit above the sharded model. The root's own modules (embedding, final norm, output layer) are materialised and
-initialised in their place in that order and sharded last. New Parameter objects (meta -> device, then FSDP2's
+unit above the sharded model. With untied embeddings the GPT's ``embedding`` and ``output_layer`` are units too;
+the root's remaining modules (final norm; embedding and output layer when tied) are materialised and initialised
+in their place in that order and sharded last. New Parameter objects (meta -> device, then FSDP2's
 DTensor parameters) get the old objects' attributes, and ``param_keyed_maps`` passed in are remapped.
 """
 import contextlib
@@ -116,6 +117,8 @@ class FullyShardedDataParallel(MegatronModule):
         self.is_meta_init = bool(ddp_config.init_model_with_meta_device) or has_meta_tensors(module)
         all_modules = list(module.modules())
         units = [m for m in all_modules if isinstance(m, self.fsdp_unit_modules) and m is not module]
+        units += [m for m in self._extra_units(module) if all(m is not u for u in units)]
+        no_reshard = {id(getattr(module, "output_layer", None))}  # its backward follows its forward at once
         unit_ids = {id(u) for u in units}
         inside_unit = set()
         for u in units:
@@ -134,7 +137,7 @@ class FullyShardedDataParallel(MegatronModule):
                     if left:
                         raise RuntimeError(f"FullyShardedDataParallel: meta tensors left in an FSDP unit: {left[:10]}")
                 self._keep_fp32_main_params(m)
-                shard(m, reshard_after_forward=reshard_after_forward)
+                shard(m, reshard_after_forward=reshard_after_forward and id(m) not in no_reshard)
             elif self.is_meta_init:
                 materialize_module_tree(m, self.device, init=True, old_to_new={}, _seen=root_seen, modules=[m])
         left = meta_tensor_names(module)
@@ -157,6 +160,20 @@ class FullyShardedDataParallel(MegatronModule):
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
 
     # ---- construction helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _extra_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+        """With untied embeddings, the GPT's ``embedding`` and ``output_layer`` are FSDP units of their own, so
+        meta init never holds them at full size while the layers are built (peak: about one unit). With tied
+        weights they stay in the root (the root's forward uses the embedding weight for the output layer)."""
+        if getattr(module, "share_embeddings_and_output_weights", True):
+            return []
+        out = []
+        for name in ("embedding", "output_layer"):
+            m = getattr(module, name, None)
+            if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters()):
+                out.append(m)
+        return out
+
     def _keep_fp32_main_params(self, m: torch.nn.Module) -> None:
         """With bf16/fp16 compute, the sharded parameters are the fp32 main parameters (upcast in place, same
         Parameter objects) unless ``ddp_config.preserve_fp32_weights`` is False. Quantized (FP8) weights stay."""
