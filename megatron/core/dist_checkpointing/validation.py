@@ -385,18 +385,21 @@ def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharde
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint: {checkpoint_dir / 'metadata.json'} is missing"
         )
-    if sharded_strategy is None:
-        sharded_strategy = get_default_strategy(
-            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
-        )
-    else:
-        sharded_strategy.check_backend_compatibility(config.sharded_backend)
-        sharded_strategy.check_version_compatibility(config.sharded_backend_version)
-    if common_strategy is None:
-        common_strategy = get_default_strategy(
-            StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
-        )
-    else:
-        common_strategy.check_backend_compatibility(config.common_backend)
-        common_strategy.check_version_compatibility(config.common_backend_version)
+    try:
+        if sharded_strategy is None:
+            sharded_strategy = get_default_strategy(
+                StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+            )
+        else:
+            sharded_strategy.check_backend_compatibility(config.sharded_backend)
+            sharded_strategy.check_version_compatibility(config.sharded_backend_version)
+        if common_strategy is None:
+            common_strategy = get_default_strategy(
+                StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+            )
+        else:
+            common_strategy.check_backend_compatibility(config.common_backend)
+            common_strategy.check_version_compatibility(config.common_backend_version)
+    except CheckpointingException as e:
+        raise CheckpointingException(f"{checkpoint_dir / 'metadata.json'}: {e}") from e
     return sharded_strategy, common_strategy

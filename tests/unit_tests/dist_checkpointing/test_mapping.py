@@ -133,3 +133,32 @@ def test_sharding_integrity():
     objs = [[ShardedObject("o", None, (2,), (0,))], [ShardedObject("o", None, (2,), (0,))]]
     assert "more than one main replica" in sharding_integrity_errors(objs)[0]
     assert "incomplete" in sharding_integrity_errors([[ShardedObject("o", None, (2,), (0,))]])[0]
+
+
+def test_default_strategies_and_config(tmp_path):
+    import json
+
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+    )
+
+    save_s = get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1)
+    assert isinstance(save_s, TorchDistSaveShardedStrategy) and (save_s.backend, save_s.version) == ("torch_dist", 1)
+    assert save_s.keep_only_main_replica and save_s.thread_count == 2
+    load_s = get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
+    load_s.stream_ckpt_dequant = True  # a copy: the default stays off
+    assert get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1).stream_ckpt_dequant is False
+    with pytest.raises(CheckpointingException, match="zarr"):
+        get_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1)
+    with pytest.raises(CheckpointingException, match="zarr"):
+        TorchDistLoadShardedStrategy().check_backend_compatibility("zarr")
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1,
+                                                        "common_backend": "torch", "common_backend_version": 1}))
+    with pytest.raises(CheckpointingException, match=r"metadata\.json.*zarr"):
+        get_default_load_sharded_strategy(tmp_path)
+    (tmp_path / "metadata.json").write_text("{not json")
+    with pytest.raises(CheckpointingException, match=r"metadata\.json"):
+        get_default_load_sharded_strategy(tmp_path)

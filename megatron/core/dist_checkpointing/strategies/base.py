@@ -1,4 +1,5 @@
 """Strategy interfaces (how the sharded and the common parts are written/read) and the default-strategy registry."""
+import copy
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
@@ -26,10 +27,11 @@ def _ensure_registered():
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int):
-    """The registered strategy for ``action`` and ``(backend, version)``; CheckpointingException if none."""
+    """(A copy of) the registered strategy for ``action`` and ``(backend, version)``; CheckpointingException if none."""
     _ensure_registered()
     try:
-        return default_strategies[action.value][(backend, version)]
+        # a shallow copy: callers may set attributes (e.g. stream_ckpt_dequant) without changing the default
+        return copy.copy(default_strategies[action.value][(backend, version)])
     except KeyError as e:
         known = sorted(default_strategies[action.value])
         raise CheckpointingException(
