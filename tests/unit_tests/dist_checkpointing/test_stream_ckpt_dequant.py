@@ -353,6 +353,9 @@ def _fully_parallel_body(rank, world_size, ckpt, vals):
         return dests[k]
 
     sd = _sharded_sd(vals, rank, world_size, make)
+    # plus a replicated quantized tensor: read by one rank, exchanged, quantized by each rank into its own copy
+    rep_dest = _seeded_destination(vals["w0"], "tensorwise")
+    sd["rep"] = ShardedTensor.from_rank_offsets("rep", rep_dest, replica_id=rank)
     wrapper = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(stream_ckpt_dequant=True))
     assert wrapper.stream_ckpt_dequant is True
     with _Spy() as spy:
@@ -364,6 +367,14 @@ def _fully_parallel_body(rank, world_size, ckpt, vals):
         n = vals[k].shape[0] // world_size
         ref = FakeQuantizedTensor.quantize(vals[k][rank * n : (rank + 1) * n], "tensorwise")
         assert d.scale_inv == ref.scale_inv and torch.equal(d._data.float(), ref._data.float()), k
+    ref = FakeQuantizedTensor.quantize(vals["w0"], "tensorwise")
+    assert rep_dest.scale_inv == ref.scale_inv and torch.equal(rep_dest._data.float(), ref._data.float())
+
+
+def _save_with_replicated_body(rank, world_size, ckpt, vals):
+    sd = _sharded_sd(vals, rank, world_size, lambda k, local: local.clone())
+    sd["rep"] = ShardedTensor.from_rank_offsets("rep", vals["w0"].clone(), replica_id=rank)
+    dist_checkpointing.save(sd, ckpt)
 
 
 @needs_core
@@ -375,7 +386,7 @@ def test_flag_through_fully_parallel_wrapper(tmp_path):
     off = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
     assert off.stream_ckpt_dequant is False
     vals = _values([(16, 8), (8, 8)], 5)
-    run_distributed(_save_body, 2, str(tmp_path), vals, 0)
+    run_distributed(_save_with_replicated_body, 2, str(tmp_path), vals)
     run_distributed(_fully_parallel_body, 2, str(tmp_path), vals)
 
 
