@@ -155,10 +155,14 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def count_zeros(self) -> int:
-        local = sum(int((_local(g) == 0).sum().item()) for g in self._grads() if _is_dtensor(g))
-        plain = sum(int((g == 0).sum().item()) for g in self._grads() if not _is_dtensor(g))
-        if local and dist.is_initialized():
-            t = torch.tensor([local], dtype=torch.int64)
+        """Zeros in the gradients: DTensor shards are summed over the data-parallel group (every rank takes part:
+        the set of parameters is the same on all ranks), plain (replicated) grads are counted locally."""
+        grads = self._grads()
+        sharded = [g for g in grads if _is_dtensor(g)]
+        plain = sum(int((g == 0).sum().item()) for g in grads if not _is_dtensor(g))
+        local = sum(int((_local(g) == 0).sum().item()) for g in sharded)
+        if sharded and dist.is_initialized():
+            t = torch.tensor([local], dtype=torch.int64, device=_local(sharded[0]).device)
             group = parallel_state.get_data_parallel_group()
             if group is not None:
                 dist.all_reduce(t, group=group)

@@ -162,3 +162,27 @@ def test_remap_param_keyed_maps_containers():
     assert torch.equal(opt.state[new[0]]["momentum_buffer"], torch.full((2,), 5.0))
     with pytest.raises(TypeError, match="cannot remap"):
         remap_param_keyed_maps(o2n, (1, 2))
+
+
+class _ReplacingReset(torch.nn.Module):
+    """Like TE under quantized init: reset_parameters itself registers a NEW Parameter object."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(3, 2))
+
+    def reset_parameters(self):
+        self.weight = torch.nn.Parameter(torch.full((3, 2), 2.0))
+
+
+def test_attributes_survive_a_reset_that_replaces_the_parameter():
+    with torch.device("meta"):
+        m = torch.nn.Sequential(_ReplacingReset())
+    w0 = m[0].weight
+    w0.allreduce, w0.my_attr = False, "kept"
+    p2n = {w0: "0.weight"}
+    mapping = materialize_meta_module(m, "cpu", maps=[p2n])
+    w = m[0].weight
+    assert torch.equal(w, torch.full((3, 2), 2.0))
+    assert w.allreduce is False and w.my_attr == "kept"
+    assert mapping[w0] is w and list(p2n) == [w]

@@ -100,18 +100,19 @@ def materialize_module_tree(
     seen = {} if _seen is None else _seen
     for m in module.modules() if modules is None else modules:
         originals = dict(m._parameters)
-        mapping = materialize_meta_tensors(m, device)
-        old_to_new.update(mapping)
+        materialize_meta_tensors(m, device)
         _retie(m, seen, originals)
-        for name, old in originals.items():
-            new = m._parameters.get(name)
-            if old is not None and new is not old:
-                old_to_new[old] = new
         if init:
             fn = getattr(m, "reset_parameters", None)
             if callable(fn):
                 with torch.no_grad():
                     fn()
+        # after reset: a module's own reset_parameters may itself replace a Parameter (e.g. TE quantized init)
+        for name, old in originals.items():
+            new = m._parameters.get(name)
+            if old is not None and new is not None and new is not old:
+                copy_param_attributes(old, new)
+                old_to_new[old] = new
     return old_to_new
 
 
