@@ -14,6 +14,11 @@ Two paths, chosen by ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``):
   (``untyped_storage().resize_(0)``, so a view the reader still holds does not keep it alive). DCP reads the items
   of one file destination by destination, so about one scratch is alive: peak about 2 bytes x max(numel).
 
+Prepended singleton axes (``prepend_axis_num``): the strategy gives DCP ``view_keeping_base(data, shape)``; the
+planner quantizes into that base (a TE Float8Tensor view that adds axes drops the cached transpose, so quantizing into
+the view would leave the original's transpose stale), and ``strip_prepended_axes`` / the strategy's unwrap hand the
+base back. Where a quantized tensor cannot add axes by view at all (TE blockwise), DCP gets a storage-free stand-in.
+
 All knowledge of quantized tensors is in ``megatron.core.fp8_utils``; plain destinations get DCP's default behaviour.
 """
 import logging
@@ -24,12 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ... import fp8_utils
 
-try:
-    from ..core import CheckpointingException
-except ImportError:  # pragma: no cover - the dist_checkpointing core provides it
-
-    class CheckpointingException(Exception):
-        """Stand-in until ``dist_checkpointing.core`` exists."""
+from ..core import CheckpointingException
 
 
 logger = logging.getLogger(__name__)
