@@ -406,6 +406,12 @@ def validate_args(args, defaults={}):
         _fail("--mock-data and --data-path are mutually exclusive")
     if not args.mock_data and not args.data_path:
         _fail("give --data-path <prefix> (an indexed .bin/.idx dataset) or --mock-data")
+    if args.data_path and len(args.data_path) == 2:  # "--data-path 1.0 <prefix>": a blend of one
+        try:
+            float(args.data_path[0])
+            args.data_path = [args.data_path[1]]
+        except ValueError:
+            pass
     if args.data_path and len(args.data_path) != 1:
         _fail(f"--data-path: this fork takes one dataset prefix (no weighted blends), got {args.data_path}")
     if args.split is None:

@@ -195,13 +195,18 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
+    get_loss_scale = getattr(optimizer, "get_loss_scale", None)  # fp16 loss scaling, where the optimizer has it
+    loss_scale = get_loss_scale() if callable(get_loss_scale) else None
     reported = []
     for i in range(n):
         sync_ctx = chunk.no_sync() if (i < n - 1 and hasattr(chunk, "no_sync")) else nullcontext()
         with sync_ctx:
             output, loss_func = forward_step_func(data_iterator, chunk)
             loss, value = _unpack_loss(loss_func(output))
-            (loss / n).backward()
+            loss = loss / n
+            if loss_scale is not None:
+                loss = loss * loss_scale
+            loss.backward()
         reported.append(value.detach().float().reshape(()))
     if hasattr(chunk, "finish_grad_sync"):
         chunk.finish_grad_sync()

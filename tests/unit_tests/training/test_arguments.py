@@ -134,6 +134,14 @@ def test_mock_or_data_path_required():
         validate_args(parse_args(args=argv))
 
 
+def test_data_path_forms():
+    argv = [a for a in BASE if a != "--mock-data"]
+    a = validate_args(parse_args(args=argv + ["--data-path", "1.0", "/data/prefix"]))
+    assert a.data_path == ["/data/prefix"] and not a.mock_data
+    with pytest.raises(SystemExit, match="--data-path"):
+        validate_args(parse_args(args=argv + ["--data-path", "0.5", "a", "0.5", "b"]))
+
+
 def test_stream_without_load_is_accepted():
     a = _args("--stream-ckpt-dequant")
     assert a.stream_ckpt_dequant and a.load is None
