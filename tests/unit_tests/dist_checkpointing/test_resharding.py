@@ -189,9 +189,14 @@ def _flat_load_same(rank, world, tmp_path):
     _flat_load(rank, world, tmp_path, 2, 2, "flat22")
 
 
+def _flat_load_2x1(rank, world, tmp_path):
+    _flat_load(rank, world, tmp_path, 2, 1, "flat22")
+
+
 def test_flattened_resharding(tmp_path):
     run_distributed(_flat_save_2x2, 4, tmp_path)
     run_distributed(_flat_load_same, 4, tmp_path)  # same grid, direct reads
+    run_distributed(_flat_load_2x1, 2, tmp_path)  # same grid, other flat ranges (direct reads)
     run_distributed(_flat_load_1x2, 2, tmp_path)  # other grid and flattening, 2 ranks
     run_distributed(_flat_load_4x1, 4, tmp_path)  # finer grid along the TP axis
 
@@ -209,3 +214,19 @@ def _plain_save_flat_load(rank, world, tmp_path):
 
 def test_plain_checkpoint_into_flattened(tmp_path):
     run_distributed(_plain_save_flat_load, 4, tmp_path)
+
+
+def _shape_mismatch_allowed(rank, world, tmp_path):
+    d = _ckpt_dir(tmp_path, "mismatch")
+    full = _full("emb", (4, 2))
+    dist_checkpointing.save({"e": ShardedTensor.from_rank_offsets("e", full.clone(), replica_id=rank)}, d)
+    # a padded (6, 2) destination: the checkpoint's 4 rows land, the padding is left alone
+    dst = torch.full((6, 2), -5.0)
+    out = dist_checkpointing.load(
+        {"e": ShardedTensor.from_rank_offsets("e", dst, replica_id=rank, allow_shape_mismatch=True)}, d
+    )
+    assert torch.equal(out["e"][:4], full) and torch.equal(out["e"][4:], torch.full((2, 2), -5.0))
+
+
+def test_allow_shape_mismatch(tmp_path):
+    run_distributed(_shape_mismatch_allowed, 2, tmp_path)
