@@ -305,23 +305,90 @@ def _stream_flag_body(rank, world, tmp_path):
         assert seen and set(seen) == {flag}, seen
 
 
-def _fake_quantized_body(rank, world, tmp_path):
-    """Destinations marked quantized: the reader loads shared shards into a high-precision buffer (not into its
-    destination), every rank gets the value with dest.copy_(buf); unshared shards go to the destination directly."""
-    src = _values(rank, world, seed=3)
+def _quantized_body(rank, world, tmp_path):
+    """Quantized destinations (the tests' FakeQuantizedTensor, current/tensorwise scaling): the reader of a shard
+    that other ranks need too reads it into a high-precision buffer (not its destination) and every rank quantizes
+    the same values with dest.copy_(buf); unshared shards go through the wrapped strategy into the destination.
+    Result: bit-identical to the plain strategy's load, for stream_ckpt_dequant on and off."""
+    from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor, quantized_like
+
+    g = torch.Generator().manual_seed(17)
+    full_w = (torch.randn(4 * world, 8, generator=g) * torch.arange(1, 4 * world + 1).unsqueeze(1)).bfloat16()
+    repl = [(torch.randn(16, 8, generator=g) * (i + 1)).bfloat16() for i in range(3)]
     d = _shared_dir(tmp_path, "q")
-    dist_checkpointing.save(_ssd(src, rank, world), d)
-    fp.is_quantized_destination = lambda t: bool(getattr(t, "_fake_quantized", False))
-    dst = _zeros_like(src)
-    for t in dst.values():
-        t._fake_quantized = True
-    base = _CountingLoad()
-    dist_checkpointing.load(_ssd(dst, rank, world), d, sharded_strategy=_fp_load(base=base))
-    _assert_same(dst, src, "fake quantized")
-    dest_ids = {id(t) for t in dst.values()}
-    for sid, data_id in base.asked:
-        shared = sid[0] not in ("sharded", "sharded_bf16", "grid")
-        assert (data_id in dest_ids) != shared, (sid, shared)
+
+    def ssd(w, rs):
+        sd = {"w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world))}
+        for i, r in enumerate(rs):
+            sd[f"r{i}"] = ShardedTensor.from_rank_offsets(f"r{i}", r, replica_id=rank)
+        return sd
+
+    dist_checkpointing.save(ssd(full_w.chunk(world)[rank].clone(), [r.clone() for r in repl]), d)
+    results = {}
+    for stream in (True, False):
+        for how in ("plain", "fp"):
+            w = quantized_like(torch.zeros(4, 8, dtype=torch.bfloat16), "tensorwise")
+            rs = [quantized_like(torch.zeros(16, 8, dtype=torch.bfloat16), "tensorwise") for _ in repl]
+            base = _CountingLoad(stream_ckpt_dequant=stream)
+            strategy = _fp_load(base=base) if how == "fp" else base
+            dist_checkpointing.load(ssd(w, rs), d, sharded_strategy=strategy)
+            refs = [FakeQuantizedTensor.quantize(full_w.chunk(world)[rank], "tensorwise")]
+            refs += [FakeQuantizedTensor.quantize(r, "tensorwise") for r in repl]
+            for name, got, ref in zip(["w", "r0", "r1", "r2"], [w] + rs, refs):
+                assert got.scale_inv == ref.scale_inv, (stream, how, name)
+                assert torch.equal(got._data.float(), ref._data.float()), (stream, how, name)
+            results[(stream, how)] = [t._data.clone() for t in [w] + rs]
+            if how == "fp":
+                dest_ids = {id(t) for t in [w] + rs}
+                for sid, data_id in base.asked:
+                    shared = sid[0] != "w"
+                    assert (data_id in dest_ids) != shared, (sid, shared)
+                assert len(base.asked) >= 1  # the sharded w is read by its own rank
+    for k, v in results.items():
+        assert all(torch.equal(a.float(), b.float()) for a, b in zip(v, results[(False, "plain")])), k
+
+
+def _subgroup_body(rank, world, tmp_path):
+    """4 ranks as tp=2 x dp=2; the wrappers parallelize over the dp group only (tp-sharded, dp-replicated
+    tensors, and a tensor replicated everywhere with a tuple replica_id (tp, dp))."""
+    tp, dp = rank % 2, rank // 2
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp_group = groups[tp]
+    g = torch.Generator().manual_seed(21)
+    full = torch.randn(8, 12, generator=g)
+    norm = torch.randn(40, generator=g)
+    emb = torch.randn(16, 4, generator=g)
+
+    def ssd(t):
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", t["w"], (0, tp, 2), replica_id=dp),
+            "norm": ShardedTensor.from_rank_offsets("norm", t["norm"], replica_id=(tp, dp)),
+            "emb": ShardedTensor.from_rank_offsets("emb", t["emb"], (0, tp, 2), replica_id=dp),
+        }
+
+    src = {"w": full.chunk(2)[tp].clone(), "norm": norm.clone(), "emb": emb.chunk(2)[tp].clone()}
+    d = _shared_dir(tmp_path, "sub")
+    save = _fp_save(group=dp_group)
+    dist_checkpointing.save(ssd(src), d, sharded_strategy=save)
+    # tp=0 group saves its w/emb shards and norm; tp=1 group its w/emb shards only
+    assert sum(save.last_saved_bytes_per_rank) == (48 + 32) * 4 + (40 * 4 if tp == 0 else 0)
+    assert min(save.last_saved_bytes_per_rank) > 0
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    counter = _ReadCounter()
+    try:
+        dist_checkpointing.load(ssd(dst), d, sharded_strategy=_fp_load(group=dp_group))
+    finally:
+        counter.restore()
+    _assert_same(dst, src, "subgroup")
+    per_rank = _all_gather(_elements(counter.items))
+    assert sum(per_rank) == 2 * (40 + 48 + 32), per_rank  # each dp group reads its shards and norm once
+    plain = {k: torch.zeros_like(v) for k, v in src.items()}
+    dist_checkpointing.load(ssd(plain), d)
+    _assert_same(plain, src, "subgroup plain")
+
+
+def test_fully_parallel_dp_subgroup(tmp_path):
+    run_distributed(_subgroup_body, 4, tmp_path)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -340,7 +407,7 @@ def test_stream_ckpt_dequant_forwarded(tmp_path):
 
 
 def test_quantized_destinations_get_high_precision_buffers(tmp_path):
-    run_distributed(_fake_quantized_body, 4, tmp_path)
+    run_distributed(_quantized_body, 2, tmp_path)
 
 
 def test_distribute_shards_balances_deterministically():

@@ -95,7 +95,7 @@ def _group_rank_size(group) -> Tuple[int, int]:
 
 
 def _global_rank(group, group_rank: int) -> int:
-    if group is None or group is dist.Group.WORLD:
+    if group is None:
         return group_rank
     return dist.get_global_rank(group, group_rank)
 
@@ -250,10 +250,10 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
 
 # ---- load ------------------------------------------------------------------------------------------------------
 def is_quantized_destination(tensor) -> bool:
-    """True for a Transformer Engine QuantizedTensor destination (always False without TE)."""
-    from ...extensions.transformer_engine import QuantizedTensor
+    """True for a quantized destination (TE QuantizedTensor, or the quantized-tensor protocol of fp8_utils)."""
+    from ...fp8_utils import is_quantized_tensor
 
-    return QuantizedTensor is not None and isinstance(tensor, QuantizedTensor)
+    return is_quantized_tensor(tensor)
 
 
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
