@@ -54,6 +54,11 @@ def test_parse_upstream_flags():
     cfg = core_transformer_config_from_args(a)
     assert cfg.num_moe_experts == 4 and cfg.moe_ffn_hidden_size == 24 and cfg.moe_router_bias_update_rate == 0.01
     assert cfg.normalization == "RMSNorm" and cfg.bf16 and cfg.params_dtype == torch.bfloat16
+    from megatron.training.arguments import optimizer_config_from_args
+
+    oc = optimizer_config_from_args(a)
+    assert (oc.optimizer, oc.lr, oc.min_lr, oc.weight_decay, oc.clip_grad) == ("adam", 1e-3, 1e-4, 0.1, 0.5)
+    assert (oc.adam_beta1, oc.adam_beta2, oc.adam_eps, oc.bf16) == (0.8, 0.95, 1e-6, True)
     ddp = ddp_config_from_args(a)
     assert ddp.use_megatron_fsdp and ddp.use_distributed_optimizer
     assert ddp.data_parallel_sharding_strategy == "optim_grads_params"

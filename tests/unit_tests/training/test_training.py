@@ -59,6 +59,11 @@ def _resume_body(rank, world_size, ckpt, out_dir):
     curve = [full.losses[i] for i in range(1, total + 1)]
     resumed = [first.losses[i] for i in range(1, n + 1)] + [second.losses[i] for i in range(n + 1, total + 1)]
     assert resumed == curve, f"resumed {resumed}\nfull    {curve}"  # bitwise (python floats of fp32 values)
+    lrs = [first.learning_rates[i] for i in range(1, n + 1)] + [second.learning_rates[i] for i in range(n + 1, total + 1)]
+    assert lrs == [full.learning_rates[i] for i in range(1, total + 1)]
+    assert max(lrs) == pytest.approx(3e-3) and lrs[-1] == pytest.approx(3e-4)  # warmup to --lr, cosine to --min-lr
+    grad_norms = [first.grad_norms[i] for i in range(1, n + 1)] + [second.grad_norms[i] for i in range(n + 1, total + 1)]
+    assert grad_norms == [full.grad_norms[i] for i in range(1, total + 1)]
     assert len(set(curve)) == total and curve[-1] < curve[0]  # it trains
     _same_on_all_ranks(curve)
     # Reference for the resumes with other DP sizes: without dropout (its masks depend on how samples are spread
@@ -241,6 +246,14 @@ def test_cli_single_process_and_torchrun(tmp_path):
     assert len(lines) == 2 and "iteration        2/       2" in lines[1]
     for field in ("learning rate:", "tokens/s:", "mem RSS (MiB):", "consumed samples:"):
         assert field in lines[1], lines[1]
+
+    def value(line, name):
+        return float(line.split(name)[1].split("|")[0])
+
+    assert value(lines[1], "consumed samples:") == 16
+    assert 50 < value(lines[1], "mem RSS (MiB):") < 20000  # a real RSS figure of a torch process
+    assert value(lines[1], "tokens/s:") > 0
+    assert np.isfinite(value(lines[1], "lm loss:")) and 0 < value(lines[1], "lm loss:") < 10
     assert _tracker(ckpt) == "2"
     argv = [str(a) for a in TINY + ["--train-iters", 3, "--log-interval", 1, "--load", ckpt]]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
