@@ -114,7 +114,16 @@ def test_meta_equals_eager_and_maps_and_attributes(moe, tied):
     assert len(changed) > len(before) // 2
 
 
-def test_materialize_meta_tensors_touches_only_meta():
+@pytest.fixture(params=[False, True], ids=["set_data", "swap_tensors"])
+def swap_mode(request):
+    """Both ways Module._apply can install new tensors (torch.__future__ swap_module_params_on_conversion)."""
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(request.param)
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(old)
+
+
+def test_materialize_meta_tensors_touches_only_meta(swap_mode):
     with torch.device("meta"):
         lin = torch.nn.Linear(3, 4)
     real = torch.arange(4.0)
@@ -125,7 +134,8 @@ def test_materialize_meta_tensors_touches_only_meta():
     mapping = materialize_meta_tensors(lin, "cpu")
     assert lin.real_buf is real and torch.equal(real, torch.arange(4.0))
     assert lin.bias is bias and torch.equal(bias, torch.full((4,), 3.0))
-    assert list(mapping.values()) == [lin.weight] and not lin.weight.is_meta
+    assert not lin.weight.is_meta
+    assert list(mapping.values()) == ([] if swap_mode else [lin.weight])  # swap keeps the object
     assert lin.weight.allreduce is False
 
 

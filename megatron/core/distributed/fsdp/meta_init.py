@@ -54,12 +54,20 @@ def materialize_meta_tensors(module: torch.nn.Module, device) -> Dict[torch.nn.P
     before = dict(module._parameters)
     if not any(t is not None and t.is_meta for t in list(before.values()) + list(module._buffers.values())):
         return {}
+    # snapshot the attributes: with torch.__future__.set_swap_module_params_on_conversion(True), _apply keeps the
+    # Parameter object but swaps its __dict__ (attributes) away
+    saved = {name: dict(getattr(p, "__dict__", {})) for name, p in before.items() if p is not None}
     module._apply(_make_fn(device), recurse=False)
     old_to_new = {}
     for name, old in before.items():
         new = module._parameters.get(name)
-        if old is not None and new is not None and new is not old:
-            copy_param_attributes(old, new)
+        if old is None or new is None:
+            continue
+        own = new.__dict__
+        for k, v in saved[name].items():
+            if not (k.startswith("_") and k in own):
+                setattr(new, k, v)
+        if new is not old:
             old_to_new[old] = new
     return old_to_new
 
