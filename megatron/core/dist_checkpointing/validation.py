@@ -386,6 +386,10 @@ def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharde
             f"{checkpoint_dir} is not a distributed checkpoint: {checkpoint_dir / 'metadata.json'} is missing"
         )
     try:
+        if isinstance(sharded_strategy, tuple):
+            sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
+        if isinstance(common_strategy, tuple):
+            common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, *common_strategy)
         if sharded_strategy is None:
             sharded_strategy = get_default_strategy(
                 StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
