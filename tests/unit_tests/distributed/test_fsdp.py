@@ -353,3 +353,38 @@ def _ddp_body(rank, ws, meta):
 @pytest.mark.parametrize("meta", [True, False])
 def test_ddp_training_equals_single_process(meta):
     run_distributed(_ddp_body, 2, meta)
+
+
+# ---- an optimizer that existed (and stepped) before wrapping is remapped, its state sharded ---------------
+def _remap_opt_body(rank, ws):
+    cfg = tiny_config(moe=False)
+    model, ref = build_gpt(cfg, 17), build_gpt(cfg, 17)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    data = batches(2, GLOBAL_BATCH, seed=3)
+    tok, lab = data[0]
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(tok, position_ids(GLOBAL_BATCH), labels=lab).mean().backward()
+        o.step()
+        o.zero_grad()
+    p2n = {p: n for n, p in model.named_parameters()}
+    fsdp = FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), model,
+                                    param_keyed_maps=[opt, p2n])
+    live = list(fsdp.module.parameters())
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in live}
+    assert {id(p) for p in opt.state} == {id(p) for p in live} and {id(p) for p in p2n} == {id(p) for p in live}
+    for p in live:
+        assert isinstance(opt.state[p]["exp_avg"], DTensor) and opt.state[p]["exp_avg"].placements == p.placements
+    per = GLOBAL_BATCH // ws
+    tok, lab = data[1]
+    fsdp(tok[rank * per:(rank + 1) * per], position_ids(per), labels=lab[rank * per:(rank + 1) * per]).mean().backward()
+    opt.step()
+    ref(tok, position_ids(GLOBAL_BATCH), labels=lab).mean().backward()
+    ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    for n, p in fsdp.module.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), ref_params[n], atol=2e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_existing_optimizer_is_remapped_and_its_state_sharded():
+    run_distributed(_remap_opt_body, 2)
