@@ -16,6 +16,7 @@ so a save that fails midway leaves the previous checkpoint as the latest.
 import os
 import random
 import sys
+import time
 from typing import Optional, Tuple
 
 import numpy as np
@@ -301,12 +302,27 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     sharded_model_sds = {k: v for k, v in state_dict.items() if k == "model" or k.startswith("model")}
     if opt_param_scheduler is not None and load_optim:
         state_dict.pop("opt_param_scheduler")  # a plain dict: comes from the checkpoint's common state
+    strategy = _load_strategy(args)
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        mem_before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
     try:
         with torch.no_grad():  # values land in place in parameters (leaves that require grad)
-            loaded = dist_checkpointing.load(state_dict, checkpoint_dir, sharded_strategy=_load_strategy(args),
+            loaded = dist_checkpointing.load(state_dict, checkpoint_dir, sharded_strategy=strategy,
                                              strict=args.dist_ckpt_strictness)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {checkpoint_dir} is incomplete: {e}") from e
+    if on_cuda:
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - mem_before) / 2**20
+        mem = f", peak GPU memory above the pre-load baseline {peak:.1f} MiB"
+    else:
+        mem = ""
+    print_rank_0(f"  dist_checkpointing.load took {time.perf_counter() - start:.3f} s"
+                 f" (stream_ckpt_dequant={getattr(strategy, 'stream_ckpt_dequant', False)}){mem}")
 
     if not skip_load_to_model_and_optimizer:
         if len(chunks) == 1:
