@@ -312,10 +312,43 @@ def _load_body(rank, ws, ckpt_dir):
     _assert_all_finite(fsdp.module, opt)
 
 
+def _load_ddp_body(rank, ws, ckpt_dir):
+    """The Megatron-FSDP checkpoint loads into plain DDP too (same keys, same global shapes)."""
+    from megatron.core import dist_checkpointing
+
+    cfg = tiny_config(moe=True)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), build_gpt(cfg, 4321, meta=True))
+    opt = _opt(ddp)
+    ref = torch.load(os.path.join(ckpt_dir, "ref.pt"))
+    model_sd = ddp.sharded_state_dict()
+    loaded = dist_checkpointing.load(
+        {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)},
+        os.path.join(ckpt_dir, "ckpt"),
+    )
+    ddp.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    for k, v in ddp.module.state_dict().items():
+        assert torch.equal(v, ref["before"][k]), k
+    per = GLOBAL_BATCH // ws
+    tok, lab = batches(3, GLOBAL_BATCH, seed=99)[2]
+    opt.zero_grad()
+    loss = ddp(tok[rank * per:(rank + 1) * per], position_ids(per), labels=lab[rank * per:(rank + 1) * per]).mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    assert opt.step()[0]
+    update_expert_bias(ddp.module)
+    g = loss.detach().clone()
+    dist.all_reduce(g)
+    assert abs(float(g / ws) - ref["next_loss"][0]) < 1e-6
+    for k, v in ddp.module.state_dict().items():
+        torch.testing.assert_close(v, ref["after"][k], atol=1e-6, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
 def test_checkpoint_save_4_ranks_load_2_ranks(tmp_path):
     (tmp_path / "ckpt").mkdir()
     run_distributed(_save_body, 4, str(tmp_path))
     run_distributed(_load_body, 2, str(tmp_path))
+    run_distributed(_load_ddp_body, 2, str(tmp_path))
 
 
 # ---- plain DDP ---------------------------------------------------------------------------------------

@@ -201,6 +201,12 @@ class FullyShardedDataParallel(MegatronModule):
                 "--fp8-param-gather: no Transformer Engine quantized weights in the model; build it with "
                 "--fp8-param-gather so TE layers are created under quantized_model_init (config.fp8_param)"
             )
+        if self.compute_dtype is not None and any(p.dtype != self.compute_dtype for p in quantized):
+            # FSDP2 only skips its param_dtype cast when the (nominal) dtype already equals it
+            warnings.warn(
+                "--fp8-param-gather: quantized weights' nominal dtype differs from the bf16/fp16 compute dtype; "
+                "build them with params_dtype equal to it so FSDP2 all-gathers FP8 data without casting"
+            )
         missing = [type(p).__name__ for p in quantized if not hasattr(p, "fsdp_pre_all_gather")]
         if missing:
             raise RuntimeError(
