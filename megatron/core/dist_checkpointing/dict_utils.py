@@ -1,6 +1,6 @@
 """Helpers for nested dicts and lists (the shape of state dicts)."""
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Tuple, Union
 
 import torch
 

@@ -15,7 +15,7 @@ saved, is the one whose replica_id is 0 (all zeros for a tuple).
 """
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 

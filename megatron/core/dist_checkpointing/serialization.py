@@ -21,12 +21,12 @@ or directory; a failed save never touches an existing checkpoint.
 """
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .core import CheckpointingConfig, CheckpointingException, maybe_load_config, save_config, CONFIG_FNAME
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .mapping import (
     LocalNonpersistentObject,

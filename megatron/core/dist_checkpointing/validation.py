@@ -10,7 +10,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple, Union
 
-import torch
 import torch.distributed as dist
 
 from .core import CheckpointingException, maybe_load_config
