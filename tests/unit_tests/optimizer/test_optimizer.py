@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
