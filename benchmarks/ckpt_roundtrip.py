@@ -241,23 +241,32 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: run under torchrun with NCCL")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     args = p.parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and args.device == "cuda":
+        # torchrun: one process per GPU, NCCL; rank 0 picks the directory
+        dist.init_process_group("nccl")
+        tmp = None
+        try:
+            if args.dir is None:
+                box = [tempfile.mkdtemp(prefix="ckpt_roundtrip_") if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                tmp = args.dir = box[0]
+            bench(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.barrier()
+            if tmp is not None and dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            dist.destroy_process_group()
+        return
     tmp = None
     if args.dir is None:
         tmp = args.dir = tempfile.mkdtemp(prefix="ckpt_roundtrip_")
     try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and args.device == "cuda":
-            dist.init_process_group("nccl")
-            try:
-                bench(dist.get_rank(), dist.get_world_size(), args)
-            finally:
-                dist.destroy_process_group()
-        else:
-            fd, store_path = tempfile.mkstemp(prefix="ckpt_roundtrip_store_")
-            os.close(fd)
+        fd, store_path = tempfile.mkstemp(prefix="ckpt_roundtrip_store_")
+        os.close(fd)
+        os.unlink(store_path)
+        mp.start_processes(_worker, args=(args.nproc, store_path, args), nprocs=args.nproc, start_method="spawn")
+        if os.path.exists(store_path):
             os.unlink(store_path)
-            mp.start_processes(_worker, args=(args.nproc, store_path, args), nprocs=args.nproc, start_method="spawn")
-            if os.path.exists(store_path):
-                os.unlink(store_path)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
