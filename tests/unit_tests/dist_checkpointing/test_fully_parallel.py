@@ -387,6 +387,45 @@ def _subgroup_body(rank, world, tmp_path):
     _assert_same(plain, src, "subgroup plain")
 
 
+def _flattened_body(rank, world, tmp_path):
+    """Flattened-range shards (distributed-optimizer style): replicated flat slices and per-rank flat slices."""
+    g = torch.Generator().manual_seed(4)
+    full_r = torch.randn(4, 6, generator=g)
+    full_s = torch.randn(2 * world, 5, generator=g)
+
+    def ssd(r_parts, s_part):
+        sd = {
+            f"r{i}": ShardedTensor.from_rank_offsets_flat(
+                "flat_r", r_parts[i], (4, 6), flattened_range=slice(12 * i, 12 * i + 12), replica_id=rank
+            )
+            for i in range(2)
+        }
+        for i, (a, b) in enumerate(((0, 4), (4, 10))):
+            sd[f"s{i}"] = ShardedTensor.from_rank_offsets_flat(
+                "flat_s", s_part[i], (2, 5), (0, rank, world), flattened_range=slice(a, b)
+            )
+        return sd
+
+    r_parts = [full_r.flatten()[:12].clone(), full_r.flatten()[12:].clone()]
+    local_s = full_s.chunk(world)[rank].flatten()
+    s_part = [local_s[:4].clone(), local_s[4:].clone()]
+    d = _shared_dir(tmp_path, "flat")
+    dist_checkpointing.save(ssd(r_parts, s_part), d, sharded_strategy=_fp_save())
+    dst_r, dst_s = [torch.zeros(12), torch.zeros(12)], [torch.zeros(4), torch.zeros(6)]
+    counter = _ReadCounter()
+    try:
+        dist_checkpointing.load(ssd(dst_r, dst_s), d, sharded_strategy=_fp_load())
+    finally:
+        counter.restore()
+    assert torch.equal(dst_r[0], r_parts[0]) and torch.equal(dst_r[1], r_parts[1])
+    assert torch.equal(dst_s[0], s_part[0]) and torch.equal(dst_s[1], s_part[1])
+    assert sum(_all_gather(_elements(counter.items))) == 24 + 10 * world  # replicated slices read once
+
+
+def test_fully_parallel_flattened_ranges(tmp_path):
+    run_distributed(_flattened_body, 2, tmp_path)
+
+
 def test_fully_parallel_dp_subgroup(tmp_path):
     run_distributed(_subgroup_body, 4, tmp_path)
 
