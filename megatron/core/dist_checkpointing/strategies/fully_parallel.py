@@ -17,7 +17,11 @@ wrapped strategy (so streaming dequantize applies unchanged). A rank that receiv
 high-precision buffer and quantizes it with ``dest.copy_(buf)``. A reader whose destination is quantized and that must
 also send the shard to other ranks reads it into a plain high-precision buffer (through the wrapped strategy), sends
 that exact checkpoint value and copies it into its destination with ``dest.copy_(buf)`` too, so every rank quantizes
-the same high-precision values (bit-identical to a plain load).
+the same high-precision values (bit-identical to a plain load). Cost: such a reader holds the high-precision
+buffers of the shared quantized shards it reads (about 1/N of them for a group of N) until they are exchanged.
+
+ShardedObjects are not redistributed: every rank loads its own through the wrapped strategy (they are small).
+The wrapped load is called exactly once per rank (it is collective), also on a rank with nothing to read.
 """
 import copy
 import hashlib
