@@ -421,6 +421,21 @@ def _flattened_body(rank, world, tmp_path):
     assert torch.equal(dst_s[0], s_part[0]) and torch.equal(dst_s[1], s_part[1])
     assert sum(_all_gather(_elements(counter.items))) == 24 + 10 * world  # replicated slices read once
 
+    # One replicated tensor only: one rank reads nothing (its wrapped load still runs, with an empty request).
+    d2 = _shared_dir(tmp_path, "one")
+    one = torch.arange(16.0)
+    dist_checkpointing.save({"o": ShardedTensor.from_rank_offsets("o", one, replica_id=rank)}, d2,
+                            sharded_strategy=_fp_save())
+    written = _rank_file_bytes(d2)
+    per_rank = [written.get(r, 0) for r in range(world)]
+    assert min(per_rank) < 16 * 4 <= max(per_rank), per_rank  # written by one rank only
+    base = _CountingLoad()
+    got = torch.zeros(16)
+    dist_checkpointing.load({"o": ShardedTensor.from_rank_offsets("o", got, replica_id=rank)}, d2,
+                            sharded_strategy=_fp_load(base=base))
+    assert torch.equal(got, one)
+    assert sorted(len(a) for a in _all_gather(base.asked)) == [0] * (world - 1) + [1]
+
 
 def test_fully_parallel_flattened_ranges(tmp_path):
     run_distributed(_flattened_body, 2, tmp_path)
