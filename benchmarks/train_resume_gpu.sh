@@ -7,7 +7,7 @@
 #   NPROC=2 bash benchmarks/train_resume_gpu.sh            # on a GPU machine with Transformer Engine
 #
 # Env: NPROC (default 1), RESUME_NPROC (default NPROC), LOGDIR (default $OUT or /tmp/issue6), CKPT (checkpoint dir),
-# size: LAYERS HIDDEN FFN EXPERTS SEQ MBS.
+# size: LAYERS HIDDEN FFN EXPERTS SEQ MBS; PARALLEL_FLAGS (default: --use-megatron-fsdp --init-model-with-meta-device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -16,6 +16,7 @@ LOGDIR=${LOGDIR:-${OUT:-/tmp/issue6}}; mkdir -p "$LOGDIR"
 CKPT=${CKPT:-/tmp/issue6_ckpt_$$}
 LAYERS=${LAYERS:-6}; HIDDEN=${HIDDEN:-2048}; FFN=${FFN:-4096}; EXPERTS=${EXPERTS:-4}; SEQ=${SEQ:-1024}; MBS=${MBS:-2}
 ITERS=${ITERS:-20}; HALF=$((ITERS / 2))
+PARALLEL_FLAGS=${PARALLEL_FLAGS:---use-megatron-fsdp --init-model-with-meta-device}
 
 args() {  # $1 = number of processes (global batch = MBS x DP)
   echo --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 16 --ffn-hidden-size "$FFN" \
@@ -24,10 +25,10 @@ args() {  # $1 = number of processes (global batch = MBS x DP)
     --micro-batch-size "$MBS" --global-batch-size $((MBS * 4)) \
     --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
     --weight-decay 0.01 --clip-grad 1.0 --seed 1234 --bf16 \
-    --use-megatron-fsdp --init-model-with-meta-device --transformer-impl transformer_engine \
+    --transformer-impl transformer_engine \
     --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather \
     --mock-data --tokenizer-type NullTokenizer --log-interval 1 --eval-iters 0 --eval-interval 1000 \
-    --ckpt-format torch_dist --save-interval "$HALF"
+    --ckpt-format torch_dist $PARALLEL_FLAGS
 }
 run() {  # $1 = nproc, $2 = log name, rest = extra flags
   local n=$1 name=$2; shift 2
@@ -36,7 +37,7 @@ run() {  # $1 = nproc, $2 = log name, rest = extra flags
     2>&1 | tee -a "$LOGDIR/$name.log" | grep -E "iteration +[0-9]+/|dist_checkpointing.load|WARNING|Error|error" || true
 }
 
-run "$NPROC" train --save "$CKPT" --exit-interval "$HALF"
+run "$NPROC" train --save "$CKPT" --save-interval "$HALF" --exit-interval "$HALF"
 run "$NPROC" resume_stream --load "$CKPT" --stream-ckpt-dequant --exit-interval "$((HALF + 3))"
 run "$NPROC" resume_upfront --load "$CKPT" --exit-interval "$((HALF + 3))"
 if [ "$RESUME_NPROC" != "$NPROC" ]; then

@@ -69,9 +69,10 @@ def get_megatron_optimizer(
 ) -> MegatronOptimizer:
     """AdamW (``config.optimizer == 'adam'``) or SGD over the model chunks' parameters.
 
-    Parameters that are bf16/fp16 plain tensors (DDP with ``--bf16``) get fp32 main copies that the optimizer
-    updates; FSDP2 parameters (DTensor, already fp32 main params) are optimised directly, so their optimizer
-    state is sharded too.
+    Parameters that are bf16/fp16 plain tensors (DDP with ``--bf16``) or quantized weights (TE FP8/FP4, also as
+    FSDP2 DTensor shards, with ``--fp8-param-gather``) get fp32 main copies that the optimizer updates; fp32
+    FSDP2 parameters (DTensor, already the main params) are optimised directly, so their optimizer state is
+    sharded too.
     """
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
@@ -80,18 +81,15 @@ def get_megatron_optimizer(
     min_lr = config.min_lr if config.min_lr is not None else 0.0
     groups, names = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config.lr, min_lr)
     model_params = [p for g in groups for p in g["params"]]
-    from megatron.core.optimizer.optimizer import _is_dtensor
+    from megatron.core.optimizer.optimizer import _fp32_main_param, _is_quantized_param, _needs_main_param
 
-    needs_main = any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) and not _is_dtensor(p)
-                     for p in model_params)
     main_params = None
-    if needs_main:
+    if any(_needs_main_param(p) for p in model_params):
         main_params = []
         for g in groups:
-            mains = []
-            for p in g["params"]:
-                m = torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
-                mains.append(m)
+            # low-precision and quantized (FP8/FP4) params get fp32 main copies; fp32 params (FSDP's sharded main
+            # params) are optimised directly. Quantized weights are never updated in their own format.
+            mains = [_fp32_main_param(p) if _needs_main_param(p) or _is_quantized_param(p) else p for p in g["params"]]
             main_params.extend(mains)
             g["params"] = mains
     for g in groups:

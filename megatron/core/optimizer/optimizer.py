@@ -22,6 +22,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _is_quantized_param(p: torch.Tensor) -> bool:
+    """A TE quantized weight (``--fp8-param-gather`` / ``--fp4-param-gather``), plain or as a DTensor's shard."""
+    from megatron.core.fp8_utils import is_quantized_tensor
+
+    return is_quantized_tensor(_local(p))
+
+
+def _needs_main_param(p: torch.Tensor) -> bool:
+    """Needs an fp32 main copy: a bf16/fp16 plain tensor (DDP with --bf16) or a quantized weight."""
+    if _is_quantized_param(p):
+        return True
+    return p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) and not _is_dtensor(p)
+
+
+def _fp32_main_param(p: torch.Tensor) -> torch.nn.Parameter:
+    """fp32 copy of ``p``'s values in ``p``'s layout (a DTensor shard stays a DTensor with the same placement)."""
+    from megatron.core.fp8_utils import dequantize, is_quantized_tensor
+
+    local = _local(p).detach()
+    local = (dequantize(local) if is_quantized_tensor(local) else local).float().clone()
+    if _is_dtensor(p):
+        from torch.distributed.tensor import DTensor
+
+        local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+    return torch.nn.Parameter(local, requires_grad=p.requires_grad)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
 def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
     ``param`` is a DTensor)."""
@@ -116,7 +148,10 @@ class MegatronOptimizer:
         if self.main_params is None:
             return
         for mp, main in zip(self.model_params, self.main_params):
-            mp.copy_(main.to(mp.dtype))
+            if mp is main:
+                continue
+            # into the local shard: a quantized weight quantizes on copy_ (its own quantizer)
+            _local(mp).copy_(_local(main).to(_local(mp).dtype))
 
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]

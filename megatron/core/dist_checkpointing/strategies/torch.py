@@ -37,6 +37,7 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
+from ...fp8_utils import dequantize, is_quantized_tensor
 from ..core import CheckpointingException
 from ..dict_utils import nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -250,6 +251,15 @@ class MCoreSavePlanner(DefaultSavePlanner):
         global_plan, metadata = super().create_global_plan(all_plans)
         metadata.mcore_data = dict(self.mcore_data)
         return global_plan, metadata
+
+    def resolve_data(self, write_item):
+        """A quantized tensor (TE QuantizedTensor) is written as its high-precision values, one item at a time when
+        the writer asks for it (so the checkpoint holds plain tensors, as upstream's, and no save-time pass
+        dequantizes every weight at once)."""
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and is_quantized_tensor(data):
+            data = dequantize(data)
+        return data
 
 
 class MCoreLoadPlanner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):

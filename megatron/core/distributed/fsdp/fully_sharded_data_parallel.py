@@ -104,8 +104,6 @@ class FullyShardedDataParallel(MegatronModule):
             if compute_dtype is not None
             else MixedPrecisionPolicy()
         )
-        if ddp_config.fp8_param_gather:
-            self._check_fp8_param_gather(module)
 
         def shard(m: torch.nn.Module, **kw):
             fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
@@ -144,6 +142,8 @@ class FullyShardedDataParallel(MegatronModule):
         if left:
             raise RuntimeError(f"FullyShardedDataParallel: tensors still on the meta device: {left[:10]}")
         self._keep_fp32_main_params(module)
+        if ddp_config.fp8_param_gather:  # after materialization: meta-built TE weights are quantized only then
+            self._check_fp8_param_gather(module)
         shard(module)
 
         # Carry attributes from the ORIGINAL objects to the live DTensor parameters and build old -> live.
@@ -195,7 +195,10 @@ class FullyShardedDataParallel(MegatronModule):
 
         if not HAVE_TE:
             raise RuntimeError("--fp8-param-gather needs Transformer Engine (not installed)")
-        quantized = [p for p in module.parameters() if _is_quantized(p)]
+        from torch.distributed.tensor import DTensor
+
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+        quantized = [p for p in local if _is_quantized(p)]
         if not quantized:
             raise RuntimeError(
                 "--fp8-param-gather: no Transformer Engine quantized weights in the model; build it with "
