@@ -214,3 +214,33 @@ def _ddp_bf16_ckpt_body(rank, ws, ckpt_dir):
 
 def test_ddp_bf16_main_params_checkpoint_round_trip(tmp_path):
     run_distributed(_ddp_bf16_ckpt_body, 2, str(tmp_path))
+
+
+def test_quantized_weights_get_fp32_main_params():
+    """A quantized weight (--fp8-param-gather) is never updated in FP8: the optimizer keeps an fp32 main copy, steps
+    it, and quantizes it back into the weight; a plain fp32 param is optimised directly."""
+    from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    start = model.weight.detach().clone()
+    model.weight = torch.nn.Parameter(FakeQuantizedTensor.quantize(start, "tensorwise"))
+    assert isinstance(model.weight, FakeQuantizedTensor)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0), model)
+    opt_params = opt.get_parameters()
+    by_shape = {tuple(p.shape): p for p in opt_params}
+    main_w = by_shape[(8, 16)]
+    assert type(main_w) is torch.nn.Parameter and main_w.dtype == torch.float32
+    assert torch.equal(main_w.detach(), model.weight.dequantize().float())
+    assert by_shape[(8,)] is model.bias  # fp32 param: no copy
+    grad = torch.full((8, 16), 0.25)
+    model.weight.grad = grad.to(torch.bfloat16)
+    model.bias.grad = torch.ones(8)
+    bias_before = model.bias.detach().clone()
+    opt.step()
+    expected_main = FakeQuantizedTensor.quantize(start, "tensorwise").dequantize().float() - 0.5 * grad
+    assert torch.allclose(main_w.detach(), expected_main)  # the fp32 copy took the full-precision update
+    assert isinstance(model.weight, FakeQuantizedTensor)  # still quantized, holding the quantized main values
+    ref = FakeQuantizedTensor.quantize(expected_main.to(torch.bfloat16), "tensorwise").dequantize()
+    assert torch.equal(model.weight.dequantize(), ref)
+    assert torch.allclose(model.bias.detach(), bias_before - 0.5)
