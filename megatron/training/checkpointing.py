@@ -150,7 +150,7 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 
 def _parallelization_group():
     """The data-parallel group for the fully-parallel wrappers; None (= WORLD) when it spans every rank, as it
-    always does in this DP-only fork (this also sidesteps fully_parallel._global_rank's ``dist.Group`` lookup)."""
+    always does in this DP-only fork."""
     group = parallel_state.get_data_parallel_group()
     if group is None or not _dist() or dist.get_world_size(group) == dist.get_world_size():
         return None

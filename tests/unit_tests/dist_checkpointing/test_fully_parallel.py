@@ -482,3 +482,27 @@ def test_distribute_shards_balances_deterministically():
 def test_unknown_exchange_algo():
     with pytest.raises(CheckpointingException, match="exchange_algo"):
         FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="carrier_pigeon")
+
+
+def _parameter_destinations_body(rank, world, ckpt):
+    """Replicated parameters (leaves that require grad) as destinations, loaded outside torch.no_grad: the exchange
+    writes into them without autograd complaining, and every rank ends with the saved values."""
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(REPL_ROWS, 8, generator=g) for _ in range(4)]
+
+    def sd(tensors):
+        return {f"p{i}": ShardedTensor.from_rank_offsets(f"p{i}", t, replica_id=rank) for i, t in enumerate(tensors)}
+
+    dist_checkpointing.save(sd([t.clone() for t in full]), ckpt)
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in full]
+    strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+    dist_checkpointing.load(sd(params), ckpt, sharded_strategy=strategy)
+    for p, t in zip(params, full):
+        assert torch.equal(p.detach(), t)
+    assert all(p.requires_grad for p in params)
+
+
+def test_fully_parallel_load_into_parameters(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    run_distributed(_parameter_destinations_body, 2, ckpt)

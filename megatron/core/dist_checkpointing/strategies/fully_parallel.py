@@ -435,6 +435,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
         return _map_leaves(sharded_state_dict, result)
 
+    @torch.no_grad()  # destinations may be parameters (leaves that require grad)
     def _exchange(self, reader, holders, meta, by_id, send_buffers, my_rank):
         group = self.parallelization_group
         device = _comm_device(group)
