@@ -344,6 +344,19 @@ def _wrap_dcp_error(e: BaseException, checkpoint_dir: Path, metadata: Optional[M
     return CheckpointingException(f"{action} of {checkpoint_dir} failed: {detail}")
 
 
+def _run_dcp(
+    dcp_fn: Callable, action: str, checkpoint_dir: Path, metadata: Optional[Metadata], pyt_state_dict, **kwargs
+):
+    """``dcp_fn`` (DCP save or load) on ``pyt_state_dict``, without torch's ShardedTensor deprecation warnings; a DCP
+    failure is raised as a CheckpointingException (``_wrap_dcp_error``; ``metadata`` None: no data-file check)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+            dcp_fn(pyt_state_dict, **kwargs)
+    except TorchCheckpointException as e:
+        raise _wrap_dcp_error(e, checkpoint_dir, metadata, action) from None
+
+
 # ---- save ------------------------------------------------------------------------------------------------------
 class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     """Save with PyTorch DCP (``FileSystemWriter``): upstream's ``torch_dist`` format.
@@ -435,12 +448,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
         writer = FileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
-                dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
-        except TorchCheckpointException as e:
-            raise _wrap_dcp_error(e, checkpoint_dir, None, "save") from None
+        _run_dcp(dcp_save, "save", checkpoint_dir, None, pyt_state_dict, storage_writer=writer, planner=planner)
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
@@ -704,12 +712,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             stream_ckpt_dequant=self.stream_ckpt_dequant,
         )
         reader = FileSystemReader(str(checkpoint_dir))
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
-                dcp_load(pyt_state_dict, storage_reader=reader, planner=planner)
-        except TorchCheckpointException as e:
-            raise _wrap_dcp_error(e, checkpoint_dir, metadata, "load") from None
+        _run_dcp(dcp_load, "load", checkpoint_dir, metadata, pyt_state_dict, storage_reader=reader, planner=planner)
         if self.stream_ckpt_dequant:  # every quantized destination got all its slices (else: which ones did not)
             error = None
             try:
