@@ -138,17 +138,9 @@ class ShardedTensor(ShardedBase):
             global_shape[axis] = axis_fragm * local_axis_shape
             global_offset[axis] = axis_rank_offset * local_axis_shape
             axis_fragmentations[axis] = axis_fragm
-        return cls(
-            key,
-            data,
-            data.dtype,
-            tuple(data.shape),
-            tuple(global_shape),
-            tuple(global_offset),
-            tuple(axis_fragmentations),
-            replica_id,
-            prepend_axis_num,
-            **init_kwargs,
+        axis_fragmentations = tuple(axis_fragmentations)
+        return cls._from_data(
+            key, data, global_shape, global_offset, axis_fragmentations, replica_id, prepend_axis_num, init_kwargs
         )
 
     @classmethod
@@ -188,6 +180,13 @@ class ShardedTensor(ShardedBase):
     ) -> "ShardedTensor":
         """A shard placed explicitly (no regular grid: ``axis_fragmentations`` None), e.g. uneven torch.chunk-style
         FSDP shards, including empty ones (0 rows)."""
+        return cls._from_data(key, data, global_shape, global_offset, None, replica_id, prepend_axis_num, init_kwargs)
+
+    @classmethod
+    def _from_data(
+        cls, key, data, global_shape, global_offset, axis_fragmentations, replica_id, prepend_axis_num, init_kwargs
+    ) -> "ShardedTensor":
+        """The shard ``data`` (its dtype and shape) at the given placement; ``init_kwargs`` go to the constructor."""
         return cls(
             key,
             data,
@@ -195,7 +194,7 @@ class ShardedTensor(ShardedBase):
             tuple(data.shape),
             tuple(global_shape),
             tuple(global_offset),
-            None,
+            axis_fragmentations,
             replica_id,
             prepend_axis_num,
             **init_kwargs,
