@@ -371,6 +371,18 @@ def validate_integrity_and_strict_load(
     return sharded_state_dict, missing_keys, unexpected_keys
 
 
+def _default_or_checked_strategy(strategy, action, backend, version):
+    """The default ``action`` strategy for ``backend``/``version`` if ``strategy`` is None, else ``strategy`` after
+    its backend and version compatibility checks."""
+    from .strategies.base import get_default_strategy
+
+    if strategy is None:
+        return get_default_strategy(action, backend, version)
+    strategy.check_backend_compatibility(backend)
+    strategy.check_version_compatibility(version)
+    return strategy
+
+
 def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharded_strategy=None, common_strategy=None):
     """(sharded_strategy, common_strategy) to load ``checkpoint_dir``: the defaults for its metadata.json, or the
     given ones after a compatibility check. CheckpointingException if it is not a distributed checkpoint."""
@@ -389,20 +401,12 @@ def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharde
             sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
         if isinstance(common_strategy, tuple):
             common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, *common_strategy)
-        if sharded_strategy is None:
-            sharded_strategy = get_default_strategy(
-                StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
-            )
-        else:
-            sharded_strategy.check_backend_compatibility(config.sharded_backend)
-            sharded_strategy.check_version_compatibility(config.sharded_backend_version)
-        if common_strategy is None:
-            common_strategy = get_default_strategy(
-                StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
-            )
-        else:
-            common_strategy.check_backend_compatibility(config.common_backend)
-            common_strategy.check_version_compatibility(config.common_backend_version)
+        sharded_strategy = _default_or_checked_strategy(
+            sharded_strategy, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+        )
+        common_strategy = _default_or_checked_strategy(
+            common_strategy, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+        )
     except CheckpointingException as e:
         raise CheckpointingException(f"{checkpoint_dir / 'metadata.json'}: {e}") from e
     return sharded_strategy, common_strategy
