@@ -5,15 +5,27 @@ import torch.nn.functional as F
 from megatron.core.transformer.utils import set_param_attrs
 
 
-class LayerNorm(torch.nn.Module):
+class _NormBase(torch.nn.Module):
+    """What LayerNorm and RMSNorm share: ``eps`` (default ``config.layernorm_epsilon``) and a ``[hidden_size]``
+    weight with its parameter attributes."""
+
     def __init__(self, config, hidden_size: int, eps: float = None):
         super().__init__()
         self.config = config
         self.hidden_size = hidden_size
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+        set_param_attrs((self.weight,), sequence_parallel=False, allreduce=True)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class LayerNorm(_NormBase):
+    def __init__(self, config, hidden_size: int, eps: float = None):
+        super().__init__(config, hidden_size, eps)
         self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
-        set_param_attrs((self.weight, self.bias), sequence_parallel=False, allreduce=True)
+        set_param_attrs((self.bias,), sequence_parallel=False, allreduce=True)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -23,28 +35,14 @@ class LayerNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
 
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, config, hidden_size: int, eps: float = None):
-        super().__init__()
-        self.config = config
-        self.hidden_size = hidden_size
-        self.eps = config.layernorm_epsilon if eps is None else eps
-        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
-        set_param_attrs((self.weight,), sequence_parallel=False, allreduce=True)
-
+class RMSNorm(_NormBase):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
 
 
 def build_norm(config, hidden_size: int, eps: float = None) -> torch.nn.Module:
