@@ -30,10 +30,11 @@ def _is_quantized_param(p: torch.Tensor) -> bool:
 
 
 def _needs_main_param(p: torch.Tensor) -> bool:
-    """Needs an fp32 main copy: a bf16/fp16 plain tensor (DDP with --bf16) or a quantized weight."""
+    """Needs an fp32 main copy: a bf16/fp16 tensor (DDP with --bf16; FSDP shards kept in bf16 beside FP8
+    weights) or a quantized weight."""
     if _is_quantized_param(p):
         return True
-    return p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) and not _is_dtensor(p)
+    return p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16)
 
 
 def _fp32_main_param(p: torch.Tensor) -> torch.nn.Parameter:

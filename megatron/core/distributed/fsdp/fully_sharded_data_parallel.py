@@ -176,16 +176,27 @@ class FullyShardedDataParallel(MegatronModule):
 
     def _keep_fp32_main_params(self, m: torch.nn.Module) -> None:
         """With bf16/fp16 compute, the sharded parameters are the fp32 main parameters (upcast in place, same
-        Parameter objects) unless ``ddp_config.preserve_fp32_weights`` is False. Quantized (FP8) weights stay."""
-        if self.compute_dtype is None or not self.ddp_config.preserve_fp32_weights:
-            return
+        Parameter objects) unless ``ddp_config.preserve_fp32_weights`` is False. Quantized (FP8) weights stay.
+
+        With ``--fp8-param-gather`` the other parameters take the quantized weights' nominal dtype instead: FSDP2
+        needs one original dtype per unit, and the optimizer keeps fp32 main copies of low-precision shards."""
         from torch.distributed.tensor import DTensor
 
+        if self.ddp_config.fp8_param_gather:
+            nominal = next((p.dtype for p in m.parameters() if not isinstance(p, DTensor) and _is_quantized(p)),
+                           self.compute_dtype)
+            target = nominal
+        elif self.compute_dtype is None or not self.ddp_config.preserve_fp32_weights:
+            return
+        else:
+            target = torch.float32
+        if target is None:
+            return
         for p in m.parameters():
             if isinstance(p, DTensor):
-                continue  # already sharded (an FSDP unit, upcast before its fully_shard)
-            if p.is_floating_point() and p.dtype != torch.float32 and not _is_quantized(p):
-                p.data = p.data.float()
+                continue  # already sharded (an FSDP unit, cast before its fully_shard)
+            if p.is_floating_point() and p.dtype != target and not _is_quantized(p):
+                p.data = p.data.to(target)
 
     def _check_fp8_param_gather(self, module: torch.nn.Module) -> None:
         """``--fp8-param-gather`` with Megatron-FSDP: the weights must be TE quantized tensors (built under TE's
