@@ -61,3 +61,26 @@ def test_moe_backward_reaches_every_selected_expert():
     out.pow(2).sum().backward()
     for e in layer.experts.local_experts:
         assert e.linear_fc1.weight.grad is not None and e.linear_fc1.weight.grad.abs().sum() > 0
+
+
+def test_fp8_pads_expert_tokens_to_gemm_multiple_and_drops_padding():
+    """Under --fp8-format each expert sees a token count that is a multiple of QUANTIZED_ROW_ALIGN (FP8 GEMMs need
+    it); the padded rows are dropped, so outputs and gradients equal the unpadded computation."""
+    from megatron.core.transformer.moe.experts import QUANTIZED_ROW_ALIGN
+
+    layer = _layer(seed=1)
+    x = torch.randn(7, 3, 16, requires_grad=True)  # 21 tokens x top-2: counts not multiples of 32
+    ref_out, _ = layer(x)
+    ref_out.sum().backward()
+    ref_grad = x.grad.clone()
+    seen = []
+    hooks = [e.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0])) for e in layer.experts.local_experts]
+    layer.config.fp8 = "hybrid"  # the local MLP computes in full precision; only the padding path is exercised
+    x.grad = None
+    out, _ = layer(x)
+    out.sum().backward()
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 4 and all(n % QUANTIZED_ROW_ALIGN == 0 and n > 0 for n in seen), seen
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_grad, rtol=0, atol=1e-6)
