@@ -33,6 +33,7 @@ from megatron.core.distributed.fsdp.meta_init import (
     meta_tensor_names,
     remap_param_keyed_maps,
 )
+from megatron.core.fp8_utils import is_quantized_tensor
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -49,12 +50,6 @@ def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
     size = -(-dim0 // world_size)
     start = min(rank * size, dim0)
     return start, max(0, min(size, dim0 - start))
-
-
-def _is_quantized(t) -> bool:
-    from megatron.core.extensions.transformer_engine import QuantizedTensor
-
-    return QuantizedTensor is not None and isinstance(t, QuantizedTensor)
 
 
 class FullyShardedDataParallel(MegatronModule):
@@ -183,7 +178,7 @@ class FullyShardedDataParallel(MegatronModule):
         from torch.distributed.tensor import DTensor
 
         if self.ddp_config.fp8_param_gather:
-            nominal = next((p.dtype for p in m.parameters() if not isinstance(p, DTensor) and _is_quantized(p)),
+            nominal = next((p.dtype for p in m.parameters() if not isinstance(p, DTensor) and is_quantized_tensor(p)),
                            self.compute_dtype)
             target = nominal
         elif self.compute_dtype is None or not self.ddp_config.preserve_fp32_weights:
@@ -195,7 +190,7 @@ class FullyShardedDataParallel(MegatronModule):
         for p in m.parameters():
             if isinstance(p, DTensor):
                 continue  # already sharded (an FSDP unit, cast before its fully_shard)
-            if p.is_floating_point() and p.dtype != target and not _is_quantized(p):
+            if p.is_floating_point() and p.dtype != target and not is_quantized_tensor(p):
                 p.data = p.data.to(target)
 
     def _check_fp8_param_gather(self, module: torch.nn.Module) -> None:
@@ -209,7 +204,7 @@ class FullyShardedDataParallel(MegatronModule):
         from torch.distributed.tensor import DTensor
 
         local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
-        quantized = [p for p in local if _is_quantized(p)]
+        quantized = [p for p in local if is_quantized_tensor(p)]
         if not quantized:
             raise RuntimeError(
                 "--fp8-param-gather: no Transformer Engine quantized weights in the model; build it with "
