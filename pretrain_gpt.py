@@ -86,3 +86,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # a clean shutdown: no rank exits while another still uses the group
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
