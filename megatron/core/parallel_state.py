@@ -5,6 +5,7 @@ process when torch.distributed is not initialised, so single-process code needs 
 """
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 _DATA_PARALLEL_GROUP = None
@@ -73,3 +74,11 @@ def get_pipeline_model_parallel_rank() -> int:
 
 def get_expert_model_parallel_world_size() -> int:
     return 1
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where tensors for collectives on ``group`` live: the current GPU under NCCL (it takes no CPU tensors), else
+    the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -74,7 +74,7 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
     if iteration < 0:
         raise CheckpointError(f"checkpoint tracker {tracker_filename}: negative iteration {iteration}")
     if _dist():  # every rank must agree on what it read
-        t = torch.tensor([iteration, -iteration], dtype=torch.long, device=_collective_device())
+        t = torch.tensor([iteration, -iteration], dtype=torch.long, device=parallel_state.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if int(t[0]) != iteration or int(-t[1]) != iteration:
             raise CheckpointError(f"checkpoint tracker {tracker_filename}: ranks read different iterations")
@@ -148,13 +148,6 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
     return state_dict
 
 
-def _collective_device() -> torch.device:
-    """Where small flag tensors for collectives live: the current GPU under NCCL (it has no CPU tensors), else CPU."""
-    if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _parallelization_group():
     """The data-parallel group for the fully-parallel wrappers; None (= WORLD) when it spans every rank, as it
     always does in this DP-only fork."""
@@ -214,7 +207,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     except Exception as e:  # decide together whether the save completed
         ok, error = False, e
     if _dist():
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_collective_device())
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=parallel_state.collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         all_ok = bool(flag.item())
     else:

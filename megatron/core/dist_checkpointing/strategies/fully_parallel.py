@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ...parallel_state import collective_device
 from ..core import CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 from .base import LoadShardedStrategy, SaveShardedStrategy
@@ -104,19 +105,12 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def _comm_device(group) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _fingerprint(items) -> bytes:
     return hashlib.sha1(repr(items).encode()).digest()
 
 
 def _any_rank_true(flag: bool, group) -> bool:
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_comm_device(group))
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
@@ -438,7 +432,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     @torch.no_grad()  # destinations may be parameters (leaves that require grad)
     def _exchange(self, reader, holders, meta, by_id, send_buffers, my_rank):
         group = self.parallelization_group
-        device = _comm_device(group)
+        device = collective_device(group)
         for sid in sorted(reader):
             if len(holders[sid]) < 2:
                 continue
