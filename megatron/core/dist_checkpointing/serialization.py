@@ -290,6 +290,7 @@ def load(
     sharded_state_dict = _copy_containers(sharded_state_dict)
     with_factories = _copy_containers(sharded_state_dict)
     apply_factories(sharded_state_dict)
+    built = _copy_containers(sharded_state_dict)  # the structure factories built (lists stay lists)
     sharded_part, nonpersistent, _ = _split(sharded_state_dict)
 
     ckpt_sharded_metadata = None
@@ -309,8 +310,8 @@ def load(
         loaded_objects = common_strategy.load_sharded_objects(objects, checkpoint_dir)
         merge(common_state_dict, loaded_objects)
     loaded = sharded_strategy.load(sharded_part, checkpoint_dir)  # collective: called even with nothing to load
+    loaded = _restore_list_types(loaded, built)  # before merges: merge_fn gets what build_fn built (e.g. a list)
     loaded = apply_factory_merges(loaded, with_factories)
-    loaded = _restore_list_types(loaded, with_factories)
     merge(common_state_dict, loaded)
     nonpersistent = dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent) if nonpersistent else nonpersistent
     if nonpersistent:

@@ -281,3 +281,23 @@ def _uneven_participation(rank, world, tmp_path):
 
 def test_uneven_participation(tmp_path):
     run_distributed(_uneven_participation, 2, tmp_path)
+
+
+def test_factory_merge_fn_gets_what_build_fn_built(tmp_path):
+    """Upstream passes merge_fn the loaded counterpart of build_fn's result: a list stays a list (e.g. SwiGLU's
+    ``torch.cat(pieces)``), so a merge written for upstream (``sum(pieces)``) gives the same answer here."""
+
+    def build(key, data, replica_id, flattened_range):
+        a, b = data.chunk(2)
+        return [ShardedTensor.from_rank_offsets(f"{key}.a", a), ShardedTensor.from_rank_offsets(f"{key}.b", b)]
+
+    seen = []
+
+    def merge(pieces):
+        seen.append(type(pieces))
+        return sum(pieces)
+
+    dist_checkpointing.save({"f": ShardedTensorFactory("k", torch.arange(4.0), build, merge)}, str(tmp_path))
+    out = dist_checkpointing.load({"f": ShardedTensorFactory("k", torch.zeros(4), build, merge)}, str(tmp_path))
+    assert seen == [list]
+    assert torch.equal(out["f"], torch.tensor([2.0, 4.0]))
