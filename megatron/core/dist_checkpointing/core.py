@@ -13,12 +13,23 @@ class CheckpointingException(Exception):
 
 @dataclass
 class CheckpointingConfig:
-    """What ``metadata.json`` holds: which strategies (backend, version) wrote the sharded and the common parts."""
+    """What ``metadata.json`` holds: which strategy (backend, version) wrote the sharded part, and, for the legacy
+    layout only, which one wrote ``common.pt``.
+
+    Upstream megatron-core 0.19 writes ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1}`` and keeps
+    the common state inside the DCP files (``common_state/shard_0_1``); older checkpoints (upstream's and this fork's
+    before it matched 0.19) also name a ``common_backend`` and keep the common state in ``common.pt``.
+    """
 
     sharded_backend: str
     sharded_backend_version: int = 1
-    common_backend: str = "torch"
-    common_backend_version: int = 1
+    common_backend: Optional[str] = None
+    common_backend_version: Optional[int] = None
+
+    @property
+    def has_common_file(self) -> bool:
+        """True for the legacy layout (common state in ``common.pt``, objects stored as they are)."""
+        return self.common_backend is not None
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
@@ -44,5 +55,5 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -
     config_path = Path(checkpoint_dir) / CONFIG_FNAME
     tmp = config_path.with_name(CONFIG_FNAME + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(asdict(config), f)
+        json.dump({k: v for k, v in asdict(config).items() if v is not None}, f)
     tmp.replace(config_path)

@@ -2,11 +2,17 @@
 
 A checkpoint is a directory, written collectively by all ranks, in upstream megatron-core's ``torch_dist`` layout::
 
-    metadata.json        {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                          "common_backend": "torch", "common_backend_version": 1}   (written last, by rank 0)
-    common.pt            the non-sharded ("common") state, torch.save by rank 0
+    metadata.json        {"sharded_backend": "torch_dist", "sharded_backend_version": 1}   (written last, by rank 0)
     .metadata            PyTorch DCP metadata (tensor keys -> TensorStorageMetadata with chunks; objects -> bytes)
     __<rank>_<n>.distcp  DCP data files (FileSystemWriter)
+    integrity.json       only with ``save(..., verify_integrity=True)``: SHA-256 of every file (upstream's manifest)
+
+as upstream megatron-core 0.19 writes it: the non-sharded ("common") state is the object ``common_state/shard_0_1``
+inside the DCP files (written by rank 0), and every ShardedObject is a DCP bytes item ``<key>/shard_<offset>_<shape>``
+holding ``torch.save([obj])``. The legacy layout (``common.pt`` beside the DCP files, ``metadata.json`` naming a
+``common_backend``, objects stored unwrapped: older upstream versions and this fork before 0.19 parity) is read
+too, and written only when ``save`` is given a ``common_strategy`` explicitly. Objects and common state are read with
+``torch.load(weights_only=True)``.
 
 Usage::
 
@@ -20,6 +26,7 @@ return ``(state_dict, missing_keys, unexpected_keys)``. Bad input raises Checkpo
 or directory; a failed save never touches an existing checkpoint.
 """
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Set, Tuple, Union
 
@@ -27,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
+from .integrity import save_integrity_manifest, verify_integrity_manifest
 from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -59,6 +67,41 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 _CONTENT_METADATA_KEY = "content_metadata"
+COMMON_STATE_KEY = "common_state"  # upstream 0.19: the common state is this ShardedObject inside the DCP files
+
+
+def _common_state_object(common_state_dict) -> ShardedObject:
+    """The common state as upstream 0.19 stores it: one object (``common_state/shard_0_1``) written by rank 0."""
+    return ShardedObject(COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=_rank())
+
+
+def _map_objects(x, like, fn):
+    """``x`` (a state dict shaped like ``like``) with ``fn(value, sharded_object)`` applied where ``like`` holds a
+    ShardedObject."""
+    if isinstance(like, ShardedObject):
+        return fn(x, like)
+    if isinstance(like, dict) and isinstance(x, dict):
+        return {k: _map_objects(v, like[k], fn) if k in like else v for k, v in x.items()}
+    if isinstance(like, list) and isinstance(x, list):
+        return [_map_objects(v, l, fn) for v, l in zip(x, like)] + x[len(like):]
+    return x
+
+
+def _wrapped(obj: ShardedObject) -> ShardedObject:
+    """Upstream 0.19 stores an object's data as a one-element list."""
+    return replace(obj, data=[obj.data])
+
+
+def _unwrapped(checkpoint_dir: Path):
+    def fn(value, obj: ShardedObject):
+        if not (isinstance(value, list) and len(value) == 1):
+            raise CheckpointingException(
+                f"object {obj.unique_key!r} of checkpoint {checkpoint_dir} is not stored as upstream 0.19 stores "
+                f"objects (a one-element list), got {type(value).__name__}"
+            )
+        return value[0]
+
+    return fn
 
 
 def _rank() -> int:
@@ -125,6 +168,7 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check=None,
     content_metadata: Optional[dict] = None,
+    verify_integrity: bool = False,
 ) -> None:
     """Save ``sharded_state_dict`` to ``checkpoint_dir`` (collective over all ranks).
 
@@ -132,7 +176,8 @@ def save(
     is overwritten); other content is kept and a warning is logged, like upstream. With
     ``validate_access_integrity`` the sharding is checked across ranks first (each element of each tensor saved by
     exactly one main replica; consistent global shapes and dtypes). ``content_metadata`` is stored in the common
-    state (see ``load_content_metadata``).
+    state (see ``load_content_metadata``). ``verify_integrity`` writes upstream's ``integrity.json`` (SHA-256 of every
+    file) last. Without ``common_strategy`` the checkpoint has upstream 0.19's layout; with one, the legacy layout.
     """
     if async_sharded_save:
         raise CheckpointingException("async_sharded_save is not supported by this megatron-core fork")
@@ -154,10 +199,11 @@ def save(
         sharded_strategy = get_default_save_sharded_strategy()
     elif isinstance(sharded_strategy, tuple):
         sharded_strategy = get_default_save_sharded_strategy(*sharded_strategy)
-    if common_strategy is None:
-        common_strategy = get_default_save_common_strategy()
-    elif isinstance(common_strategy, tuple):
+    if isinstance(common_strategy, tuple):
         common_strategy = get_default_save_common_strategy(*common_strategy)
+    legacy = common_strategy is not None or not sharded_strategy.can_handle_sharded_objects
+    if legacy and common_strategy is None:
+        common_strategy = get_default_save_common_strategy()
 
     sharded_state_dict = _copy_containers(sharded_state_dict)
     apply_factories(sharded_state_dict)
@@ -176,6 +222,28 @@ def save(
         _, global_metadata = determine_global_metadata(sharded_part)
         validate_sharding_integrity(global_metadata)
 
+    if legacy:
+        sharded_part = _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_state_dict,
+                                           checkpoint_dir)
+        config = CheckpointingConfig(
+            sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+        )
+    else:
+        sharded_part = _map_objects(sharded_part, sharded_part, lambda _, obj: _wrapped(obj))
+        sharded_part = {"sharded": sharded_part, "common": _wrapped(_common_state_object(common_state_dict))}
+        config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
+    sharded_strategy.save(sharded_part, checkpoint_dir)
+    _barrier()
+    if _rank() == 0:
+        save_config(config, checkpoint_dir)
+        if verify_integrity:
+            save_integrity_manifest(checkpoint_dir)
+    _barrier()
+
+
+def _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_state_dict, checkpoint_dir: Path):
+    """The legacy layout's ``common.pt`` (and the objects, for a sharded strategy that cannot store them); returns
+    what is left for the sharded strategy."""
     if not sharded_strategy.can_handle_sharded_objects:
         objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
         common_strategy.save_sharded_objects(objects, checkpoint_dir)
@@ -185,16 +253,7 @@ def save(
     except Exception as e:  # e.g. an unpicklable common value: fail on every rank, before any sharded file
         error = f"saving the common state to {checkpoint_dir} failed: {type(e).__name__}: {e}"
     _collective_error(error)
-    sharded_strategy.save(sharded_part, checkpoint_dir)
-    _barrier()
-    if _rank() == 0:
-        save_config(
-            CheckpointingConfig(
-                sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-            ),
-            checkpoint_dir,
-        )
-    _barrier()
+    return sharded_part
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
@@ -203,9 +262,16 @@ def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadS
 
 
 def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
-    """The common (non-sharded) state of the checkpoint (``common.pt``)."""
+    """The common (non-sharded) state of the checkpoint: the ``common_state`` object (upstream 0.19's layout) or
+    ``common.pt`` (legacy). No communication, so it may be called on one rank only."""
+    from .strategies.torch import load_objects_local
+
     _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    return common_strategy.load_common(checkpoint_dir)
+    if common_strategy is not None:
+        return common_strategy.load_common(checkpoint_dir)
+    obj = _common_state_object(None)
+    value = load_objects_local(checkpoint_dir, [obj.unique_key])[obj.unique_key]
+    return _unwrapped(Path(checkpoint_dir))(value, obj)
 
 
 def load_tensors_metadata(
@@ -226,8 +292,9 @@ def load_sharded_metadata(
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )
-    out = dict(common_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+    out = dict(common_strategy.load_sharded_metadata(Path(checkpoint_dir))) if common_strategy is not None else {}
     out.update(sharded_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+    out.pop(_common_state_object(None).unique_key, None)  # the common state, not an object of the state dict
     return out
 
 
@@ -263,14 +330,18 @@ def load(
     common_strategy: Union[LoadCommonStrategy, None] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    verify_integrity: bool = False,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load ``sharded_state_dict`` from ``checkpoint_dir`` (collective over all ranks).
 
     ShardedTensors are loaded in place (into their ``data``) and replaced by the loaded tensors; ShardedObjects by the
     loaded objects; factories are merged; LocalNonpersistentObjects are unwrapped; the checkpoint's common state is
     merged in. For RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing_keys, unexpected_keys)``.
+    ``verify_integrity`` first checks every file against ``integrity.json`` (upstream's manifest).
     """
     checkpoint_dir = Path(checkpoint_dir)
+    if verify_integrity:
+        verify_integrity_manifest(checkpoint_dir)
     error, strategies = None, None
     try:
         strategies = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
@@ -281,11 +352,12 @@ def load(
     strict = parse_strict_flag(strict)
 
     common_state_dict, error = None, None
-    try:
-        common_state_dict = common_strategy.load_common(checkpoint_dir)
-    except CheckpointingException as e:
-        error = str(e)
-    _collective_error(error)
+    if common_strategy is not None:  # legacy layout: common.pt
+        try:
+            common_state_dict = common_strategy.load_common(checkpoint_dir)
+        except CheckpointingException as e:
+            error = str(e)
+        _collective_error(error)
 
     sharded_state_dict = _copy_containers(sharded_state_dict)
     with_factories = _copy_containers(sharded_state_dict)
@@ -305,11 +377,15 @@ def load(
         sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_sharded_metadata
     )
 
-    if not sharded_strategy.can_handle_sharded_objects:
-        objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-        loaded_objects = common_strategy.load_sharded_objects(objects, checkpoint_dir)
-        merge(common_state_dict, loaded_objects)
-    loaded = sharded_strategy.load(sharded_part, checkpoint_dir)  # collective: called even with nothing to load
+    if common_strategy is None:  # upstream 0.19's layout: objects wrapped, the common state one of them
+        request = {"sharded": sharded_part, "common": _common_state_object(None)}
+        loaded = _map_objects(sharded_strategy.load(request, checkpoint_dir), request, _unwrapped(checkpoint_dir))
+        loaded, common_state_dict = loaded["sharded"], loaded["common"]
+    else:
+        if not sharded_strategy.can_handle_sharded_objects:
+            objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+            merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
+        loaded = sharded_strategy.load(sharded_part, checkpoint_dir)  # collective: called even with nothing to load
     loaded = _restore_list_types(loaded, built)  # before merges: merge_fn gets what build_fn built (e.g. a list)
     loaded = apply_factory_merges(loaded, with_factories)
     merge(common_state_dict, loaded)

@@ -385,7 +385,8 @@ def _default_or_checked_strategy(strategy, action, backend, version):
 
 def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharded_strategy=None, common_strategy=None):
     """(sharded_strategy, common_strategy) to load ``checkpoint_dir``: the defaults for its metadata.json, or the
-    given ones after a compatibility check. CheckpointingException if it is not a distributed checkpoint."""
+    given ones after a compatibility check; common_strategy is None for upstream 0.19's layout (no ``common.pt``).
+    CheckpointingException if it is not a distributed checkpoint."""
     from .strategies.base import StrategyAction, get_default_strategy
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -404,9 +405,12 @@ def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharde
         sharded_strategy = _default_or_checked_strategy(
             sharded_strategy, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
         )
-        common_strategy = _default_or_checked_strategy(
-            common_strategy, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
-        )
+        if config.has_common_file:
+            common_strategy = _default_or_checked_strategy(
+                common_strategy, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+            )
+        else:  # upstream 0.19's layout: the common state is an object inside the sharded (DCP) part
+            common_strategy = None
     except CheckpointingException as e:
         raise CheckpointingException(f"{checkpoint_dir / 'metadata.json'}: {e}") from e
     return sharded_strategy, common_strategy

@@ -30,6 +30,18 @@ def _dir(tmp_path, name):
     return d
 
 
+def _read_object_items(d, keys):
+    """The objects of a checkpoint read with torch's own DCP reader (no MCore code)."""
+    import io
+
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    state = {k: io.BytesIO() for k in keys}
+    dcp_load(state, storage_reader=FileSystemReader(d), planner=DefaultLoadPlanner(), no_dist=True)
+    return state
+
+
 def _tensors(world):
     g = torch.Generator().manual_seed(1)
     return {
@@ -106,20 +118,19 @@ def _roundtrip(rank, world, tmp_path):
 
     if rank == 0:
         files = sorted(os.listdir(d))
-        assert {"metadata.json", "common.pt", ".metadata"} <= set(files), files
+        assert {"metadata.json", ".metadata"} <= set(files) and "common.pt" not in files, files
         distcp = [f for f in files if f.endswith(".distcp")]
         assert distcp and all(f.startswith("__") and f.count("_") == 3 for f in distcp), distcp
         assert {int(f.split("_")[2]) for f in distcp} == set(range(world)), distcp
         with open(os.path.join(d, "metadata.json")) as f:
-            assert json.load(f) == {
-                "sharded_backend": "torch_dist",
-                "sharded_backend_version": 1,
-                "common_backend": "torch",
-                "common_backend_version": 1,
-            }
-        common = torch.load(os.path.join(d, "common.pt"), weights_only=False)
-        assert common["iteration"] == 123 and "local" not in common and "model" not in common
+            assert json.load(f) == {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
         md = FileSystemReader(d).read_metadata()
+        # upstream 0.19's layout: the common state is the object common_state/shard_0_1 = torch.save([common])
+        assert isinstance(md.state_dict_metadata["common_state/shard_0_1"], BytesStorageMetadata)
+        objs = _read_object_items(d, ["common_state/shard_0_1", "shared/shard_0_1"])
+        common = objs["common_state/shard_0_1"][0]
+        assert common["iteration"] == 123 and "local" not in common and "model" not in common
+        assert objs["shared/shard_0_1"] == [("same", 42)]
         f32 = md.state_dict_metadata["model.f32"]
         assert isinstance(f32, TensorStorageMetadata) and tuple(f32.size) == (4 * world, 3)
         assert f32.properties.dtype == torch.float32
@@ -271,7 +282,7 @@ def _uneven_participation(rank, world, tmp_path):
     assert torch.equal(out["w"], torch.ones(3)) if rank == 0 else "w" not in out
     # an unpicklable common value fails on every rank and leaves nothing behind
     d2 = _dir(tmp_path, "unpicklable")
-    with pytest.raises(CheckpointingException, match="common state"):
+    with pytest.raises(CheckpointingException, match="cannot save object 'common_state/shard_0_1'"):
         dist_checkpointing.save(
             {"lock": threading.Lock(), "w": ShardedTensor.from_rank_offsets("w", torch.ones(3), replica_id=rank)}, d2
         )

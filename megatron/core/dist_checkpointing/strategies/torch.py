@@ -223,11 +223,64 @@ def _unwrap_pyt_sharded_tensor(sh_ten: TorchShardedTensor) -> List[torch.Tensor]
     return ret
 
 
-def _object_to_bytes(obj) -> io.BytesIO:
+def _object_to_bytes(obj, key: str) -> io.BytesIO:
+    """``torch.save(obj)`` in a buffer: the bytes of the DCP object item (``MCoreSavePlanner`` writes them as they
+    are). An object that cannot be saved is an error naming ``key``, raised before any file is written."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    try:
+        torch.save(obj, buf)
+    except Exception as e:
+        raise CheckpointingException(f"cannot save object {key!r}: {type(e).__name__}: {e}") from e
     buf.seek(0)
     return buf
+
+
+def _object_safe_globals() -> list:
+    """The plain classes our objects hold beyond torch's weights_only defaults: argparse.Namespace (``args``), numpy
+    arrays (RNG states), and io.BytesIO (this fork's pre-0.19-parity object items)."""
+    import argparse
+
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")] if hasattr(np, "dtypes") else []
+    return [argparse.Namespace, io.BytesIO, np.ndarray, np.dtype, _reconstruct, *dtypes]
+
+
+def object_from_bytes(raw: bytes, what: str):
+    """The object stored in a DCP bytes item (``torch.save(obj)``), read with ``torch.load(weights_only=True)`` so
+    that nothing in a checkpoint can run code; ``what`` (key and file) names it in the error. Checkpoints of this
+    fork from before upstream-0.19 parity hold ``torch.save`` of a buffer of ``torch.save(obj)``: read through."""
+    try:
+        with torch.serialization.safe_globals(_object_safe_globals()):
+            value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            if isinstance(value, io.BytesIO):
+                value.seek(0)
+                value = torch.load(value, map_location="cpu", weights_only=True)
+        return value
+    except Exception as e:
+        raise CheckpointingException(f"cannot read object {what}: {type(e).__name__}: {e}") from e
+
+
+def load_objects_local(checkpoint_dir: Union[str, Path], unique_keys) -> Dict[str, Any]:
+    """{unique_key: object} for the given ShardedObject items, read by this process alone (no collective: may be
+    called on one rank only)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    metadata = _read_dcp_metadata(checkpoint_dir)
+    missing = [k for k in unique_keys if not isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)]
+    if missing:
+        raise CheckpointingException(f"object(s) {missing} not found in checkpoint {checkpoint_dir}")
+    error = _check_data_files(checkpoint_dir, metadata, set(unique_keys))
+    if error:
+        raise CheckpointingException(error)
+    state = {k: io.BytesIO() for k in unique_keys}
+    planner = MCoreLoadPlanner()
+    _run_dcp(dcp_load, "load", checkpoint_dir, metadata, state, storage_reader=FileSystemReader(str(checkpoint_dir)),
+             planner=planner, no_dist=True)
+    return {k: object_from_bytes(planner.state_dict[k], f"{k!r} of checkpoint {checkpoint_dir}") for k in unique_keys}
 
 
 @dataclass
@@ -251,6 +304,13 @@ class MCoreSavePlanner(DefaultSavePlanner):
         global_plan, metadata = super().create_global_plan(all_plans)
         metadata.mcore_data = dict(self.mcore_data)
         return global_plan, metadata
+
+    def transform_object(self, write_item, object):
+        """An object item arrives already serialized (``_object_to_bytes``): written as it is (DCP's default would
+        ``torch.save`` the buffer again)."""
+        if isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
 
     def resolve_data(self, write_item):
         """A quantized tensor (TE QuantizedTensor) is written as its high-precision values, one item at a time when
@@ -298,6 +358,11 @@ class MCoreLoadPlanner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
     def create_local_plan(self):
         self._validate_global_shapes(self.metadata, self.shapes_validation_sharded_tensors)
         return super().create_local_plan()
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Keep an object item's raw bytes (DCP's default would ``torch.load(weights_only=False)`` them: code
+        execution); ``object_from_bytes`` reads them safely."""
+        self.state_dict[read_item.dest_index.fqn] = value.read()
 
 
 # ---- file checks -----------------------------------------------------------------------------------------------
@@ -399,7 +464,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                     continue
                 if item.unique_key in pyt_state_dict:
                     continue
-                pyt_state_dict[item.unique_key] = _object_to_bytes(item.data)
+                pyt_state_dict[item.unique_key] = _object_to_bytes(item.data, item.unique_key)
         mcore_data: Dict[str, dict] = {}
         seen_boxes = set()
         for key, sh_tens in tensors.items():
@@ -741,11 +806,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if t.numel() == 0:
                 result_of[id(t)] = t.data
         for o in objects:
-            value = loaded.get(o.unique_key, pyt_state_dict.get(o.unique_key))
-            if isinstance(value, io.BytesIO):
-                value.seek(0)
-                value = torch.load(value, weights_only=False)
-            result_of[id(o)] = value
+            result_of[id(o)] = object_from_bytes(loaded[o.unique_key], f"{o.unique_key!r} of checkpoint {checkpoint_dir}")
         return result_of
 
 
