@@ -265,7 +265,10 @@ def _copy_model_values(model_chunk, sharded_sd: dict, loaded: dict, strict: bool
                     dest.copy_(value)
             elif isinstance(sh, ShardedObject) and key.endswith("_extra_state"):
                 module = base.get_submodule(key[: -len("._extra_state")]) if "." in key else base
-                module.set_extra_state(value)
+                try:
+                    module.set_extra_state(value)
+                except Exception as e:  # name the key: the module's own error cannot
+                    raise CheckpointError(f"model key {key}: {e}") from e
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, checkpointing_context=None,

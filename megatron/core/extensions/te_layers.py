@@ -18,6 +18,7 @@ import inspect
 
 import torch
 
+from megatron.core.extensions import te_extra_state
 from megatron.core.extensions import transformer_engine as _te
 from megatron.core.transformer.utils import set_param_attrs
 
@@ -144,6 +145,21 @@ class _TEWrapperMixin:
             for k, v in saved.get(n, {}).items():
                 if not hasattr(p, k):
                     setattr(p, k, v)
+
+    def get_extra_state(self):
+        """FP8 scaling state as plain data that loads with ``torch.load(weights_only=True)``: TE's empty uint8 tensor
+        without FP8 state or for a stateless recipe, else a dict of tensors and plain values (never TE's pickle of
+        the recipe object). Format, compatibility and the unsafe-pickle opt-in: ``te_extra_state``."""
+        return te_extra_state.save_extra_state(self)
+
+    def set_extra_state(self, state):
+        """Restore what :meth:`get_extra_state` saved (delayed scaling continues with the saved scale and amax
+        history). TE's own pickled state (upstream checkpoints) is refused with an error naming
+        ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``, the opt-in that hands it to TE; stateless payloads are skipped."""
+        config = getattr(self, "config", None)
+        quantized = config is not None and (config.fp8 is not None or config.fp4 is not None)
+        recipe = get_quantization_recipe(config) if quantized else None
+        te_extra_state.load_extra_state(self, state, recipe, super().set_extra_state)
 
     def forward(self, x, weight=None):
         if weight is not None:

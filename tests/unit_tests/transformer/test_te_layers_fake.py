@@ -1,9 +1,14 @@
 """The TE wrappers' logic on CPU, against a small stand-in for ``transformer_engine.pytorch`` Linear /
 LayerNormLinear that behaves like TE where it matters: strict constructor signature, init in the constructor
 (deferred on 'meta'), ``reset_parameters`` that re-wraps every parameter in a NEW nn.Parameter, ``return_bias``,
-``_extra_state``. The real TE is covered by tests/unit_tests/models/test_gpt_te.py on GPU."""
+``_extra_state`` and FP8 delayed-scaling metadata as TE 2.x keeps it (``fp8_meta["scaling_fwd"/"scaling_bwd"]`` with
+``scale`` / ``amax_history``; ``get_extra_state`` = TE's pickled byte tensor, ``set_extra_state`` refuses it without
+``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` as TE 2.20 does). The real TE is covered by
+tests/unit_tests/models/test_gpt_te.py on GPU."""
 import contextlib
 import importlib
+import os
+import pickle
 import types
 
 import pytest
@@ -15,8 +20,80 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 
+class _FakeRecipeState:
+    """TE's DelayedScalingRecipeState: ``scale`` (n,) and ``amax_history`` (len, n); the quantizers view them."""
+
+    def __init__(self, n, history_len):
+        self.scale = torch.ones(n)
+        self.amax_history = torch.zeros(history_len, n)
+
+
 class _FakeTEBase(torch.nn.Module):
     materialize_on = "cuda"  # as TE
+
+    def _init_fp8_state(self):
+        self.fp8, self.fp8_calibration, self.fp8_meta_tensors_initialized = False, False, False
+        self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
+
+    def init_fp8_meta_tensors(self, recipe):
+        """As TE: create the recipe state, or keep an existing delayed one (resizing its amax history)."""
+        for key, per_gemm in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+            cur = self.fp8_meta.get(key)
+            if self.fp8_meta_tensors_initialized and recipe.delayed() and isinstance(cur, _FakeRecipeState):
+                n = recipe.amax_history_len
+                if cur.amax_history.shape[0] != n:
+                    h = cur.amax_history[:n].clone()
+                    cur.amax_history = torch.cat([h, h.new_zeros(n - h.shape[0], h.shape[1])])
+                continue
+            n = self.fp8_meta["num_gemms"] * per_gemm
+            self.fp8_meta[key] = _FakeRecipeState(n, recipe.amax_history_len) if recipe.delayed() else object()
+        self.fp8_meta_tensors_initialized = True
+
+    def fake_fp8_steps(self, recipe, steps, generator):
+        """What TE does over ``steps`` autocast iterations: init FP8 metadata, record amaxes, update the scales."""
+        self.fp8 = True
+        self.fp8_meta.update(fp8_checkpoint=True, num_gemms=1, recipe=recipe, fp8_max_fwd=448.0, fp8_max_bwd=57344.0,
+                             buffer_index_and_autocast_key=(0, "fwd_key", 0, "bwd_key"))
+        self.init_fp8_meta_tensors(recipe)
+        if not recipe.delayed():
+            return
+        for _ in range(steps):
+            for d in ("fwd", "bwd"):
+                st = self.fp8_meta[f"scaling_{d}"]
+                amax = torch.rand(st.amax_history.shape[1], generator=generator) * 10 + 0.1
+                st.amax_history.copy_(torch.roll(st.amax_history, 1, 0))
+                st.amax_history[0] = amax
+                st.scale.copy_(self.fp8_meta[f"fp8_max_{d}"] / st.amax_history.max(0).values)
+
+    def get_extra_state(self):
+        """TE 2.x: an empty uint8 tensor without FP8 state, else the pickled state (recipe object included)."""
+        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8):
+            return torch.empty(0, dtype=torch.uint8)
+        recipe = self.fp8_meta["recipe"]
+        state = {"recipe": recipe, "extra_fp8_variables": {
+            k: v for k, v in self.fp8_meta.items()
+            if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str, tuple, list))}}
+        if recipe.delayed():
+            for d in ("fwd", "bwd"):
+                state[f"scale_{d}"] = self.fp8_meta[f"scaling_{d}"].scale.clone()
+                state[f"amax_history_{d}"] = self.fp8_meta[f"scaling_{d}"].amax_history.clone()
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        """TE 2.20: refuses to unpickle without the opt-in, then unpickles and copies scale / amax history."""
+        self.loaded_extra = state
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        if os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1":
+            raise RuntimeError(f"Refusing to load pickled Transformer Engine extra state for {type(self).__name__}")
+        state = pickle.loads(state.numpy().tobytes())
+        self.fp8_meta.update(state["extra_fp8_variables"])
+        self.fp8_meta["recipe"] = state["recipe"]
+        self.init_fp8_meta_tensors(state["recipe"])
+        if state["recipe"].delayed():
+            for d in ("fwd", "bwd"):
+                self.fp8_meta[f"scaling_{d}"].scale.copy_(state[f"scale_{d}"])
+                self.fp8_meta[f"scaling_{d}"].amax_history.copy_(state[f"amax_history_{d}"])
 
     def _register(self, name, tensor, init_fn):
         self.register_parameter(name, torch.nn.Parameter(tensor))
@@ -32,12 +109,6 @@ class _FakeTEBase(torch.nn.Module):
             setattr(self, name, torch.nn.Parameter(param))  # TE: always a new Parameter object
         self.weight.tensor_model_parallel = True
 
-    def get_extra_state(self):
-        return torch.tensor([7], dtype=torch.uint8)
-
-    def set_extra_state(self, state):
-        self.loaded_extra = state
-
 
 class FakeLinear(_FakeTEBase):
     def __init__(self, in_features, out_features, sequence_parallel=False, fuse_wgrad_accumulation=False,
@@ -45,6 +116,7 @@ class FakeLinear(_FakeTEBase):
                  bias=True, return_bias=False, params_dtype=None, parallel_mode=None, parameters_split=None,
                  device="cuda", name=None):
         super().__init__()
+        self._init_fp8_state()
         self.param_init_fns = {}
         self.return_bias = return_bias
         self._register("weight", torch.empty(out_features, in_features, device=device, dtype=params_dtype),
@@ -68,6 +140,7 @@ class FakeLayerNormLinear(FakeLinear):
                  return_layernorm_output=False, return_layernorm_output_gathered=False, parameters_split=None,
                  zero_centered_gamma=False, device="cuda", name=None):
         torch.nn.Module.__init__(self)
+        self._init_fp8_state()
         self.param_init_fns = {}
         self.return_bias, self.eps, self.normalization = return_bias, eps, normalization
         self._register("layer_norm_weight", torch.empty(in_features, device=device, dtype=params_dtype),
@@ -101,17 +174,47 @@ def fake_autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_g
 
 
 class _Recipe:
+    """A TE recipe: keyword settings, ``delayed()``, equality by settings (TE's are dataclasses)."""
+
     def __init__(self, **kw):
         self.kw = kw
+        self.amax_history_len = kw.get("amax_history_len", 1024)
+
+    def delayed(self):
+        return False
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.kw == other.kw
+
+
+class DelayedScaling(_Recipe):
+    def delayed(self):
+        return True
+
+
+class Float8CurrentScaling(_Recipe):
+    pass
+
+
+class MXFP8BlockScaling(_Recipe):
+    pass
+
+
+class Float8BlockScaling(_Recipe):
+    pass
+
+
+class NVFP4BlockScaling(_Recipe):
+    pass
 
 
 fake_recipe = types.SimpleNamespace(
     Format=types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID"),
-    DelayedScaling=type("DelayedScaling", (_Recipe,), {}),
-    Float8CurrentScaling=type("Float8CurrentScaling", (_Recipe,), {}),
-    MXFP8BlockScaling=type("MXFP8BlockScaling", (_Recipe,), {}),
-    Float8BlockScaling=type("Float8BlockScaling", (_Recipe,), {}),
-    NVFP4BlockScaling=type("NVFP4BlockScaling", (_Recipe,), {}),
+    DelayedScaling=DelayedScaling,
+    Float8CurrentScaling=Float8CurrentScaling,
+    MXFP8BlockScaling=MXFP8BlockScaling,
+    Float8BlockScaling=Float8BlockScaling,
+    NVFP4BlockScaling=NVFP4BlockScaling,
 )
 
 

@@ -1,0 +1,143 @@
+"""Exact resume of FP8 training with real Transformer Engine layers (GPU with TE; ``@pytest.mark.gpu``).
+
+For each case: ``pretrain_gpt.py`` (torchrun, 1 GPU, NCCL) trains ``ITERS`` iterations with TE layers, FP8 (delayed
+or tensorwise), ``--fp8-param-gather`` (FP8 weights) and a save at ``SAVE_AT``; then it resumes from that
+checkpoint twice, with and without ``--stream-ckpt-dequant``. Asserted against the uninterrupted run:
+
+- the losses of every iteration after the resume (exactly);
+- delayed scaling: the amax history and scale of every TE layer right after the load and after every later
+  iteration (exactly), so no unsafe pickle opt-in was needed (``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` is removed
+  from the environment) and the FP8 state continued where it stopped;
+- MoE case: every router's ``expert_bias`` finite and equal.
+
+This file is also the per-process entry point (``python -m torch.distributed.run ... test_gpt_te_resume.py OUT
+ARGS...``): it runs ``pretrain`` and writes what it recorded to OUT.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ITERS, SAVE_AT = 8, 4
+BASE = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 512 --seq-length 128 "
+        "--max-position-embeddings 128 --vocab-size 1024 --micro-batch-size 2 --global-batch-size 4 "
+        "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 "
+        "--seed 1234 --bf16 --transformer-impl transformer_engine --fp8-format hybrid --fp8-param-gather "
+        "--fp8-amax-history-len 16 --mock-data --tokenizer-type NullTokenizer --log-interval 1 --eval-iters 0 "
+        "--hidden-dropout 0 --attention-dropout 0 --ckpt-format torch_dist").split()
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-router-enable-expert-bias --use-megatron-fsdp "
+       "--init-model-with-meta-device").split()
+CASES = {
+    "delayed": ["--fp8-recipe", "delayed"],
+    "tensorwise": ["--fp8-recipe", "tensorwise"],
+    "delayed_moe_fsdp_meta": ["--fp8-recipe", "delayed"] + MOE,
+}
+
+
+# ---- per-process entry point ---------------------------------------------------------------------------------
+def _fp8_state(model_chunks):
+    """{module name: (scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd)} of every delayed-scaling TE layer."""
+    out = {}
+    for chunk in model_chunks:
+        for name, m in chunk.named_modules():
+            meta = getattr(m, "fp8_meta", None)
+            if not isinstance(meta, dict) or "scaling_fwd" not in meta or not hasattr(meta["scaling_fwd"], "scale"):
+                continue
+            out[name] = tuple(getattr(meta[f"scaling_{d}"], a).detach().cpu().clone()
+                              for d in ("fwd", "bwd") for a in ("scale", "amax_history"))
+    return out
+
+
+def _expert_bias(model_chunks):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m.expert_bias.detach().cpu().clone() for c in model_chunks for m in c.modules() if isinstance(m, TopKRouter)]
+
+
+def _main(out_path, argv):
+    sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron.training import training
+
+    record = {"fp8": {}, "expert_bias": {}, "fp8_after_load": None}
+    real_load = training.load_checkpoint
+
+    def load_and_record(model, *args, **kwargs):
+        ret = real_load(model, *args, **kwargs)
+        record["fp8_after_load"] = _fp8_state(model if isinstance(model, list) else [model])
+        return ret
+
+    training.load_checkpoint = load_and_record
+
+    def on_iteration_end(iteration, model, loss):
+        record["fp8"][iteration] = _fp8_state(model)
+        record["expert_bias"][iteration] = _expert_bias(model)
+
+    res = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, None,
+                            pretrain_gpt.forward_step, args=argv, on_iteration_end=on_iteration_end)
+    record["losses"] = dict(res.losses)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(record, out_path)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2:])
+
+
+# ---- the tests -----------------------------------------------------------------------------------------------
+def _have_te():
+    from megatron.core.extensions.te_layers import HAVE_TE
+
+    return HAVE_TE
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine")]
+
+
+def _torchrun(out, argv, log):
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.pop("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", None)  # the resume must not need the unsafe opt-in
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.abspath(__file__), str(out)] + [str(a) for a in argv]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- output tail ---\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return torch.load(out, weights_only=False)  # our own record, written just now
+
+
+def _assert_fp8_equal(got, want, where):
+    assert got.keys() == want.keys(), where
+    for name in want:
+        for i, (g, w) in enumerate(zip(got[name], want[name])):
+            assert torch.equal(g, w), f"{where}: {name} item {i} differs"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fp8_resume_with_and_without_streaming_continues_exactly(case, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = BASE + CASES[case] + ["--train-iters", ITERS]
+    full = _torchrun(tmp_path / "full.pt", args + ["--save", ckpt, "--save-interval", SAVE_AT], tmp_path / "full.log")
+    assert sorted(full["losses"]) == list(range(1, ITERS + 1))
+    delayed = "delayed" in case
+    if delayed:
+        assert full["fp8"][SAVE_AT], "no delayed-scaling TE layer recorded"
+        assert any(h[1].abs().sum() > 0 for h in full["fp8"][SAVE_AT].values()), "amax history never filled"
+    for mode in ("stream", "upfront"):
+        extra = ["--load", ckpt, "--ckpt-step", SAVE_AT] + (["--stream-ckpt-dequant"] if mode == "stream" else [])
+        res = _torchrun(tmp_path / f"{mode}.pt", args + extra, tmp_path / f"{mode}.log")
+        after = list(range(SAVE_AT + 1, ITERS + 1))
+        assert sorted(res["losses"]) == after, mode
+        assert [res["losses"][i] for i in after] == [full["losses"][i] for i in after], (mode, res["losses"], full["losses"])
+        if delayed:
+            _assert_fp8_equal(res["fp8_after_load"], full["fp8"][SAVE_AT], f"{mode}: right after the load")
+            for i in after:
+                _assert_fp8_equal(res["fp8"][i], full["fp8"][i], f"{mode}: iteration {i}")
+        for i in after:
+            assert len(res["expert_bias"][i]) == len(full["expert_bias"][i]), mode
+            for g, w in zip(res["expert_bias"][i], full["expert_bias"][i]):
+                assert torch.isfinite(g).all() and torch.equal(g, w), (mode, i)
