@@ -334,14 +334,10 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget every group and set_* value; gloo groups created here are destroyed (as upstream; NCCL groups are
-    left to torch.distributed's own teardown)."""
+    """Forget every group and set_* value. The groups are not destroyed (torch.distributed's own teardown does):
+    objects built on them may outlive this call (a DeviceMesh of an FSDP model), and a peer may still be inside the
+    collective creation of a group this rank has finished with."""
     global _INITIALIZED, _GLOBAL_MEMORY_BUFFER
-    if dist.is_initialized():
-        live = dist.distributed_c10d._world.pg_map
-        for group in {id(g): g for g in _GROUPS.values()}.values():
-            if group in live and dist.get_backend(group) == "gloo":
-                dist.destroy_process_group(group)
     _INITIALIZED = False
     _GROUPS.clear()
     _RANKS.clear()

@@ -212,6 +212,8 @@ def _before_and_after_body(rank, world_size):
     _check_group(tp_group, [0, 1] if rank < 2 else [2, 3], rank)
     ps.destroy_model_parallel()
     assert not ps.is_initialized() and ps.get_data_parallel_group() is dist.group.WORLD
+    # forgotten, not destroyed: what was built on a group (an FSDP DeviceMesh) keeps working
+    _check_group(tp_group, [0, 1] if rank < 2 else [2, 3], rank)
     ps.initialize_model_parallel(expert_model_parallel_size=4)
     assert ps.get_tensor_model_parallel_world_size() == 1
     _check_group(ps.get_data_parallel_group(), [0, 1, 2, 3], rank)
