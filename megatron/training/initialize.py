@@ -52,8 +52,11 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     _initialize_distributed(parsed_args)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        parsed_args.tensor_model_parallel_size, parsed_args.pipeline_model_parallel_size,
-        parsed_args.expert_model_parallel_size,
+        tensor_model_parallel_size=parsed_args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parsed_args.pipeline_model_parallel_size,
+        context_parallel_size=parsed_args.context_parallel_size,
+        expert_model_parallel_size=parsed_args.expert_model_parallel_size,
+        distributed_timeout_minutes=parsed_args.distributed_timeout_minutes,
     )
     set_random_seed(parsed_args.seed)
     return parsed_args
