@@ -84,7 +84,7 @@ def main(argv=None):
         model_provider,
         ModelType.encoder_or_decoder,
         forward_step,
-        args_defaults={"tokenizer_type": "NullTokenizer"},
+        args_defaults={},  # --tokenizer-type: GPT2BPETokenizer with --vocab-file/--merge-file, else NullTokenizer
         args=argv,
     )
 

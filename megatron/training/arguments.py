@@ -93,6 +93,8 @@ def _add_regularization_args(parser):
 def _add_training_args(parser):
     g = parser.add_argument_group(title="training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="Samples per micro-batch per DP rank.")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="Not supported yet (batch-size ramp-up): refused; use a fixed --global-batch-size.")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per iteration (default micro-batch x DP); gradients accumulate over "
                         "global / (micro x DP) micro-batches.")
@@ -106,6 +108,10 @@ def _add_training_args(parser):
     g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    g.add_argument("--attention-backend", type=str, default="auto",
+                   choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="auto (the default: Transformer Engine picks its backend; the local implementation has one) "
+                        "or local/unfused with --transformer-impl local; flash/fused are not supported yet.")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="Layer implementation (default: transformer_engine if installed, else local).")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None, help="Initialize on CPU.")
@@ -373,8 +379,8 @@ def _flag(dest: str) -> str:
 
 
 def _validate_tokenizer_args(args):
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer"
+    if args.tokenizer_type is None:  # upstream's GPT example gives only --vocab-file and --merge-file
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
     if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
         _fail(f"--vocab-size is required (>= 1) with --tokenizer-type NullTokenizer (got {args.vocab_size})")
     for dest in TOKENIZER_FILE_FLAGS[args.tokenizer_type]:
@@ -512,6 +518,15 @@ def validate_args(args, defaults={}):
         from megatron.core.extensions.transformer_engine import HAVE_TE
 
         args.transformer_impl = "transformer_engine" if HAVE_TE else "local"
+
+    if args.attention_backend in ("flash", "fused"):
+        _fail(f"--attention-backend {args.attention_backend} is not supported yet: use auto (Transformer Engine "
+              "chooses its fused/flash backend itself) or remove the flag")
+    if args.attention_backend in ("local", "unfused") and args.transformer_impl != "local":
+        _fail(f"--attention-backend {args.attention_backend} needs --transformer-impl local (the unfused "
+              "attention of this fork); with Transformer Engine use auto")
+    if args.rampup_batch_size is not None:
+        _fail("--rampup-batch-size is not supported yet: the global batch size is fixed; remove the flag")
 
     # ---- MoE --------------------------------------------------------------------------------------------
     if args.num_experts is not None:

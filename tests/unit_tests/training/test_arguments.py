@@ -125,6 +125,10 @@ REFUSED = [
      ["--vocab-file /no/vocab.json: no such file"]),
     (["--tokenizer-type", "HuggingFaceTokenizer"], ["--tokenizer-model is required"]),
     (["--make-vocab-size-divisible-by", 0], ["--make-vocab-size-divisible-by must be >= 1"]),
+    (["--rampup-batch-size", 16, 16, 100], ["--rampup-batch-size is not supported yet"]),
+    (["--attention-backend", "flash"], ["--attention-backend flash is not supported yet"]),
+    (["--attention-backend", "unfused", "--transformer-impl", "transformer_engine"],
+     ["--attention-backend unfused needs --transformer-impl local"]),
 ]
 
 
@@ -134,6 +138,18 @@ def test_refused_flags_say_why(extra, parts):
         _args(*extra)
     for part in parts:
         assert part in str(exc.value), (part, str(exc.value))
+
+
+def test_tokenizer_type_inferred_from_vocab_and_merge_files(tmp_path):
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text("{}")
+    merges.write_text("")
+    argv = [a for a in BASE]
+    a = validate_args(parse_args(args=argv + ["--vocab-file", str(vocab), "--merge-file", str(merges)]))
+    assert a.tokenizer_type == "GPT2BPETokenizer"  # as upstream's GPT-3 example, which gives only the files
+    assert _args().tokenizer_type == "NullTokenizer"
+    assert _args("--attention-backend", "auto").attention_backend == "auto"
+    assert _args("--attention-backend", "local", "--transformer-impl", "local").attention_backend == "local"
 
 
 def test_train_samples_and_warmup_fraction():
