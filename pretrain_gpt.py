@@ -10,7 +10,7 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.global_vars import get_args
+from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.training import ModelType, pretrain
 from megatron.training.utils import print_rank_0
 
@@ -55,16 +55,21 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """MockGPTDataset with --mock-data, else GPTDataset over the --data-path prefix."""
+    """MockGPTDataset with --mock-data, else GPTDataset over the --data-path prefix (or a blend of prefixes)."""
     args = get_args()
+    tokenizer = get_tokenizer()
+    blend = None
+    if not args.mock_data:
+        blend = ([p for p, _ in args.data_blend], [w for _, w in args.data_blend])
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         split=args.split,
-        path_prefix=None if args.mock_data else args.data_path[0],
+        blend=blend,
         mock=args.mock_data,
-        vocab_size=args.padded_vocab_size,
+        vocab_size=args.vocab_size or tokenizer.vocab_size,  # mock data: the tokenizer's ids (NullTokenizer: no eod)
         eod_mask_loss=args.eod_mask_loss,
+        eod_id=tokenizer.eod,
     )
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_gpt_datasets(config, train_val_test_num_samples)
@@ -79,7 +84,7 @@ def main(argv=None):
         model_provider,
         ModelType.encoder_or_decoder,
         forward_step,
-        args_defaults={"tokenizer_type": "NullTokenizer"},
+        args_defaults={},  # --tokenizer-type: GPT2BPETokenizer with --vocab-file/--merge-file, else NullTokenizer
         args=argv,
     )
 

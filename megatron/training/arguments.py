@@ -6,6 +6,7 @@ args -> ``TransformerConfig`` / ``OptimizerConfig`` / ``DistributedDataParallelC
 naming the flags) on incompatible combinations.
 """
 import argparse
+import difflib
 import os
 import sys
 import warnings
@@ -46,9 +47,12 @@ def _add_network_size_args(parser):
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate embedding and output-layer weights.")
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (mock data / NullTokenizer).")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="Size of the vocabulary without the end-of-document token (NullTokenizer; its eod id is "
+                        "this value, its vocabulary one larger).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="Pad the vocabulary to a multiple of this (tokenizer vocabularies only).")
+                   help="Pad the tokenizer's vocabulary with dummy tokens to a multiple of this (the model's "
+                        "embedding and output layer get the padded size).")
 
 
 def _add_moe_args(parser):
@@ -89,15 +93,25 @@ def _add_regularization_args(parser):
 def _add_training_args(parser):
     g = parser.add_argument_group(title="training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="Samples per micro-batch per DP rank.")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="Not supported yet (batch-size ramp-up): refused; use a fixed --global-batch-size.")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per iteration (default micro-batch x DP); gradients accumulate over "
                         "global / (micro x DP) micro-batches.")
-    g.add_argument("--train-iters", type=int, default=None, help="Iterations to train in total.")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="Iterations to train in total (or give --train-samples).")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Samples to train in total: --train-samples / --global-batch-size iterations (instead of "
+                        "--train-iters); the learning-rate schedule is then counted in samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
     g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    g.add_argument("--attention-backend", type=str, default="auto",
+                   choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="auto (the default: Transformer Engine picks its backend; the local implementation has one) "
+                        "or local/unfused with --transformer-impl local; flash/fused are not supported yet.")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="Layer implementation (default: transformer_engine if installed, else local).")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None, help="Initialize on CPU.")
@@ -109,7 +123,13 @@ def _add_learning_rate_args(parser):
     g.add_argument("--lr-decay-style", type=str, default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root"], help="LR decay.")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default train-iters).")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples to decay over with --train-samples (default --train-samples).")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warmup over this fraction of the decay iterations / samples (instead of "
+                        "--lr-warmup-iters / --lr-warmup-samples).")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup iterations.")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Linear warmup samples (with --train-samples).")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="LR at the start of the warmup.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Minimum learning rate.")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
@@ -135,9 +155,10 @@ def _add_checkpointing_args(parser):
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
                    help="Checkpoint format (this fork: torch_dist only).")
-    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
-                   help="Spread the writing of replicated tensors over the data-parallel ranks.")
-    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true", default=True,
+                   help="Spread the writing of replicated tensors over the data-parallel ranks (the default).")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save",
+                   default=True, help="Every rank writes its replicated tensors' first copy (no spreading).")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="Spread the reading of replicated tensors over the data-parallel ranks.")
     g.add_argument("--stream-ckpt-dequant", action="store_true",
@@ -151,9 +172,9 @@ def _add_checkpointing_args(parser):
 
 def _add_mixed_precision_args(parser):
     g = parser.add_argument_group(title="mixed precision")
-    g.add_argument("--fp16", action="store_true", help="Train in fp16.")
+    g.add_argument("--fp16", action="store_true", help="Not supported yet (no loss scaler): use --bf16.")
     g.add_argument("--bf16", action="store_true", help="Train in bf16.")
-    g.add_argument("--loss-scale", type=float, default=None, help="Static fp16 loss scale.")
+    g.add_argument("--loss-scale", type=float, default=None, help="Not supported yet (fp16 loss scaling).")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", help="Reduce grads in fp32.")
 
 
@@ -181,15 +202,21 @@ def _add_distributed_args(parser):
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="torch.distributed backend (default nccl with CUDA, gloo without).")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="Shard optimizer state over DP.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard optimizer state over the data-parallel ranks: with --use-megatron-fsdp only (its "
+                        "optimizer steps the sharded parameters).")
     g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron-FSDP (FSDP2 per transformer layer).")
     g.add_argument("--init-model-with-meta-device", action="store_true",
                    help="Build the model on the meta device; Megatron-FSDP materializes it shard by shard.")
-    g.add_argument("--data-parallel-sharding-strategy", type=str, default="no_shard",
+    g.add_argument("--data-parallel-sharding-strategy", type=str, default=None,
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-                   help="What Megatron-FSDP shards.")
-    g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap the grad reduce with backward.")
-    g.add_argument("--overlap-param-gather", action="store_true", help="Overlap the param all-gather.")
+                   help="What Megatron-FSDP shards (default and the only one supported: optim_grads_params).")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "
+                        "reduce-scatters each unit's gradients during backward).")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Overlap the parameter all-gather with compute: with --use-megatron-fsdp only (FSDP2 "
+                        "prefetches the next unit's parameters).")
     g.add_argument("--local-rank", type=int, default=None, help="Set by the launcher (or LOCAL_RANK).")
 
 
@@ -197,35 +224,99 @@ def _add_validation_args(parser):
     g = parser.add_argument_group(title="validation")
     g.add_argument("--eval-iters", type=int, default=100, help="Iterations per evaluation.")
     g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
-    g.add_argument("--skip-train", action="store_true", help="Evaluate only.")
+    g.add_argument("--skip-train", action="store_true",
+                   help="Skip the training loop: evaluate on the validation and test sets (--eval-iters) and exit.")
 
 
 def _add_data_args(parser):
     g = parser.add_argument_group(title="data and dataloader")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="Path prefix of an indexed dataset (<prefix>.bin/.idx).")
+                   help="Path prefix of an indexed dataset (<prefix>.bin/.idx), or a weighted blend: "
+                        "'0.3 <prefix-a> 0.7 <prefix-b>'.")
     g.add_argument("--mock-data", action="store_true", help="Synthetic data, no files.")
     g.add_argument("--split", type=str, default=None, help="Train/valid/test split weights (default 969,30,1).")
     g.add_argument("--seq-length", type=int, default=None, help="Sequence length.")
-    g.add_argument("--tokenizer-type", type=str, default=None, choices=["NullTokenizer"],
-                   help="Tokenizer (this fork: NullTokenizer, ids are tokens; needs --vocab-size).")
-    g.add_argument("--num-workers", type=int, default=2, help="Data loader workers (unused: samples are indexed).")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="Data loader workers (accepted, no effect: samples are read by index in the training "
+                        "process, the same samples in the same order for any value).")
     g.add_argument("--reset-position-ids", action="store_true", help="Not supported.")
-    g.add_argument("--eod-mask-loss", action="store_true", help="Mask the loss of end-of-document tokens.")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="Mask the loss where the input token is the tokenizer's end-of-document token.")
+
+
+def _add_tokenizer_args(parser):
+    g = parser.add_argument_group(title="tokenizer")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
+                   help="NullTokenizer (ids are tokens; --vocab-size), GPT2BPETokenizer (--vocab-file, "
+                        "--merge-file), HuggingFaceTokenizer (--tokenizer-model: a local directory or tokenizer.json).")
+    g.add_argument("--vocab-file", type=str, default=None, help="GPT-2 BPE vocabulary (vocab.json).")
+    g.add_argument("--merge-file", type=str, default=None, help="GPT-2 BPE merges (merges.txt).")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="HuggingFaceTokenizer: a local tokenizer directory (tokenizer.json and its config) or a "
+                        "tokenizer.json file. Nothing is downloaded and no remote code runs.")
 
 
 def _add_logging_args(parser):
     g = parser.add_argument_group(title="logging")
-    g.add_argument("--log-throughput", action="store_true", help="Log tokens/s (always logged here).")
-    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer verbosity.")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="Log the model FLOP throughput per GPU (TFLOP/s/GPU) on each log line.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Timer verbosity: 0 (the iteration time, always logged); 1 and 2 are not supported.")
+    g.add_argument("--tensorboard-dir", type=str, default=None,
+                   help="Write TensorBoard event files here (last rank): lm loss, learning rate, grad norm, "
+                        "tokens/s, memory, checkpoint load/save seconds, validation loss.")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TensorBoard writes.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="Events the TensorBoard writer queues before flushing to disk.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="Write the iteration time to TensorBoard (checkpoint load/save seconds are always written).")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Write memory figures to TensorBoard (written with --tensorboard-dir in any case).")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Also write the validation perplexity to TensorBoard.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with short errors: one line naming the flag (exit code 2, as argparse), not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def known_flags(parser: argparse.ArgumentParser):
+    """Every option string ``parser`` accepts (``--foo``, ``-h``)."""
+    return sorted({o for action in parser._actions for o in action.option_strings})
+
+
+def unknown_flag_messages(unknown, parser: argparse.ArgumentParser):
+    """One line per unknown flag in ``unknown`` (what ``parse_known_args`` left), with the closest known flag."""
+    known = known_flags(parser)
+    lines = []
+    for item in unknown:
+        if not item.startswith("-") or _is_number(item):
+            continue  # the value of an unknown flag
+        flag = item.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"unrecognized argument: {flag}{hint}")
+    return lines
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron-LM arguments (megatron-core fork)", allow_abbrev=False)
+    parser = _Parser(description="Megatron-LM arguments (megatron-core fork)", allow_abbrev=False)
     for add in (
         _add_network_size_args, _add_moe_args, _add_regularization_args, _add_training_args,
         _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
-        _add_distributed_args, _add_validation_args, _add_data_args, _add_logging_args,
+        _add_distributed_args, _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args,
     ):
         add(parser)
     if extra_args_provider is not None:
@@ -236,10 +327,10 @@ def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     """Parse ``args`` (default ``sys.argv[1:]``); unknown flags are an error unless ``ignore_unknown_args``."""
     parser = get_parser(extra_args_provider)
-    if ignore_unknown_args:
-        parsed, _ = parser.parse_known_args(args)
-    else:
-        parsed = parser.parse_args(args)
+    parsed, unknown = parser.parse_known_args(args)
+    if unknown and not ignore_unknown_args:
+        lines = unknown_flag_messages(unknown, parser) or [f"unrecognized arguments: {' '.join(unknown)}"]
+        parser.exit(2, "".join(f"{parser.prog}: error: {line}\n" for line in lines))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         parsed.rank, parsed.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
@@ -274,6 +365,108 @@ def warn_param_gather_load(args) -> bool:
     _PARAM_GATHER_WARNED = True
     warnings.warn(PARAM_GATHER_LOAD_WARNING.format(flag=" / ".join(flags)), UserWarning, stacklevel=2)
     return True
+
+
+TOKENIZER_FILE_FLAGS = {
+    "NullTokenizer": (),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _validate_tokenizer_args(args):
+    if args.tokenizer_type is None:  # upstream's GPT example gives only --vocab-file and --merge-file
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
+    if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
+        _fail(f"--vocab-size is required (>= 1) with --tokenizer-type NullTokenizer (got {args.vocab_size})")
+    for dest in TOKENIZER_FILE_FLAGS[args.tokenizer_type]:
+        path = getattr(args, dest)
+        if not path:
+            _fail(f"{_flag(dest)} is required with --tokenizer-type {args.tokenizer_type}")
+        if not os.path.exists(path):
+            _fail(f"{_flag(dest)} {path}: no such file or directory")
+    if args.make_vocab_size_divisible_by is None or args.make_vocab_size_divisible_by < 1:
+        _fail(f"--make-vocab-size-divisible-by must be >= 1 (got {args.make_vocab_size_divisible_by})")
+
+
+def _validate_sample_based_args(args):
+    """``--train-samples`` (upstream's sample-based training): the iteration count follows from the global batch
+    size; the schedule flags in samples only go with it."""
+    if args.train_samples is None:
+        for dest in ("lr_decay_samples", "lr_warmup_samples"):
+            if getattr(args, dest):
+                _fail(f"{_flag(dest)} needs --train-samples (iteration-based training uses --lr-decay-iters / "
+                      "--lr-warmup-iters)")
+        return
+    if args.train_iters is not None:
+        _fail("--train-iters and --train-samples are mutually exclusive")
+    if args.train_samples <= 0:
+        _fail(f"--train-samples must be positive (got {args.train_samples})")
+    if args.lr_decay_iters is not None or args.lr_warmup_iters:
+        _fail("--lr-decay-iters / --lr-warmup-iters go with --train-iters; with --train-samples use "
+              "--lr-decay-samples / --lr-warmup-samples (or --lr-warmup-fraction)")
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+    if args.lr_decay_samples <= 0:
+        _fail(f"--lr-decay-samples must be positive (got {args.lr_decay_samples})")
+    if args.lr_warmup_samples < 0 or (args.lr_warmup_samples and args.lr_decay_style != "constant"
+                                      and args.lr_warmup_samples >= args.lr_decay_samples):
+        _fail(f"--lr-warmup-samples ({args.lr_warmup_samples}) must be in [0, --lr-decay-samples "
+              f"({args.lr_decay_samples}))")
+    args.train_iters = args.train_samples // args.global_batch_size
+    # The iteration-based equivalents, for code that reads them (the scheduler counts samples).
+    args.lr_decay_iters = max(1, args.lr_decay_samples // args.global_batch_size)
+
+
+def _validate_data_parallel_args(args):
+    """The data-parallel flags that this fork supports only under ``--use-megatron-fsdp`` (FSDP2, which shards
+    optimizer state, gradients and parameters and overlaps its collectives); refused with a message otherwise."""
+    strategy = args.data_parallel_sharding_strategy
+    if args.use_megatron_fsdp:
+        if strategy not in (None, "optim_grads_params"):
+            _fail(f"--data-parallel-sharding-strategy {strategy} is not supported yet: this fork's Megatron-FSDP "
+                  "shards optimizer state, gradients and parameters (optim_grads_params, the default); use that "
+                  "or remove the flag")
+        args.data_parallel_sharding_strategy = "optim_grads_params"
+        return
+    if strategy not in (None, "no_shard"):
+        _fail(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it nothing is "
+              "sharded: no_shard)")
+    args.data_parallel_sharding_strategy = "no_shard"
+    if args.use_distributed_optimizer:
+        _fail("--use-distributed-optimizer is not supported yet without --use-megatron-fsdp: optimizer state is "
+              "replicated on every data-parallel rank; remove the flag, or add --use-megatron-fsdp (which shards "
+              "optimizer state, gradients and parameters)")
+    for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
+                       ("overlap_param_gather", "parameters are not gathered (DDP replicates them)")):
+        if getattr(args, dest):
+            _fail(f"{_flag(dest)} is not supported without --use-megatron-fsdp: {what}; remove the flag, or add "
+                  "--use-megatron-fsdp (FSDP2 overlaps its reduce-scatter and all-gather with compute)")
+
+
+def parse_data_path(data_path):
+    """``--data-path`` values -> ``[(prefix, weight)]`` with weights normalized to sum 1: one prefix (weight 1),
+    or a blend ``w1 p1 w2 p2 ...`` (upstream's form; ``1.0 p`` is a blend of one)."""
+    items = list(data_path)
+    if len(items) == 1:
+        return [(items[0], 1.0)]
+    if len(items) % 2 != 0:
+        _fail(f"--data-path: give one prefix or weight/prefix pairs ('0.3 a 0.7 b'), got {items}")
+    pairs = []
+    for weight, prefix in zip(items[0::2], items[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            _fail(f"--data-path: {weight!r} is not a weight; give weight/prefix pairs ('0.3 a 0.7 b'), got {items}")
+        if not w > 0 or w != w or w == float("inf"):
+            _fail(f"--data-path: weight {weight} of {prefix} must be a positive number")
+        pairs.append((prefix, w))
+    total = sum(w for _, w in pairs)
+    return [(p, w / total) for p, w in pairs]
 
 
 def validate_args(args, defaults={}):
@@ -320,15 +513,20 @@ def validate_args(args, defaults={}):
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups != 0:
         _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
               f"({args.num_query_groups})")
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer"
-    if args.vocab_size is None or args.vocab_size < 2:
-        _fail(f"--vocab-size is required (>= 2) with --tokenizer-type {args.tokenizer_type} (got {args.vocab_size})")
-    args.padded_vocab_size = args.vocab_size
+    _validate_tokenizer_args(args)
     if args.transformer_impl is None:
         from megatron.core.extensions.transformer_engine import HAVE_TE
 
         args.transformer_impl = "transformer_engine" if HAVE_TE else "local"
+
+    if args.attention_backend in ("flash", "fused"):
+        _fail(f"--attention-backend {args.attention_backend} is not supported yet: use auto (Transformer Engine "
+              "chooses its fused/flash backend itself) or remove the flag")
+    if args.attention_backend in ("local", "unfused") and args.transformer_impl != "local":
+        _fail(f"--attention-backend {args.attention_backend} needs --transformer-impl local (the unfused "
+              "attention of this fork); with Transformer Engine use auto")
+    if args.rampup_batch_size is not None:
+        _fail("--rampup-batch-size is not supported yet: the global batch size is fixed; remove the flag")
 
     # ---- MoE --------------------------------------------------------------------------------------------
     if args.num_experts is not None:
@@ -358,8 +556,9 @@ def validate_args(args, defaults={}):
     args.num_microbatches = args.global_batch_size // per_step
 
     # ---- training / lr ------------------------------------------------------------------------------------
+    _validate_sample_based_args(args)
     if args.train_iters is None or args.train_iters < 0:
-        _fail(f"--train-iters is required and must be >= 0 (got {args.train_iters})")
+        _fail(f"--train-iters (or --train-samples) is required and must be >= 0 (got {args.train_iters})")
     if args.lr is None:
         _fail("--lr is required")
     if args.min_lr > args.lr:
@@ -371,12 +570,22 @@ def validate_args(args, defaults={}):
     if args.lr_warmup_iters < 0 or (args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters
                                     and args.lr_warmup_iters > 0):
         _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters}))")
+    if args.lr_warmup_fraction is not None:
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            _fail(f"--lr-warmup-fraction must be in [0, 1) (got {args.lr_warmup_fraction})")
+        if args.lr_warmup_iters or args.lr_warmup_samples:
+            _fail("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples are mutually exclusive")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
     if args.log_interval <= 0:
         _fail(f"--log-interval must be positive (got {args.log_interval})")
+    if args.timing_log_level > 0:
+        _fail(f"--timing-log-level {args.timing_log_level} is not supported: this fork has no per-phase timers "
+              "(the iteration time is always logged); use 0 or remove the flag")
+    if args.tensorboard_log_interval <= 0:
+        _fail(f"--tensorboard-log-interval must be positive (got {args.tensorboard_log_interval})")
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive (got {args.eval_interval})")
     if args.eval_iters < 0:
@@ -385,7 +594,13 @@ def validate_args(args, defaults={}):
     # ---- precision ----------------------------------------------------------------------------------------
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 are mutually exclusive")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.fp16:
+        _fail("--fp16 is not supported yet: this fork has no fp16 loss scaler; use --bf16 (no loss scaling "
+              "needed) or fp32, and remove --fp16")
+    if args.loss_scale is not None:
+        _fail("--loss-scale is not supported yet: it is the static fp16 loss scale and --fp16 is not supported; "
+              "remove the flag")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.fp8 is not None and args.fp4 is not None:
         _fail("--fp8-format and --fp4-format are mutually exclusive (choose one quantized format)")
     if args.fp8_param_gather and args.fp8 is None:
@@ -398,22 +613,16 @@ def validate_args(args, defaults={}):
     # ---- distributed / FSDP -------------------------------------------------------------------------------
     if args.init_model_with_meta_device and not args.use_megatron_fsdp:
         _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-FSDP materializes the model)")
-    if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
-        _fail(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs --use-megatron-fsdp")
+    _validate_data_parallel_args(args)
 
     # ---- data ---------------------------------------------------------------------------------------------
     if args.mock_data and args.data_path:
         _fail("--mock-data and --data-path are mutually exclusive")
     if not args.mock_data and not args.data_path:
         _fail("give --data-path <prefix> (an indexed .bin/.idx dataset) or --mock-data")
-    if args.data_path and len(args.data_path) == 2:  # "--data-path 1.0 <prefix>": a blend of one
-        try:
-            float(args.data_path[0])
-            args.data_path = [args.data_path[1]]
-        except ValueError:
-            pass
-    if args.data_path and len(args.data_path) != 1:
-        _fail(f"--data-path: this fork takes one dataset prefix (no weighted blends), got {args.data_path}")
+    args.data_blend = parse_data_path(args.data_path) if args.data_path else None  # [(prefix, weight)]
+    if args.data_blend is not None and len(args.data_blend) == 1:
+        args.data_path = [args.data_blend[0][0]]  # "--data-path 1.0 <prefix>": a blend of one
     if args.split is None:
         args.split = "969,30,1"
     if args.reset_position_ids:

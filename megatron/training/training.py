@@ -7,6 +7,7 @@ data-parallel size); DP rank ``r`` takes samples ``[r*m, (r+1)*m)`` of each micr
 uninterrupted one would, and a different DP size sees the same global batches.
 """
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -23,9 +24,15 @@ from megatron.training.arguments import (
     optimizer_config_from_args,
 )
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron.training.global_vars import get_args
+from megatron.training.global_vars import get_args, get_tensorboard_writer
 from megatron.training.initialize import initialize_megatron
-from megatron.training.utils import average_losses_across_data_parallel_group, memory_report, print_rank_0, unwrap_model
+from megatron.training.utils import (
+    average_losses_across_data_parallel_group,
+    current_rss_bytes,
+    memory_report,
+    print_rank_0,
+    unwrap_model,
+)
 
 try:
     from megatron.core.enums import ModelType  # noqa: F401
@@ -48,6 +55,8 @@ class TrainingResult:
     grad_norms: Dict[int, float] = field(default_factory=dict)
     learning_rates: Dict[int, float] = field(default_factory=dict)
     valid_losses: Dict[int, float] = field(default_factory=dict)
+    final_valid_loss: Optional[float] = None
+    test_loss: Optional[float] = None
     model: list = None
     optimizer: object = None
     opt_param_scheduler: object = None
@@ -93,20 +102,28 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """Iteration-based schedule, counted in samples (upstream's convention)."""
+    """The schedule counted in samples (upstream's convention): from the ``--lr-*-iters`` x global batch size,
+    or the ``--lr-*-samples`` with ``--train-samples``; ``--lr-warmup-fraction`` x the decay steps warms up."""
     args = get_args()
     gbs = args.global_batch_size
+    if getattr(args, "train_samples", None) is not None:
+        decay_steps, warmup_steps, wd_steps = args.lr_decay_samples, args.lr_warmup_samples, args.train_samples
+    else:
+        decay_steps, warmup_steps = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs
+        wd_steps = args.train_iters * gbs
+    if getattr(args, "lr_warmup_fraction", None) is not None:
+        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_steps=max(wd_steps, 1),
         wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
@@ -122,10 +139,98 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load:
+        start = time.time()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
             model, optimizer, opt_param_scheduler
         )
+        if args.iteration > 0 or args.finetune:
+            _report_checkpoint_io("load", args.load, time.time() - start, args.iteration)
     return model, optimizer, opt_param_scheduler
+
+
+# ---- checkpoint timing, TensorBoard, throughput ----------------------------------------------------------
+def _checkpoint_bytes(ckpt_dir: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(ckpt_dir):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _report_checkpoint_io(kind: str, base_dir: str, seconds: float, iteration: int) -> str:
+    """Print (rank 0) and write to TensorBoard how long a checkpoint save/load of ``iteration`` took, its bytes
+    on disk and the rate. ``kind``: 'save' or 'load'."""
+    line = ""
+    if parallel_state.get_data_parallel_rank() == 0:
+        step_dir = os.path.join(base_dir, f"iter_{iteration:07d}")
+        size = _checkpoint_bytes(step_dir) if os.path.isdir(step_dir) else 0
+        rate = size / seconds / 1e9 if seconds > 0 else 0.0
+        verb = "saved" if kind == "save" else "loaded"
+        line = (f" {verb} checkpoint iteration {iteration} {'to' if kind == 'save' else 'from'} {base_dir} in "
+                f"{seconds:.2f} s ({size / 1e6:.1f} MB, {rate:.3f} GB/s)")
+        print(line, flush=True)
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.add_scalar(f"{kind}-checkpoint-time", seconds, iteration)
+    return line
+
+
+def num_floating_point_operations(args, batch_size: int) -> float:
+    """Model FLOPs of one training iteration over ``batch_size`` sequences: 3 x forward (forward + backward),
+    forward = 2 x (matmul parameters used per token) x tokens + attention scores and values (4 x seq x heads x
+    head dim per token and layer, the full square as upstream counts it) + the output layer (2 x hidden x
+    padded vocab per token). No recomputation; MoE layers count the top-k experts and the router."""
+    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
+    heads = args.num_attention_heads
+    head_dim = args.kv_channels or h // heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    attn_params = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
+    gate = 2 if args.swiglu else 1
+
+    def mlp(ffn):
+        return h * ffn * gate + ffn * h
+
+    if args.num_experts is not None:
+        moe = args.moe_router_topk * mlp(args.moe_ffn_hidden_size) + h * args.num_experts
+        n_moe = len([i for i in range(layers) if i % args.moe_layer_freq == 0])
+        mlp_params = n_moe * moe + (layers - n_moe) * mlp(args.ffn_hidden_size)
+    else:
+        mlp_params = layers * mlp(args.ffn_hidden_size)
+    per_token = 2 * (layers * attn_params + mlp_params) + layers * 4 * s * heads * head_dim
+    per_token += 2 * h * args.padded_vocab_size
+    return 3.0 * per_token * batch_size * s
+
+
+def _memory_scalars() -> Dict[str, float]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"mem-allocated-bytes": float(torch.cuda.memory_allocated()),
+                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
+                "mem-reserved-bytes": float(torch.cuda.memory_reserved())}
+    return {"mem-rss-bytes": float(current_rss_bytes())}
+
+
+def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: float, seconds: float) -> None:
+    """TensorBoard scalars of one iteration (the last rank, every ``--tensorboard-log-interval`` iterations)."""
+    args = get_args()
+    writer = get_tensorboard_writer()
+    if writer is None or iteration % args.tensorboard_log_interval != 0:
+        return
+    tokens = args.global_batch_size * args.seq_length
+    writer.add_scalar("lm loss", loss, iteration)
+    writer.add_scalar("learning-rate", lr, iteration)
+    writer.add_scalar("grad-norm", grad_norm, iteration)
+    writer.add_scalar("batch-size", args.global_batch_size, iteration)
+    writer.add_scalar("tokens-per-sec", tokens / seconds if seconds > 0 else 0.0, iteration)
+    if args.log_timers_to_tensorboard:
+        writer.add_scalar("iteration-time", seconds, iteration)
+    if args.log_throughput:
+        flops = num_floating_point_operations(args, args.global_batch_size)
+        writer.add_scalar("throughput", flops / seconds / 1e12 / args.world_size if seconds > 0 else 0.0, iteration)
+    for name, value in _memory_scalars().items():
+        writer.add_scalar(name, value, iteration)
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -243,11 +348,16 @@ def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters) -> str:
     args = get_args()
     per_iter = elapsed / max(iters, 1)
     tokens_per_s = args.global_batch_size * args.seq_length / per_iter if per_iter > 0 else 0.0
+    throughput = ""
+    if args.log_throughput and per_iter > 0:
+        tflops = num_floating_point_operations(args, args.global_batch_size) / per_iter / 1e12 / args.world_size
+        throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
     line = (
         f" iteration {iteration:8d}/{args.train_iters:8d} |"
         f" consumed samples: {args.consumed_train_samples:12d} |"
         f" elapsed time per iteration (ms): {per_iter * 1000:.1f} |"
         f" tokens/s: {tokens_per_s:.1f} |"
+        f"{throughput}"
         f" learning rate: {lr:.6E} |"
         f" global batch size: {args.global_batch_size:5d} |"
         f" lm loss: {loss_avg:.6E} |"
@@ -266,12 +376,15 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         m.train()
     interval_losses, t0, iters = [], time.time(), 0
     saved_at = None
+    flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
     while iteration < args.train_iters:
+        t_step = time.time()
         loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
                                          opt_param_scheduler)
         iteration += 1
         args.iteration = iteration
         args.consumed_train_samples += args.global_batch_size
+        args.num_floating_point_operations_so_far += flops_per_iteration
         value = float(loss)
         result.losses[iteration] = value
         result.grad_norms[iteration] = grad_norm
@@ -279,6 +392,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         result.learning_rates[iteration] = lr
         interval_losses.append(value)
         iters += 1
+        write_training_scalars(iteration, value, lr, grad_norm, time.time() - t_step)
         if on_iteration_end is not None:
             on_iteration_end(iteration, model, value)
         if iteration % args.log_interval == 0:
@@ -286,18 +400,40 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             interval_losses, t0, iters = [], time.time(), 0
         t_extra = time.time()  # evaluation and saving are not counted in the iteration time
         if valid_dataset is not None and args.eval_iters > 0 and args.eval_interval and iteration % args.eval_interval == 0:
-            v = evaluate(forward_step_func, valid_dataset, model, args.eval_iters)
+            v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
             result.valid_losses[iteration] = v
-            print_rank_0(f" validation loss at iteration {iteration} | lm loss value: {v:.6E} |")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                            args.num_floating_point_operations_so_far)
+            timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
             saved_at = iteration
         t0 += time.time() - t_extra
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
             break
     return iteration, saved_at
+
+
+def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """``save_checkpoint`` with its duration, size and rate printed (and written to TensorBoard)."""
+    args = get_args()
+    start = time.time()
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    _report_checkpoint_io("save", args.save, time.time() - start, iteration)
+
+
+def evaluate_and_print(forward_step_func, dataset, model, iteration: int, name: str) -> float:
+    """Mean lm loss over ``--eval-iters`` global batches of ``dataset``, printed on rank 0 with its perplexity
+    and written to TensorBoard (``validation``/``test`` ``loss``, and ``ppl`` with
+    ``--log-validation-ppl-to-tensorboard``)."""
+    args = get_args()
+    value = evaluate(forward_step_func, dataset, model, args.eval_iters)
+    ppl = math.exp(min(20.0, value))
+    print_rank_0(f" {name} loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: {ppl:.6E} |")
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.add_scalar(f"lm loss {name}", value, iteration)
+        if args.log_validation_ppl_to_tensorboard:
+            writer.add_scalar(f"lm loss {name} ppl", ppl, iteration)
+    return value
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -312,7 +448,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     args = get_args()
     start = time.time()
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
-    train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(train_valid_test_dataset_provider)
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(train_valid_test_dataset_provider)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     train_iter = build_data_iterator(train_ds, args.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size)
@@ -322,10 +458,20 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     result = TrainingResult(model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler)
     iteration, saved_at = args.iteration, None
     start_iteration = iteration
-    if not args.skip_train and args.train_iters > args.iteration:
+    if args.skip_train:
+        print_rank_0(" skipping training (--skip-train is on): evaluating only")
+    elif args.train_iters > args.iteration:
         iteration, saved_at = train(forward_step_func, model, optimizer, opt_param_scheduler, train_iter, valid_ds,
                                     result, on_iteration_end)
     if args.save and iteration > start_iteration and saved_at != iteration:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+        timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+    # As upstream: the validation and test sets are evaluated at the end (with --eval-iters > 0).
+    if args.eval_iters > 0 and valid_ds is not None:
+        result.final_valid_loss = evaluate_and_print(forward_step_func, valid_ds, model, iteration, "validation")
+    if args.eval_iters > 0 and test_ds is not None:
+        result.test_loss = evaluate_and_print(forward_step_func, test_ds, model, iteration, "test")
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
     result.iteration = iteration
     return result

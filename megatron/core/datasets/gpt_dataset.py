@@ -10,7 +10,7 @@ sequence_length, num_samples), so every rank and every restart sees the same sam
 ``MockGPTDataset`` generates samples from the seed and the index only (no files).
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -27,11 +27,26 @@ class GPTDatasetConfig:
     vocab_size: Optional[int] = None  # for the mock dataset
     eod_mask_loss: bool = False
     eod_id: Optional[int] = None
+    blend: Optional[Tuple[List[str], Optional[List[float]]]] = None
+    """Upstream's form ``(prefixes, weights)`` (``weights`` None: equal); instead of ``path_prefix``."""
 
     def __post_init__(self):
+        if self.blend is not None:
+            prefixes, weights = self.blend
+            if self.path_prefix is not None:
+                raise ValueError("GPTDatasetConfig: give path_prefix or blend, not both")
+            if not prefixes:
+                raise ValueError("GPTDatasetConfig: blend has no dataset prefixes (--data-path)")
+            if weights is not None and len(weights) != len(prefixes):
+                raise ValueError(f"GPTDatasetConfig: blend has {len(prefixes)} prefixes but {len(weights)} weights")
+            if len(prefixes) == 1:
+                self.path_prefix, self.blend = prefixes[0], None
+        if self.eod_mask_loss and self.eod_id is None:
+            raise ValueError("GPTDatasetConfig: --eod-mask-loss needs the tokenizer's end-of-document id (eod_id); "
+                             "this tokenizer has none")
         if self.sequence_length <= 0:
             raise ValueError(f"GPTDatasetConfig: sequence_length (--seq-length) must be positive, got {self.sequence_length}")
-        if not self.mock and not self.path_prefix:
+        if not self.mock and not self.path_prefix and self.blend is None:
             raise ValueError("GPTDatasetConfig: give a data path prefix (--data-path) or use mock data (--mock-data)")
         if self.mock and (self.vocab_size is None or self.vocab_size < 2):
             raise ValueError(f"GPTDatasetConfig: mock data needs --vocab-size >= 2, got {self.vocab_size}")
@@ -42,7 +57,7 @@ def _make_sample(text: np.ndarray, config: GPTDatasetConfig) -> dict:
     tokens = text[:-1].copy()
     labels = text[1:].copy()
     loss_mask = np.ones(len(tokens), dtype=np.float32)
-    if config.eod_mask_loss and config.eod_id is not None:
+    if config.eod_mask_loss:
         loss_mask[tokens == config.eod_id] = 0.0
     return {
         "tokens": tokens,
@@ -152,6 +167,8 @@ def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples):
         return tuple(
             MockGPTDataset(n, name, config) if n else None for name, n in zip(names, train_valid_test_num_samples)
         )
+    if config.blend is not None:
+        return _build_blended(config, train_valid_test_num_samples)
     indexed = IndexedDataset(config.path_prefix)
     num_docs = len(indexed.document_indices) - 1
     bounds = get_split_bounds(parse_and_normalize_split(config.split), num_docs)
@@ -162,4 +179,31 @@ def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples):
             continue
         ds = GPTDataset(indexed, config.path_prefix, b, e, n, name, config)
         out.append(ds)
+    return tuple(out)
+
+
+def _build_blended(config: GPTDatasetConfig, train_valid_test_num_samples):
+    """Each prefix split by ``config.split``, each split a ``BlendedDataset`` of the prefixes' splits, every
+    prefix dataset built with exactly the samples the blend takes from it."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+    from megatron.core.datasets.utils import get_split_bounds, parse_and_normalize_split
+
+    prefixes, weights = config.blend
+    weights = list(weights) if weights is not None else [1.0] * len(prefixes)
+    split = parse_and_normalize_split(config.split)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    bounds = [get_split_bounds(split, len(ds.document_indices) - 1) for ds in indexed]
+    out = []
+    for s, (name, n) in enumerate(zip(("train", "valid", "test"), train_valid_test_num_samples)):
+        if not n or split[s] == 0:
+            out.append(None)
+            continue
+        parts = []
+        for prefix, ds, b, need in zip(prefixes, indexed, bounds, BlendedDataset.samples_per_dataset(weights, n)):
+            begin, end = b[s]
+            if need and end <= begin:
+                raise ValueError(f"--data-path blend: {prefix} has no documents in the {name} split (--split "
+                                 f"{config.split}) but the blend needs {need} samples from it")
+            parts.append(GPTDataset(ds, prefix, begin, end, need, name, config) if need else None)
+        out.append(BlendedDataset(parts, weights, n, name))
     return tuple(out)

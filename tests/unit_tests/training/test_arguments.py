@@ -73,11 +73,105 @@ def test_defaults_derived():
     assert a.data_parallel_size == 2 and a.num_microbatches == 2
 
 
-def test_unknown_flag():
-    with pytest.raises(SystemExit):
-        parse_args(args=BASE + ["--no-such-flag"])
+def test_defaults_as_upstream():
+    a = _args()
+    assert a.ckpt_fully_parallel_save is True  # upstream's default; --no-ckpt-fully-parallel-save turns it off
+    assert _args("--no-ckpt-fully-parallel-save").ckpt_fully_parallel_save is False
+    assert _args("--ckpt-fully-parallel-save").ckpt_fully_parallel_save is True
+    assert a.data_parallel_sharding_strategy == "no_shard"  # nothing is sharded without Megatron-FSDP
+    fsdp = _args("--use-megatron-fsdp")
+    assert fsdp.data_parallel_sharding_strategy == "optim_grads_params"
+    assert ddp_config_from_args(fsdp).data_parallel_sharding_strategy == "optim_grads_params"
+    # Accepted under Megatron-FSDP (FSDP2 shards the optimizer state and overlaps its collectives).
+    b = _args("--use-megatron-fsdp", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    assert b.use_distributed_optimizer and b.overlap_grad_reduce and b.overlap_param_gather
+
+
+def test_unknown_flags_one_line_each_with_the_closest_name(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args=BASE + ["--num-layer", "3", "--use-distributed-optimiser", "--xyzzy", "7"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3, err  # one line per unknown flag, no usage dump
+    assert "unrecognized argument: --num-layer (did you mean --num-layers?)" in err[0]
+    assert "--use-distributed-optimiser (did you mean --use-distributed-optimizer?)" in err[1]
+    assert err[2].endswith("unrecognized argument: --xyzzy")
     a = parse_args(args=BASE + ["--no-such-flag"], ignore_unknown_args=True)
     assert a.num_layers == 2
+
+
+def test_bad_value_is_one_short_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args=BASE + ["--num-layers", "two"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--num-layers" in err[0] and "usage" not in err[0]
+
+
+REFUSED = [
+    (["--use-distributed-optimizer"], ["--use-distributed-optimizer is not supported yet", "replicated",
+                                       "remove the flag"]),
+    (["--overlap-grad-reduce"], ["--overlap-grad-reduce is not supported without --use-megatron-fsdp"]),
+    (["--overlap-param-gather"], ["--overlap-param-gather is not supported without --use-megatron-fsdp"]),
+    (["--fp16"], ["--fp16 is not supported yet", "--bf16"]),
+    (["--loss-scale", 1024], ["--loss-scale is not supported yet"]),
+    (["--timing-log-level", 1], ["--timing-log-level 1 is not supported"]),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+     ["--data-parallel-sharding-strategy optim is not supported yet", "optim_grads_params"]),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"],
+     ["--data-parallel-sharding-strategy no_shard is not supported yet"]),
+    (["--tokenizer-type", "GPT2BPETokenizer"], ["--vocab-file is required with --tokenizer-type GPT2BPETokenizer"]),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/no/vocab.json", "--merge-file", "/no/m.txt"],
+     ["--vocab-file /no/vocab.json: no such file"]),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], ["--tokenizer-model is required"]),
+    (["--make-vocab-size-divisible-by", 0], ["--make-vocab-size-divisible-by must be >= 1"]),
+    (["--rampup-batch-size", 16, 16, 100], ["--rampup-batch-size is not supported yet"]),
+    (["--attention-backend", "flash"], ["--attention-backend flash is not supported yet"]),
+    (["--attention-backend", "unfused", "--transformer-impl", "transformer_engine"],
+     ["--attention-backend unfused needs --transformer-impl local"]),
+]
+
+
+@pytest.mark.parametrize("extra,parts", REFUSED, ids=[" ".join(map(str, e[0])) for e in REFUSED])
+def test_refused_flags_say_why(extra, parts):
+    with pytest.raises(SystemExit) as exc:
+        _args(*extra)
+    for part in parts:
+        assert part in str(exc.value), (part, str(exc.value))
+
+
+def test_tokenizer_type_inferred_from_vocab_and_merge_files(tmp_path):
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text("{}")
+    merges.write_text("")
+    argv = [a for a in BASE]
+    a = validate_args(parse_args(args=argv + ["--vocab-file", str(vocab), "--merge-file", str(merges)]))
+    assert a.tokenizer_type == "GPT2BPETokenizer"  # as upstream's GPT-3 example, which gives only the files
+    assert _args().tokenizer_type == "NullTokenizer"
+    assert _args("--attention-backend", "auto").attention_backend == "auto"
+    assert _args("--attention-backend", "local", "--transformer-impl", "local").attention_backend == "local"
+
+
+def test_train_samples_and_warmup_fraction():
+    argv = [a for a in BASE]
+    i = argv.index("--train-iters")
+    del argv[i : i + 2]
+    a = validate_args(parse_args(args=argv + ["--train-samples", "20", "--global-batch-size", "4",
+                                              "--lr-warmup-samples", "8"]))
+    assert a.train_iters == 5 and a.lr_decay_samples == 20 and a.lr_warmup_samples == 8
+    a = validate_args(parse_args(args=argv + ["--train-samples", "20", "--lr-decay-samples", "12",
+                                              "--lr-warmup-fraction", "0.25"]))
+    assert a.train_iters == 10 and a.lr_decay_samples == 12 and a.lr_warmup_fraction == 0.25
+    for extra, flags in ((["--train-samples", "8", "--train-iters", "4"], ["--train-iters", "--train-samples"]),
+                         (["--train-samples", "8", "--lr-warmup-iters", "1"], ["--lr-warmup-iters", "--lr-warmup-samples"]),
+                         (["--train-iters", "4", "--lr-warmup-samples", "2"], ["--lr-warmup-samples", "--train-samples"]),
+                         (["--train-iters", "4", "--lr-warmup-fraction", "1.5"], ["--lr-warmup-fraction"]),
+                         (["--train-iters", "4", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"],
+                          ["--lr-warmup-fraction", "--lr-warmup-iters"])):
+        with pytest.raises(SystemExit) as exc:
+            validate_args(parse_args(args=argv + extra))
+        for flag in flags:
+            assert flag in str(exc.value), (flag, str(exc.value))
 
 
 ERRORS = [
@@ -100,6 +194,7 @@ ERRORS = [
     (["--sequence-parallel"], None, ["--sequence-parallel"]),
     (["--fp16", "--bf16"], None, ["--fp16", "--bf16"]),
     (["--data-parallel-sharding-strategy", "optim"], None, ["--data-parallel-sharding-strategy", "--use-megatron-fsdp"]),
+    (["--tensorboard-log-interval", 0], None, ["--tensorboard-log-interval"]),
     (["--data-path", "x"], None, ["--mock-data", "--data-path"]),
     (["--min-lr", 1.0], None, ["--min-lr", "--lr"]),
     (["--lr-warmup-iters", 4], None, ["--lr-warmup-iters", "--lr-decay-iters"]),
@@ -142,9 +237,13 @@ def test_mock_or_data_path_required():
 def test_data_path_forms():
     argv = [a for a in BASE if a != "--mock-data"]
     a = validate_args(parse_args(args=argv + ["--data-path", "1.0", "/data/prefix"]))
-    assert a.data_path == ["/data/prefix"] and not a.mock_data
-    with pytest.raises(SystemExit, match="--data-path"):
-        validate_args(parse_args(args=argv + ["--data-path", "0.5", "a", "0.5", "b"]))
+    assert a.data_path == ["/data/prefix"] and not a.mock_data and a.data_blend == [("/data/prefix", 1.0)]
+    a = validate_args(parse_args(args=argv + ["--data-path", "0.3", "a", "0.9", "b"]))
+    assert [p for p, _ in a.data_blend] == ["a", "b"]
+    assert [w for _, w in a.data_blend] == pytest.approx([0.25, 0.75])
+    for bad in (["0.5", "a", "b"], ["x", "a", "0.5", "b"], ["-1", "a", "1", "b"], ["0", "a", "1", "b"]):
+        with pytest.raises(SystemExit, match="--data-path"):
+            validate_args(parse_args(args=argv + ["--data-path"] + bad))
 
 
 def test_stream_without_load_is_accepted():
