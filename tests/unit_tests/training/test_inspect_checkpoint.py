@@ -63,7 +63,7 @@ def test_our_checkpoint_iteration_and_args(tmp_path, capsys):
     tool = _tool()
     info = tool.inspect_checkpoint(ckpt)  # the save dir: follows latest_checkpointed_iteration.txt
     assert info["iteration"] == 2 and info["checkpoint_dir"].endswith("iter_0000002")
-    assert info["common_source"] == "common.pt" and info["common"]["iteration"] == 2
+    assert info["common_source"] == "common_state/shard_0_1" and info["common"]["iteration"] == 2
     assert info["args"]["hidden_size"] == 32 and info["args"]["padded_vocab_size"] == 128
     assert info["tensors"]["embedding.word_embeddings.weight"]["shape"] == [128, 32]
     assert any(k.startswith("optimizer.state.exp_avg.") for k in info["tensors"])
