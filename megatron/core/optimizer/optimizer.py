@@ -51,10 +51,6 @@ def _fp32_main_param(p: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(local, requires_grad=p.requires_grad)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
 def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
     ``param`` is a DTensor)."""
@@ -317,6 +313,15 @@ class MegatronOptimizer:
 
 
 def _state_sharded_tensor(sh, key: str, data: torch.Tensor):
+    """``sh`` (the parameter's ShardedTensor, or ShardedTensorFactory e.g. a gated fc1's two chunks) describing
+    ``data`` (an optimizer state tensor of the same local shape) under ``key``: same prepended axes, offsets,
+    replica id and, for a factory, the same build/merge."""
+    from megatron.core.dist_checkpointing import ShardedTensorFactory
+
+    if isinstance(sh, ShardedTensorFactory):
+        if tuple(data.shape) != tuple(sh.data.shape):
+            raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter {tuple(sh.data.shape)}")
+        return dataclasses.replace(sh, key=key, data=data)
     if tuple(data.shape) != tuple(sh.local_shape):
         raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter shard {tuple(sh.local_shape)}")
     if dataclasses.is_dataclass(sh):
