@@ -12,10 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+from megatron.core.transformer.utils import is_dtensor as _is_dtensor  # noqa: E402  (the one DTensor check)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
