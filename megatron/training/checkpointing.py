@@ -243,7 +243,7 @@ def _find_checkpoint(load_dir: str, args) -> Optional[Tuple[int, bool, str]]:
 
 def _copy_model_values(model_chunk, sharded_sd: dict, loaded: dict, strict: bool) -> None:
     """Write loaded values into the model's tensors (a no-op where the load already wrote in place)."""
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     base = unwrap_model(model_chunk)
     missing = [k for k in sharded_sd if k not in loaded]
@@ -254,7 +254,7 @@ def _copy_model_values(model_chunk, sharded_sd: dict, loaded: dict, strict: bool
             if key not in loaded:
                 continue
             value = loaded[key]
-            if isinstance(sh, ShardedTensor):
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)):  # a factory (gated fc1): its merged value
                 dest = sh.data
                 if isinstance(value, ShardedTensor):
                     value = value.data

@@ -12,10 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+from megatron.core.transformer.utils import is_dtensor as _is_dtensor  # noqa: E402  (the one DTensor check)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,10 +46,6 @@ def _fp32_main_param(p: torch.Tensor) -> torch.nn.Parameter:
         local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                    stride=p.stride())
     return torch.nn.Parameter(local, requires_grad=p.requires_grad)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -317,6 +310,15 @@ class MegatronOptimizer:
 
 
 def _state_sharded_tensor(sh, key: str, data: torch.Tensor):
+    """``sh`` (the parameter's ShardedTensor, or ShardedTensorFactory e.g. a gated fc1's two chunks) describing
+    ``data`` (an optimizer state tensor of the same local shape) under ``key``: same prepended axes, offsets,
+    replica id and, for a factory, the same build/merge."""
+    from megatron.core.dist_checkpointing import ShardedTensorFactory
+
+    if isinstance(sh, ShardedTensorFactory):
+        if tuple(data.shape) != tuple(sh.data.shape):
+            raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter {tuple(sh.data.shape)}")
+        return dataclasses.replace(sh, key=key, data=data)
     if tuple(data.shape) != tuple(sh.local_shape):
         raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter shard {tuple(sh.local_shape)}")
     if dataclasses.is_dataclass(sh):

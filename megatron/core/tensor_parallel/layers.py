@@ -72,6 +72,28 @@ class _LinearBase(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, expert={self.is_expert}"
 
+    # Upstream's local linears carry an (always None) ``_extra_state`` so that their checkpoints have TE's keys: one
+    # ``_extra_state`` ShardedObject per linear (stacked per layer, per expert). It is in ``sharded_state_dict`` only:
+    # ``state_dict()`` stays the parameters (``get_extra_state`` is not overridden), while ``load_state_dict``
+    # accepts the key (a loaded checkpoint's, None or TE's state) and ignores it, and does not require it.
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        sd = self.state_dict(keep_vars=True)
+        sd[torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX] = None
+        return make_sharded_tensors_for_checkpoint(sd, prefix, {"weight": 0, "bias": 0}, sharded_offsets)
+
+    def set_extra_state(self, state) -> None:
+        """Ignored: a local linear has no extra state (checkpoints hold None, or TE's state if TE wrote them)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key in missing_keys:
+            missing_keys.remove(key)
+
 
 class ColumnParallelLinear(_LinearBase):
     """``Y = X A^T + b`` with A split by rows over TP ranks upstream; here TP size is 1 (no communication)."""

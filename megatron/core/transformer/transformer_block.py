@@ -4,9 +4,10 @@ from typing import Optional
 
 import torch
 
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import MegatronModule, sharded_state_dict_default
 from megatron.core.transformer.torch_norm import build_norm
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import replace_prefix_for_sharding
 
 
 class TransformerBlock(MegatronModule):
@@ -18,6 +19,38 @@ class TransformerBlock(MegatronModule):
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:
             self.final_layernorm = build_norm(config, config.hidden_size)
+
+    def has_homogeneous_layers(self, metadata: Optional[dict] = None) -> bool:
+        """Whether the layers are stacked in checkpoints (one key per parameter, a prepended layer axis). As upstream:
+        not with ``metadata['non_homogeneous_layers']``, nor when ``moe_layer_freq`` is a list or an int > 1."""
+        if (metadata or {}).get("non_homogeneous_layers", False):
+            return False
+        freq = self.config.moe_layer_freq
+        return not (isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
+        """Upstream's layout. Dict keys are the state-dict names (``layers.<i>.``); checkpoint keys of homogeneous
+        layers are stacked: ``layers.<name>`` with prepended axis ``(0, global_layer_index, num_layers)``; of
+        heterogeneous ones (e.g. ``moe_layer_freq`` != 1), ``layers.<global_layer_index>.<name>``, no extra axis."""
+        if sharded_offsets:
+            raise ValueError(f"TransformerBlock.sharded_state_dict: unexpected sharded_offsets {sharded_offsets}")
+        stacked = self.has_homogeneous_layers(metadata)
+        num_layers = self.config.num_layers
+        out = {}
+        for idx, layer in enumerate(self.layers):
+            global_idx = layer.layer_number - 1
+            sd_prefix = f"{prefix}layers.{idx}."
+            if stacked:
+                sh_prefix, offsets = f"{prefix}layers.", ((0, global_idx, num_layers),)
+            else:
+                sh_prefix, offsets = f"{prefix}layers.{global_idx}.", ()
+            sd = layer.sharded_state_dict(sd_prefix, offsets, metadata)
+            replace_prefix_for_sharding(sd, sd_prefix, sh_prefix)
+            out.update(sd)
+        for name, child in self.named_children():
+            if child is not self.layers:
+                out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
 
     def _quantization_context(self):
         c = self.config

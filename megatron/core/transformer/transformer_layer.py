@@ -8,6 +8,15 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.torch_norm import IdentityOp, build_norm
+from megatron.core.transformer.utils import apply_prefix_mapping
+
+# Upstream's local layer spec (get_gpt_layer_local_spec) stores the separate norms under the names they have in the
+# fused TE linears, so local and TE checkpoints share keys. The TE spec fuses those norms (no mapping); a TE MoE
+# layer keeps a separate ``pre_mlp_layernorm`` (TENorm), stored under that name.
+LOCAL_SPEC_SHARDED_KEYS_MAP = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
 
 
 def is_moe_layer(config, layer_number: int) -> bool:
@@ -39,12 +48,21 @@ class TransformerLayer(MegatronModule):
         self.self_attention = SelfAttention(config, layer_number, fuse_input_layernorm=te)
         fuse_mlp_norm = te and not self.is_moe
         self.pre_mlp_layernorm = IdentityOp() if fuse_mlp_norm else build_norm(config, config.hidden_size)
+        self.sharded_state_dict_keys_map = {} if te else dict(LOCAL_SPEC_SHARDED_KEYS_MAP)
         if self.is_moe:
             from megatron.core.transformer.moe.moe_layer import MoELayer
 
             self.mlp = MoELayer(config, layer_number)
         else:
             self.mlp = MLP(config, fuse_input_layernorm=fuse_mlp_norm)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """MegatronModule's, with the checkpoint keys renamed by ``sharded_state_dict_keys_map`` (dict keys stay the
+        state-dict names)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.sharded_state_dict_keys_map:
+            apply_prefix_mapping(out, {f"{prefix}{k}": f"{prefix}{v}" for k, v in self.sharded_state_dict_keys_map.items()})
+        return out
 
     def _residual_add(self, out, bias, residual):
         if bias is not None:

@@ -63,28 +63,98 @@ def set_param_attrs(params: Iterable[Optional[torch.Tensor]], **attrs) -> None:
 
 
 # ---- sharded state dict ---------------------------------------------------------------------------------
+# Upstream's layout: a module's sharded state dict is keyed by its state-dict names (``decoder.layers.0.mlp...``)
+# while each ShardedTensor/ShardedObject ``.key`` is the checkpoint key. ``sharded_offsets`` is a tuple of
+# ``(axis, offset, fragments)`` for the PREPENDED axes (axis 0: the layer index of stacked homogeneous layers, axis
+# 1: the expert index of SequentialMLP experts); the local tensor does not have those axes.
 def _dp_replica_id() -> Tuple[int, int, int]:
     return (0, 0, parallel_state.get_data_parallel_rank())
 
 
-def make_sharded_tensor_for_checkpoint(tensor, key: str, prepend_offsets=(), replica_id=None, **kwargs):
-    """A ShardedTensor of a tensor replicated over data-parallel ranks (TP size 1)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a torch DTensor (a Megatron-FSDP sharded parameter)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
 
-    if replica_id is None:
-        replica_id = _dp_replica_id()
-    return ShardedTensor.from_rank_offsets(
-        key, tensor, *prepend_offsets, replica_id=replica_id, prepend_axis_num=len(prepend_offsets), **kwargs
+
+def _check_prepend_offsets(key: str, prepend_offsets) -> Tuple[Tuple[int, int, int], ...]:
+    """The offsets sorted by axis; they must be exactly the axes ``0..n-1`` (the prepended axes)."""
+    offs = tuple(sorted((tuple(int(x) for x in o) for o in prepend_offsets), key=lambda o: o[0]))
+    if [o[0] for o in offs] != list(range(len(offs))):
+        raise ValueError(f"{key}: sharded_offsets {prepend_offsets} must name the prepended axes 0..n-1 exactly once")
+    return offs
+
+
+def _dtensor_sharded_tensor(tensor, key: str, prepend_offsets, **kwargs):
+    """The local shard of a ``Shard(0)`` DTensor (torch.chunk-style, possibly uneven or empty) placed in the global
+    tensor: its dim 0 is global axis ``len(prepend_offsets)``. Each rank holds a distinct piece: ``replica_id=0``."""
+    from torch.distributed.tensor import Shard
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import chunk_range
+
+    if len(tensor.placements) != 1 or tensor.placements[0] != Shard(0):
+        raise NotImplementedError(f"{key}: only Shard(0) DTensor parameters are supported, got {tensor.placements}")
+    global_shape = tuple(tensor.shape)
+    if not global_shape:
+        raise NotImplementedError(f"{key}: 0-dim sharded parameter")
+    local = tensor.to_local()
+    if isinstance(local, torch.nn.Parameter):
+        local = local.data
+    start, length = chunk_range(global_shape[0], tensor.device_mesh.size(), tensor.device_mesh.get_local_rank())
+    if local.shape[0] != length or tuple(local.shape[1:]) != global_shape[1:]:
+        raise RuntimeError(
+            f"{key}: local shard shape {tuple(local.shape)} is not torch.chunk's piece {length} of {global_shape}"
+        )
+    offs = _check_prepend_offsets(key, prepend_offsets)
+    return ShardedTensor.from_global_offsets(
+        key,
+        local,
+        tuple(o[2] for o in offs) + global_shape,
+        tuple(o[1] for o in offs) + (start,) + (0,) * (len(global_shape) - 1),
+        replica_id=0,
+        prepend_axis_num=len(offs),
+        **kwargs,
     )
 
 
+def make_sharded_tensor_for_checkpoint(tensor, key: str, prepend_offsets=(), replica_id=None, **kwargs):
+    """A ShardedTensor of ``tensor`` (TP size 1) with the prepended axes ``prepend_offsets``: a plain tensor is
+    replicated over data-parallel ranks (``replica_id=(0, 0, dp_rank)``); a DTensor (Megatron-FSDP) contributes its
+    local shard (see ``_dtensor_sharded_tensor``)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    if is_dtensor(tensor):
+        return _dtensor_sharded_tensor(tensor, key, prepend_offsets, **kwargs)
+    offs = _check_prepend_offsets(key, prepend_offsets)
+    if replica_id is None:
+        replica_id = _dp_replica_id()
+    return ShardedTensor.from_rank_offsets(
+        key, tensor, *offs, replica_id=replica_id, prepend_axis_num=len(offs), **kwargs
+    )
+
+
+def extra_state_shape_and_offset(key: str, sharded_offsets=()) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """``(global_shape, global_offset)`` of an ``_extra_state`` ShardedObject: one object per prepended-axis index
+    (``(L,)`` per layer, ``(L, E)`` per expert), ``(1,)``/``(0,)`` without prepended axes, as upstream."""
+    offs = _check_prepend_offsets(key, sharded_offsets)
+    if not offs:
+        return (1,), (0,)
+    return tuple(o[2] for o in offs), tuple(o[1] for o in offs)
+
+
 def make_sharded_object_for_checkpoint(obj, key: str, sharded_offsets=(), replica_id=None, **kwargs):
-    """A ShardedObject (e.g. TE ``_extra_state``), one per model (global shape (1,)) replicated over DP ranks."""
+    """A ShardedObject (e.g. ``_extra_state``) replicated over DP ranks, one per prepended-axis index (stored as
+    ``key/shard_<offsets>_<shape>``, e.g. ``.../_extra_state/shard_1.3_2.4`` for layer 1, expert 3 of (2, 4))."""
     from megatron.core.dist_checkpointing import ShardedObject
 
     if replica_id is None:
         replica_id = _dp_replica_id()
-    return ShardedObject(key, obj, (1,), (0,), replica_id=replica_id, **kwargs)
+    shape, offset = extra_state_shape_and_offset(key, sharded_offsets)
+    return ShardedObject(key, obj, shape, offset, replica_id=replica_id, **kwargs)
 
 
 def make_sharded_tensors_for_checkpoint(
@@ -96,8 +166,8 @@ def make_sharded_tensors_for_checkpoint(
 ) -> Dict[str, object]:
     """``{prefix + key: ShardedTensor | ShardedObject}`` for a module's local ``state_dict``.
 
-    Tensors become ShardedTensors replicated over data-parallel ranks (tensor parallel size is 1 here, so the axis
-    map is accepted for API compatibility only); ``*_extra_state`` entries become ShardedObjects.
+    Tensors become ShardedTensors (tensor parallel size is 1 here, so the axis map is accepted for API compatibility
+    only) with the prepended axes ``sharded_offsets``; ``*_extra_state`` entries become ShardedObjects.
     """
     sharded_offsets = tuple(sharded_offsets)
     out = {}
@@ -110,3 +180,31 @@ def make_sharded_tensors_for_checkpoint(
         else:
             raise TypeError(f"make_sharded_tensors_for_checkpoint: state dict entry {full!r} is a {type(value)}")
     return out
+
+
+def _sharded_leaves(sharded_state_dict: dict):
+    """The ShardedTensor / ShardedObject / ShardedTensorFactory values of a flat or nested sharded state dict."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return [v for v in nested_values(sharded_state_dict) if isinstance(v, (ShardedTensor, ShardedObject,
+                                                                           ShardedTensorFactory))]
+
+
+def replace_prefix_for_sharding(sharded_state_dict: dict, old_prefix: str, new_prefix: str) -> None:
+    """In place: every sharded value's ``.key`` (the checkpoint key, not the dict key) must start with
+    ``old_prefix``, which becomes ``new_prefix`` (e.g. ``decoder.layers.0.`` -> ``decoder.layers.``)."""
+    for sh in _sharded_leaves(sharded_state_dict):
+        if not sh.key.startswith(old_prefix):
+            raise ValueError(f"sharded key {sh.key!r} does not start with the prefix {old_prefix!r} to replace")
+        sh.key = new_prefix + sh.key[len(old_prefix):]
+
+
+def apply_prefix_mapping(sharded_state_dict: dict, prefix_map: Dict[str, str]) -> None:
+    """In place: a sharded value whose ``.key`` starts with a key of ``prefix_map`` gets that prefix replaced by its
+    value (the first match, in ``prefix_map`` order); other keys stay."""
+    for sh in _sharded_leaves(sharded_state_dict):
+        for old, new in prefix_map.items():
+            if sh.key.startswith(old):
+                sh.key = new + sh.key[len(old):]
+                break

@@ -84,21 +84,30 @@ def _init_body(rank, ws, tied):
         assert {id(p) for p in mp} == {id(p) for p in live.values()}
         for p, n in mp.items():
             assert live[n] is p
-    # sharded_state_dict: same keys as the unwrapped model's; uneven / empty shards; replicated buffers
+    # sharded_state_dict: the unwrapped model's layout (same dict keys, checkpoint keys, global shapes, prepended
+    # layer/expert axes); each parameter's local shard (uneven / empty) on global axis prepend_axis_num
     sd = fsdp.sharded_state_dict()
-    assert set(sd) == set(ref.state_dict())
+    ref_sd = ref.sharded_state_dict()
+    assert set(sd) == set(ref_sd)
+    ref_state = ref.state_dict()
     for k, sh in sd.items():
-        assert sh.key == k
+        r = ref_sd[k]
+        assert (sh.key, type(sh)) == (r.key, type(r)), k
+        if k.endswith("_extra_state"):
+            assert (sh.global_shape, sh.global_offset) == (r.global_shape, r.global_offset), k
+            continue
+        assert tuple(sh.global_shape) == tuple(r.global_shape) and sh.prepend_axis_num == r.prepend_axis_num, k
         if k.endswith("expert_bias"):
             assert sh.replica_id == (0, 0, rank) and torch.equal(sh.data, fsdp.module.get_buffer(k))
             continue
-        full = ref.state_dict()[k]
+        full = ref_state[k]
         start, length = chunk_range(full.shape[0], ws, rank)
+        n = sh.prepend_axis_num
         assert sh.replica_id == 0
-        assert tuple(sh.global_shape) == tuple(full.shape)
-        assert tuple(sh.global_offset) == (start,) + (0,) * (full.dim() - 1)
+        assert tuple(sh.global_offset) == tuple(r.global_offset[:n]) + (start,) + (0,) * (full.dim() - 1), k
         assert tuple(sh.local_shape) == (length,) + tuple(full.shape[1:])
         assert torch.equal(sh.data, full[start:start + length])
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in {v.key for v in sd.values()}
     router_w = [k for k in sd if k.endswith("router.weight")][0]
     if ws == 4:  # 3 experts over 4 ranks: rank 3 holds an empty shard
         assert sd[router_w].local_shape[0] == (0 if rank == 3 else 1)
@@ -380,7 +389,8 @@ def _ddp_body(rank, ws, meta):
     ref_params = dict(ref.named_parameters())
     for n, p in ddp.module.named_parameters():
         torch.testing.assert_close(p, ref_params[n], atol=2e-5, rtol=1e-4, msg=n)
-    assert set(ddp.sharded_state_dict()) == set(ref.state_dict())
+    assert set(ddp.sharded_state_dict()) == set(ref.sharded_state_dict())
+    assert set(ref.state_dict()) <= set(ref.sharded_state_dict())
 
 
 @pytest.mark.parametrize("meta", [True, False])

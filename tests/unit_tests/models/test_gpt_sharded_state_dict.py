@@ -5,7 +5,9 @@ import types
 import pytest
 import torch
 
+from megatron.core.dist_checkpointing import ShardedTensorFactory
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe import TopKRouter
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.models.test_gpt_model import SEQ, VOCAB, _batch, _cfg
@@ -49,23 +51,60 @@ def sharded_api(monkeypatch):
 
 @pytest.mark.parametrize("name,tied", [("dense", False), ("moe", True), ("rms_swiglu_gqa", False)])
 def test_sharded_state_dict_keys_equal_state_dict(sharded_api, name, tied):
-    ShardedTensor, _ = sharded_api
+    """Dict keys: state_dict's plus an ``_extra_state`` object per local linear (None, as upstream's), minus the
+    output layer's (dropped like upstream); values are the live tensors, replicated over DP ranks."""
+    ShardedTensor, ShardedObject = sharded_api
     torch.manual_seed(0)
     model = GPTModel(_cfg(name), VOCAB, SEQ, share_embeddings_and_output_weights=tied)
     sd = model.state_dict(keep_vars=True)
     ssd = model.sharded_state_dict()
-    assert set(ssd) == set(sd)
+    linears = {n for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    assert set(ssd) == set(sd) | {f"{n}._extra_state" for n in linears if n != "output_layer"}
     for k, st in ssd.items():
-        assert isinstance(st, ShardedTensor), k
-        assert st.key == k
-        assert st.data is sd[k]  # the live tensor, so loads land in place
+        if k.endswith("._extra_state"):
+            assert isinstance(st, ShardedObject) and st.data is None, k
+            continue
+        if isinstance(st, ShardedTensorFactory):  # gated fc1
+            assert name == "rms_swiglu_gqa" and k.endswith("linear_fc1.weight"), k
+            st = st.build()[0]
+            assert st.data.data_ptr() == sd[k].data_ptr()
+        else:
+            assert isinstance(st, ShardedTensor), k
+            assert st.data is sd[k]  # the live tensor, so loads land in place
         assert tuple(st.replica_id) == (0, 0, 0)
+        if ".layers." in k:  # stacked: one checkpoint key for all layers, prepended layer axis
+            layer = int(k.split(".layers.")[1].split(".")[0])
+            assert ".layers.0." not in st.key and ".layers.1." not in st.key, st.key
+            assert st.global_offset[0] == layer and st.global_shape[0] == 2 and st.prepend_axis_num >= 1
+        else:
+            assert st.key == k and st.prepend_axis_num == 0
     pre = model.sharded_state_dict(prefix="model.")
-    assert set(pre) == {"model." + k for k in sd}
-    assert all(v.key == k for k, v in pre.items())
+    assert set(pre) == {"model." + k for k in ssd}
+    assert {v.key for v in pre.values()} == {"model." + v.key for v in ssd.values()}
     if name == "moe":
         assert "decoder.layers.0.mlp.router.expert_bias" in ssd
+        assert ssd["decoder.layers.1.mlp.router.expert_bias"].key == "decoder.layers.mlp.router.expert_bias"
         assert "decoder.layers.0.mlp.router.local_tokens_per_expert" not in ssd
+        e = ssd["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"]
+        assert e.key == "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+        assert e.global_offset[:2] == (1, 3) and e.global_shape[:2] == (2, 4) and e.prepend_axis_num == 2
+        obj = ssd["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1._extra_state"]
+        assert obj.unique_key == "decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.3_2.4"
+    assert ssd["decoder.layers.1.input_layernorm.weight"].key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    if name != "moe":
+        assert ssd["decoder.layers.0.pre_mlp_layernorm.weight"].key == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+
+
+def test_heterogeneous_layers_keyed_by_layer_index(sharded_api):
+    """moe_layer_freq != 1: no stacking, checkpoint keys carry the global layer index, no prepended layer axis."""
+    model = GPTModel(_cfg("moe_sigmoid_aux"), VOCAB, SEQ)  # layer 1 MoE, layer 2 dense
+    ssd = model.sharded_state_dict()
+    qkv = ssd["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert qkv.key == "decoder.layers.1.self_attention.linear_qkv.weight" and qkv.prepend_axis_num == 0
+    e = ssd["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"]
+    assert e.key == "decoder.layers.0.mlp.experts.experts.linear_fc1.weight"
+    assert e.prepend_axis_num == 1 and e.global_offset[0] == 2 and e.global_shape[0] == 4
+    assert ssd["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1._extra_state"].unique_key.endswith("/shard_2_4")
 
 
 def test_extra_state_becomes_sharded_object(sharded_api):

@@ -122,8 +122,9 @@ def test_sharded_state_dict_keys_and_shapes():
             assert sh.key == f"optimizer.state.{k}.{model_sd[names[p]].key}"
             assert tuple(sh.global_shape) == tuple(model_sd[names[p]].global_shape)
             assert sh.replica_id == model_sd[names[p]].replica_id
-            keys.add(sh.key)
-    assert len(keys) == 2 * len(names)
+            assert tuple(sh.global_offset) == tuple(model_sd[names[p]].global_offset)  # stacked layers: layer axis
+            keys.add((sh.key, sh.global_offset))
+    assert len(keys) == 2 * len(names)  # one (key, offset) per parameter and state
     assert all("lr" in g and "params" in g for g in sd["param_groups"])
     # the live optimizer state was not replaced by ShardedTensors
     assert all(isinstance(v, torch.Tensor) and not isinstance(v, ShardedTensor)

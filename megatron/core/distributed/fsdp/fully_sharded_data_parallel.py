@@ -272,51 +272,14 @@ class FullyShardedDataParallel(MegatronModule):
         return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
-        """``{prefix + state_dict key: ShardedTensor}``: each DTensor parameter's local shard (dim 0,
-        ``torch.chunk``-style, possibly uneven or empty) with explicit ``global_shape`` / ``global_offset`` and
-        ``replica_id=0``; buffers (``expert_bias``) replicated (``replica_id=(0, 0, dp_rank)``); TE
-        ``_extra_state`` as ShardedObject. Keys equal the unwrapped model's."""
-        from torch.distributed.tensor import DTensor
+        """The unwrapped model's own ``sharded_state_dict`` (upstream's layout: stacked layers, expert axis, gated
+        fc1 chunks, ``_extra_state`` objects): the shared builder (``transformer.utils``) turns each DTensor
+        parameter into its local shard (dim 0 of the parameter, ``torch.chunk``-style, possibly uneven or empty,
+        placed on global axis ``prepend_axis_num``, ``replica_id=0``); buffers (``expert_bias``) stay replicated.
+        Keys and global shapes equal a DDP model's, so the checkpoints load into each other."""
+        from megatron.core.transformer.module import sharded_state_dict_default
 
-        from megatron.core.transformer.utils import make_sharded_object_for_checkpoint, make_sharded_tensor_for_checkpoint
-
-        if sharded_offsets:
-            raise NotImplementedError("FullyShardedDataParallel.sharded_state_dict: sharded_offsets (pipeline/expert axes)")
-        out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            full = f"{prefix}{key}"
-            if key.endswith("_extra_state"):
-                out[full] = make_sharded_object_for_checkpoint(value, full)
-            elif isinstance(value, DTensor):
-                out[full] = self._sharded_tensor_of(full, value)
-            elif isinstance(value, torch.Tensor):
-                out[full] = make_sharded_tensor_for_checkpoint(value, full)
-            else:
-                raise TypeError(f"FullyShardedDataParallel.sharded_state_dict: entry {full!r} is a {type(value)}")
-        return out
-
-    def _sharded_tensor_of(self, key: str, value) -> object:
-        from torch.distributed.tensor import Shard
-
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        if len(value.placements) != 1 or value.placements[0] != Shard(0):
-            raise NotImplementedError(f"{key}: only Shard(0) DTensor parameters are supported, got {value.placements}")
-        rank, ws = value.device_mesh.get_local_rank(), value.device_mesh.size()
-        local = value.to_local()
-        if isinstance(local, torch.nn.Parameter):
-            local = local.data
-        global_shape = tuple(value.shape)
-        if len(global_shape) == 0:
-            raise NotImplementedError(f"{key}: 0-dim sharded parameter")
-        start, length = chunk_range(global_shape[0], ws, rank)
-        if local.shape[0] != length or tuple(local.shape[1:]) != global_shape[1:]:
-            raise RuntimeError(
-                f"{key}: local shard shape {tuple(local.shape)} is not torch.chunk's piece {length} of {global_shape}"
-            )
-        return ShardedTensor.from_global_offsets(
-            key, local, global_shape, (start,) + (0,) * (len(global_shape) - 1), replica_id=0
-        )
+        return sharded_state_dict_default(self.module, prefix, sharded_offsets, metadata)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict, strict: bool = True):
@@ -326,17 +289,24 @@ class FullyShardedDataParallel(MegatronModule):
         from torch.distributed.tensor import DTensor
 
         own = self.module.state_dict(keep_vars=True)
+        # modules that take an ``_extra_state`` key without having one in state_dict() (local linears, see
+        # tensor_parallel.layers) accept it here too
+        accepted = set(own) | {
+            f"{name}.{torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX}".lstrip(".")
+            for name, m in self.module.named_modules()
+            if type(m).set_extra_state is not torch.nn.Module.set_extra_state
+        }
         missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
+        unexpected = [k for k in state_dict if k not in accepted]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"FullyShardedDataParallel.load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
             )
         rest = {}
         for k, v in state_dict.items():
-            if k not in own:
+            if k not in accepted:
                 continue
-            target = own[k]
+            target = own.get(k)
             if isinstance(target, DTensor):
                 self._load_into_dtensor(k, target, v)
             else:

@@ -79,6 +79,15 @@ class GPTModel(MegatronModule):
         """The word-embedding weight (also the output weight when tied)."""
         return self.embedding.word_embeddings.weight
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
+        """Upstream's layout (see TransformerBlock.sharded_state_dict). ``output_layer._extra_state`` is left out,
+        as upstream does (older GPT checkpoints have no such key); it never holds anything here."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        extra = out.pop(f"{prefix}output_layer._extra_state", None)
+        if extra is not None and extra.data is not None:
+            raise RuntimeError(f"{prefix}output_layer._extra_state holds {type(extra.data)}: it would be dropped")
+        return out
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -3,6 +3,7 @@ import torch
 
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import replace_prefix_for_sharding
 
 # FP8/FP4 GEMMs (Transformer Engine) need the token dimension to be a multiple of 8 to 32, depending on the recipe;
 # under --fp8-format / --fp4-format each expert's tokens are zero-padded to this and the padded rows dropped.
@@ -24,6 +25,18 @@ class SequentialMLP(MegatronModule):
         self.local_experts = torch.nn.ModuleList(
             [MLP(config, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True) for _ in range(num_local_experts)]
         )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Upstream's layout: expert ``i`` (state-dict prefix ``local_experts.<i>.``) is stored under ``experts.``
+        with one more prepended axis, the expert index of ``num_local_experts`` (expert parallel size 1)."""
+        out = {}
+        axis = len(tuple(sharded_offsets))
+        for i, expert in enumerate(self.local_experts):
+            sd_prefix = f"{prefix}local_experts.{i}."
+            sd = expert.sharded_state_dict(sd_prefix, (*sharded_offsets, (axis, i, self.num_local_experts)), metadata)
+            replace_prefix_for_sharding(sd, sd_prefix, f"{prefix}experts.")
+            out.update(sd)
+        return out
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert):
         """``permuted_local_hidden_states`` ``[N, h]`` sorted by expert, ``tokens_per_expert`` counts (sum N).
