@@ -57,14 +57,9 @@ def test_fixture_loads_through_dist_checkpointing_strict(name, tmp_path):
 
     ckpt = copy_fixture_ckpt(name, tmp_path / "ckpt")
     model = build_model(name)
-    try:
-        loaded, missing, unexpected = dist_checkpointing.load(
-            model.sharded_state_dict(), ckpt, strict=StrictHandling.RETURN_ALL
-        )
-    except Exception as e:  # noqa: BLE001
-        if "common.pt" in str(e):
-            pytest.xfail(f"needs common_state format parity (lead): {e}")
-        raise
+    loaded, missing, unexpected = dist_checkpointing.load(
+        model.sharded_state_dict(), ckpt, strict=StrictHandling.RETURN_ALL
+    )
     assert missing == set() and unexpected == set()
     result = model.load_state_dict(loaded, strict=True)
     assert not result.missing_keys and not result.unexpected_keys

@@ -1,4 +1,4 @@
-"""Helpers for the checkpoints written by upstream megatron-core 0.19.2 (``shared/fixtures/upstream-mcore-0.19.2``,
+"""Helpers for the checkpoints written by upstream megatron-core 0.19.2 (``tests/unit_tests/fixtures/upstream-mcore-0.19.2``,
 see its README): where they are, our GPTModel built from a fixture's ``reference.pt`` config, a checkpoint's DCP
 layout, and a loader that reads a checkpoint's tensors with torch's own DCP (independent of dist_checkpointing)."""
 import os
@@ -8,16 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
-_CANDIDATES = [
-    os.environ.get("MCORE_UPSTREAM_FIXTURES"),
-    REPO / "shared" / "fixtures" / "upstream-mcore-0.19.2",
-    REPO.parent / "shared" / "fixtures" / "upstream-mcore-0.19.2",
-]
-FIXTURES = next((Path(p) for p in _CANDIDATES if p and Path(p, "gpt_moe", "reference.pt").exists()), None)
-needs_fixtures = pytest.mark.skipif(
-    FIXTURES is None, reason="upstream-mcore-0.19.2 fixtures not found (set MCORE_UPSTREAM_FIXTURES)"
-)
+from tests.unit_tests.fixtures import UPSTREAM_FIXTURES as FIXTURES
+
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"upstream fixtures missing: {FIXTURES}")
 GPT_FIXTURES = ("gpt_dense", "gpt_moe")
 
 

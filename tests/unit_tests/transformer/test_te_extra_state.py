@@ -142,7 +142,7 @@ def _read_object_item(ckpt_dir, key):
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
     reader = FileSystemReader(ckpt_dir)
-    items = [k for k in reader.read_metadata().state_dict_metadata if k.startswith(key + "/")]
+    items = [k for k in reader.read_metadata().state_dict_metadata if k == key]
     assert len(items) == 1, items
     raw = {}
 
@@ -158,15 +158,9 @@ def test_delayed_state_round_trip_through_dist_checkpointing(fake_te, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     run_distributed(_roundtrip_body, 2, ckpt)
-    key = "decoder.layers.0.self_attention.linear_qkv._extra_state"
-    # This fork's save currently wraps the object's torch.save bytes in a BytesIO (DCP torch.saves the BytesIO it is
-    # handed); the wrapper is unpacked explicitly, the object itself must load with weights_only=True.
-    with torch.serialization.safe_globals([io.BytesIO]):
-        stored = torch.load(io.BytesIO(_read_object_item(ckpt, key)), weights_only=True)
-    if isinstance(stored, io.BytesIO):
-        stored = torch.load(stored, weights_only=True)
-    if isinstance(stored, list):  # upstream's layout: a one-element list
-        (stored,) = stored
+    # layer 0's item of the stacked key (upstream's layout): torch.save([state]), loadable with weights_only=True
+    key = "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"
+    (stored,) = torch.load(io.BytesIO(_read_object_item(ckpt, key)), weights_only=True)
     assert stored["format"] == te_extra_state.FORMAT
     assert stored["amax_history_fwd"].shape == (8, 3) and stored["scale_bwd"].shape == (2,)
 
