@@ -86,6 +86,15 @@ def _refused_global(message: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+def _weights_only_detail(message: str) -> str:
+    """The informative part of torch's weights-only error (its text around it is generic advice)."""
+    marker = "WeightsUnpickler error:"
+    if marker in message:
+        rest = message.split(marker, 1)[1].strip()
+        return rest.split("\n\n", 1)[0].strip() or rest
+    return message.splitlines()[0] if message else "unpickling failed"
+
+
 def safe_torch_load(f, what: str, map_location: Any = "cpu", extra: Iterable[Any] = ()) -> Any:
     """``torch.load(f, weights_only=True)`` admitting ``SAFE_GLOBALS`` and ``extra``.
 
@@ -98,10 +107,12 @@ def safe_torch_load(f, what: str, map_location: Any = "cpu", extra: Iterable[Any
             return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         refused = _refused_global(str(e))
-        detail = f"it names {refused}, which is not an allowed type" if refused else str(e).splitlines()[0]
+        if refused is None:  # not a refusal: a damaged or foreign file
+            raise CheckpointingException(f"{what}: cannot be read: {_weights_only_detail(str(e))}") from None
         raise CheckpointingException(
-            f"{what}: refused to load: {detail}; nothing from it was run (a checkpoint may hold plain data only; "
-            f"register a trusted plain-data class with megatron.core.safe_globals.register_safe_globals)"
+            f"{what}: refused to load: it names {refused}, which is not an allowed type; nothing from it was run "
+            f"(a checkpoint may hold plain data only; register a trusted plain-data class with "
+            f"megatron.core.safe_globals.register_safe_globals)"
         ) from None
     except Exception as e:
         raise CheckpointingException(f"{what}: cannot be read: {type(e).__name__}: {e}") from e

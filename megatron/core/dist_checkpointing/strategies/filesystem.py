@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFor
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.futures import Future
 
-from ...safe_globals import SafeUnpickler, safe_pickle_load
+from ...safe_globals import SafeUnpickler, safe_pickle_load, safe_torch_load
 from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)
@@ -317,9 +317,23 @@ class ChecksummedFileSystemReader(FileSystemReader):
     (when the checkpoint has them) as it reads the item; a mismatch is a ``CheckpointingException`` naming the key,
     the file and the byte range."""
 
-    def __init__(self, path: Union[str, os.PathLike], *args, **kwargs):
+    def __init__(self, path: Union[str, os.PathLike], *args, safe_objects: bool = True, **kwargs):
         super().__init__(path, *args, **kwargs)
+        self.safe_objects = safe_objects
         self._index_of: Dict[int, MetadataIndex] = {}
+
+    def read_data(self, plan, planner):
+        """As ``FileSystemReader.read_data``; with ``safe_objects`` (default) every bytes item is first unpickled
+        with ``safe_torch_load`` (``weights_only=True`` + ``SAFE_GLOBALS``) before the planner sees it: DCP's
+        ``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``, so a planted object would run
+        there. An object refused here is a ``CheckpointingException`` naming the key, file and byte range."""
+        return super().read_data(plan, _SafeBytesPlanner(planner, self) if self.safe_objects else planner)
+
+    def _where(self, storage_index) -> str:
+        sinfo = self.storage_data[storage_index]
+        path = self.fs.concat_path(self.path, sinfo.relative_path)
+        start = int(sinfo.offset)
+        return f"checkpoint item {_describe_index(storage_index)} in {path}, bytes [{start}, {start + int(sinfo.length)})"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata_file(self._get_metadata_path(kwargs.get("rank")))
@@ -360,6 +374,22 @@ class ChecksummedFileSystemReader(FileSystemReader):
                 f"checkpoint item {key} in {path}, bytes [{start}, {end}), fails its checksum ({algorithm} stored "
                 f"{value:08x}, read {actual:08x}): the file was changed or damaged after it was written"
             )
+
+
+class _SafeBytesPlanner:
+    """The load planner as the reader sees it: ``load_bytes`` checks the object with ``safe_torch_load`` first."""
+
+    def __init__(self, planner, reader: "ChecksummedFileSystemReader"):
+        self._planner = planner
+        self._reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        safe_torch_load(value, what=self._reader._where(read_item.storage_index))
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
 
 
 def report_unverified(metadata: Metadata, where: str) -> Tuple[int, int]:
