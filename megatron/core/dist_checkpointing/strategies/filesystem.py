@@ -1,0 +1,411 @@
+"""DCP storage classes for ``torch_dist`` checkpoints that cannot lie silently or run code on load.
+
+``ChecksummedFileSystemWriter`` (a ``FileSystemWriter``) checksums every stored item (a tensor chunk or a bytes
+object) on the bytes as they are written to the data file (no second pass over the files);
+``ChecksummedFileSystemReader`` (a ``FileSystemReader``) verifies each item's bytes when it reads them and reads
+``.metadata`` through ``DcpMetadataUnpickler`` (DCP's metadata classes and plain containers only)::
+
+    dcp_save(state_dict, storage_writer=ChecksummedFileSystemWriter(path))
+    dcp_load(state_dict, storage_reader=ChecksummedFileSystemReader(path))
+
+Where the checksums live: on each item's storage info in the DCP metadata (``metadata.storage_data[index]``, torch's
+``_StorageInfo``), as the extra attribute ``mcore_checksum = "<algorithm>:<8 hex digits>"`` (``crc32c`` with the
+optional ``crc32c`` or ``google-crc32c`` package, else ``crc32`` from zlib). It is written in the same atomic
+``.metadata`` write as the rest of the metadata, travels with the item through any rewrite of the metadata, and is
+invisible to readers that do not know it: torch's own ``FileSystemReader`` (hence upstream megatron-core) restores
+it as an unused attribute and reads the checkpoint as before. ``metadata.json`` is not touched. Checkpoints
+without checksums (older ones, upstream's) load unverified, said once in the log by the coordinator.
+
+How the write side sees item boundaries: the writer's file streams are wrapped (``FileSystem.create_stream``, the
+narrowest hook) by ``_ChecksummingStream``, which keeps a running checksum and closes a segment at every ``tell()``;
+torch's ``_write_item`` calls ``tell()`` right before and right after each item, so each item is one segment, matched
+by (file, offset, length) to the ``WriteResult``. Should an item not match one segment (a future torch writing
+differently), its bytes are read back from the file once to checksum it (correct, slower, said once in the log).
+
+The read side (``_slice_file``, the hook through which DCP reads each item) checksums the item's byte range in
+chunks before DCP parses it; a mismatch raises ``CheckpointingException`` naming the key, the file and the byte
+range.
+"""
+import io
+import logging
+import os
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFormat
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.futures import Future
+
+from ...safe_globals import SafeUnpickler, safe_pickle_load, safe_torch_load
+from ..core import CheckpointingException
+
+logger = logging.getLogger(__name__)
+
+CHECKSUM_ATTR = "mcore_checksum"
+_READ_CHUNK = 8 << 20
+
+
+# ---- checksum algorithms ------------------------------------------------------------------------------------------
+def _crc32c_impl() -> Optional[Callable[[Any, int], int]]:
+    try:
+        import crc32c as _c  # hardware CRC32C (SSE4.2 / ARMv8), releases the GIL on large buffers
+
+        return lambda data, value=0: _c.crc32c(data, value)
+    except ImportError:
+        pass
+    try:
+        import google_crc32c as _g
+
+        return lambda data, value=0: _g.extend(value, data)
+    except ImportError:
+        return None
+
+
+# name -> update(data, running_value) -> new value; ``update(b, 0)`` is the checksum of ``b``.
+ALGORITHMS: Dict[str, Callable[[Any, int], int]] = {"crc32": lambda data, value=0: zlib.crc32(data, value)}
+_crc32c = _crc32c_impl()
+if _crc32c is not None:
+    ALGORITHMS["crc32c"] = _crc32c
+DEFAULT_ALGORITHM = "crc32c" if "crc32c" in ALGORITHMS else "crc32"
+
+
+def format_checksum(algorithm: str, value: int) -> str:
+    return f"{algorithm}:{value:08x}"
+
+
+def parse_checksum(text: Any) -> Tuple[str, int]:
+    """``"crc32c:1a2b3c4d"`` -> ("crc32c", 0x1a2b3c4d); anything else is a CheckpointingException."""
+    try:
+        algorithm, hexval = str(text).split(":", 1)
+        return algorithm, int(hexval, 16)
+    except ValueError:
+        raise CheckpointingException(f"malformed item checksum {text!r} in the checkpoint metadata") from None
+
+
+_said_once: set = set()
+
+
+def _log_once(key, level: int, message: str) -> None:
+    if key not in _said_once:
+        _said_once.add(key)
+        logger.log(level, message)
+
+
+# ---- .metadata -------------------------------------------------------------------------------------------------
+class DcpMetadataUnpickler(SafeUnpickler):
+    """Unpickler for DCP ``.metadata`` files: DCP's metadata classes, the filesystem storage info, torch
+    Size/dtype/layout, the memory-format encoding, paths (``StorageMeta.checkpoint_id``), MCore's ``MCoreMetadata`` and plain containers; no tensors, no
+    storages, nothing else (a planted payload is refused before it is called)."""
+
+    _SAFE_CLASSES = frozenset(
+        {
+            ("builtins", "dict"),
+            ("builtins", "list"),
+            ("builtins", "tuple"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+            ("builtins", "int"),
+            ("builtins", "float"),
+            ("builtins", "bool"),
+            ("builtins", "str"),
+            ("builtins", "bytes"),
+            ("collections", "OrderedDict"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            # StorageMeta.checkpoint_id: the writer's path (a Path when torch's writer made it one)
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "PureWindowsPath"),
+            ("pathlib._local", "PosixPath"),
+            ("pathlib._local", "WindowsPath"),
+            ("torch.distributed.checkpoint.metadata", "Metadata"),
+            ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+            ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+            ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+            ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+            ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+            ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            # where older torch versions kept the tensor properties
+            ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+            ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+        }
+    )
+    _REPLACEMENTS: Dict[Tuple[str, str], Any] = {}
+    _ALLOW_TORCH_STORAGES = False
+
+
+def read_dcp_metadata_file(path: Union[str, Path]) -> Metadata:
+    """The DCP ``Metadata`` in the file ``path``, read with ``DcpMetadataUnpickler``; a refused, damaged or missing
+    file is a ``CheckpointingException`` naming it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            metadata = safe_pickle_load(f, str(path), DcpMetadataUnpickler)
+    except OSError as e:
+        raise CheckpointingException(f"cannot read DCP metadata file {path}: {e.strerror or e}") from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointingException(
+            f"DCP metadata file {path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata"
+        )
+    return metadata
+
+
+# ---- write -----------------------------------------------------------------------------------------------------
+class _ChecksummingStream:
+    """A binary write stream that checksums what passes through it, one segment between consecutive ``tell()``
+    calls; ``segments`` maps (start, end) byte offsets to the segment's checksum."""
+
+    def __init__(self, raw, update: Callable[[Any, int], int], segments: Dict[Tuple[int, int], int]):
+        self._raw = raw
+        self._update = update
+        self.segments = segments
+        self._pos = 0  # created with mode "wb": empty
+        self._start = 0
+        self._value = 0
+
+    def _close_segment(self) -> None:
+        self.segments[(self._start, self._pos)] = self._value
+        self._start, self._value = self._pos, 0
+
+    def write(self, b) -> int:
+        mv = memoryview(b)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = self._raw.write(mv)
+        n = len(mv) if n is None else n
+        self._value = self._update(mv[:n], self._value)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        self._close_segment()
+        return self._pos
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self._raw.closed:
+            self._close_segment()
+        self._raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
+
+    @property
+    def name(self):
+        return getattr(self._raw, "name", None)
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local FileSystem whose write streams checksum their bytes (``segments[path][(start, end)]``)."""
+
+    def __init__(self, update: Callable[[Any, int], int]):
+        super().__init__()
+        self._update = update
+        self.segments: Dict[str, Dict[Tuple[int, int], int]] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            segments = self.segments.setdefault(str(path), {})
+            segments.clear()
+            wrapped = _ChecksummingStream(stream, self._update, segments)
+            yield wrapped
+            if not wrapped.closed:
+                wrapped._close_segment()
+
+
+class ChecksummedFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` that records a checksum of every item it writes (see the module docstring).
+
+    ``algorithm``: "crc32c" (needs the ``crc32c`` or ``google-crc32c`` package) or "crc32"; default: crc32c when
+    available. Other arguments as ``FileSystemWriter``; only torch_save serialization (DCP's default) is offered.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], *args, algorithm: Optional[str] = None, **kwargs):
+        fmt = kwargs.get("serialization_format", SerializationFormat.TORCH_SAVE)
+        if fmt != SerializationFormat.TORCH_SAVE:
+            raise CheckpointingException(
+                f"ChecksummedFileSystemWriter({path}): serialization_format {fmt} is not supported (torch_save only)"
+            )
+        super().__init__(path, *args, **kwargs)
+        self.algorithm = algorithm or DEFAULT_ALGORITHM
+        if self.algorithm not in ALGORITHMS:
+            hint = " (install the crc32c or google-crc32c package)" if self.algorithm == "crc32c" else ""
+            raise CheckpointingException(
+                f"ChecksummedFileSystemWriter({path}): checksum algorithm {self.algorithm!r} is not available{hint}; "
+                f"available: {sorted(ALGORITHMS)}"
+            )
+        self.fs = _ChecksummingFileSystem(ALGORITHMS[self.algorithm])
+
+    def write_data(self, plan, planner) -> Future:
+        results = super().write_data(plan, planner).wait()
+        for wr in results:
+            self._annotate(wr.storage_data)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _annotate(self, info) -> None:
+        """Set ``info.mcore_checksum`` from the segment its bytes were written as."""
+        path = str(self.fs.concat_path(self.path, info.relative_path))
+        start, end = int(info.offset), int(info.offset) + int(info.length)
+        value = self.fs.segments.get(path, {}).get((start, end))
+        if value is None:  # not written as one segment: checksum it from the file (once per item)
+            _log_once(
+                ("readback", type(self)),
+                logging.WARNING,
+                f"{path}: an item was not written as one piece; its checksum is computed by reading it back",
+            )
+            value = _checksum_range(path, start, end, ALGORITHMS[self.algorithm])
+        setattr(info, CHECKSUM_ATTR, format_checksum(self.algorithm, value))
+
+
+def _checksum_range(path: str, start: int, end: int, update: Callable[[Any, int], int], stream=None) -> int:
+    """Checksum of bytes [start, end) of a file (``stream``: an open binary file of it); short file -> error."""
+
+    def _run(f) -> int:
+        f.seek(start)
+        buf = memoryview(bytearray(min(_READ_CHUNK, max(end - start, 1))))
+        value, pos = 0, start
+        while pos < end:
+            n = f.readinto(buf[: min(len(buf), end - pos)])
+            if not n:
+                raise CheckpointingException(
+                    f"checkpoint data file {path} is truncated: it ends at byte {pos}, an item needs bytes "
+                    f"[{start}, {end})"
+                )
+            value = update(buf[:n], value)
+            pos += n
+        return value
+
+    if stream is not None:
+        return _run(stream)
+    with open(path, "rb") as f:
+        return _run(f)
+
+
+# ---- read ------------------------------------------------------------------------------------------------------
+def _describe_index(index: Optional[MetadataIndex]) -> str:
+    if index is None:
+        return "<unknown key>"
+    if index.offset is not None:
+        return f"{index.fqn!r} (chunk at offset {tuple(index.offset)})"
+    return repr(index.fqn)
+
+
+class ChecksummedFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` that reads ``.metadata`` with ``DcpMetadataUnpickler`` and verifies each item's checksum
+    (when the checkpoint has them) as it reads the item; a mismatch is a ``CheckpointingException`` naming the key,
+    the file and the byte range."""
+
+    def __init__(self, path: Union[str, os.PathLike], *args, safe_objects: bool = True, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self.safe_objects = safe_objects
+        self._index_of: Dict[int, MetadataIndex] = {}
+
+    def read_data(self, plan, planner):
+        """As ``FileSystemReader.read_data``; with ``safe_objects`` (default) every bytes item is first unpickled
+        with ``safe_torch_load`` (``weights_only=True`` + ``SAFE_GLOBALS``) before the planner sees it: DCP's
+        ``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``, so a planted object would run
+        there. An object refused here is a ``CheckpointingException`` naming the key, file and byte range."""
+        return super().read_data(plan, _SafeBytesPlanner(planner, self) if self.safe_objects else planner)
+
+    def _where(self, storage_index) -> str:
+        sinfo = self.storage_data[storage_index]
+        path = self.fs.concat_path(self.path, sinfo.relative_path)
+        start = int(sinfo.offset)
+        return f"checkpoint item {_describe_index(storage_index)} in {path}, bytes [{start}, {start + int(sinfo.length)})"
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._index_of = {id(info): index for index, info in self.storage_data.items()}
+        if is_coordinator:
+            report_unverified(metadata, str(self.path))
+
+    def _slice_file(self, file, sinfo):
+        expected = getattr(sinfo, CHECKSUM_ATTR, None)
+        if expected is not None:
+            self._verify(file, sinfo, expected)
+        return super()._slice_file(file, sinfo)
+
+    def _verify(self, file, sinfo, expected) -> None:
+        algorithm, value = parse_checksum(expected)
+        update = ALGORITHMS.get(algorithm)
+        path = getattr(file, "name", None) or str(self.fs.concat_path(self.path, sinfo.relative_path))
+        if update is None:
+            _log_once(
+                ("algorithm", algorithm),
+                logging.WARNING,
+                f"{self.path}: item checksums use {algorithm!r}, which is not available here (install the crc32c or "
+                f"google-crc32c package): the items are read unverified",
+            )
+            return
+        start, end = int(sinfo.offset), int(sinfo.offset) + int(sinfo.length)
+        actual = _checksum_range(path, start, end, update, stream=file)
+        if actual != value:
+            key = _describe_index(self._index_of.get(id(sinfo)))
+            raise CheckpointingException(
+                f"checkpoint item {key} in {path}, bytes [{start}, {end}), fails its checksum ({algorithm} stored "
+                f"{value:08x}, read {actual:08x}): the file was changed or damaged after it was written"
+            )
+
+
+class _SafeBytesPlanner:
+    """The load planner as the reader sees it: ``load_bytes`` checks the object with ``safe_torch_load`` first."""
+
+    def __init__(self, planner, reader: "ChecksummedFileSystemReader"):
+        self._planner = planner
+        self._reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        safe_torch_load(value, what=self._reader._where(read_item.storage_index))
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+
+def report_unverified(metadata: Metadata, where: str) -> Tuple[int, int]:
+    """Log once (per checkpoint, per process) when items of ``metadata`` carry no checksum; returns (items without a
+    checksum, items)."""
+    storage = metadata.storage_data or {}
+    missing = sum(1 for info in storage.values() if getattr(info, CHECKSUM_ATTR, None) is None)
+    if missing == len(storage) and storage:
+        _log_once(
+            ("unverified", where), logging.WARNING,
+            f"checkpoint {where} has no item checksums (written by an older or upstream writer): its data is loaded "
+            f"unverified",
+        )
+    elif missing:
+        _log_once(
+            ("unverified", where), logging.WARNING,
+            f"checkpoint {where}: {missing} of {len(storage)} items have no checksum and are loaded unverified",
+        )
+    return missing, len(storage)
