@@ -6,6 +6,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
+from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
 from ..mapping import StateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
@@ -40,10 +41,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
         if not path.is_file():
             raise CheckpointingException(f"common state file {path} is missing")
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise CheckpointingException(f"cannot read common state file {path}: {type(e).__name__}: {e}") from e
+        return safe_torch_load(path, what=f"common state file {path}")
 
     def check_backend_compatibility(self, loaded_backend):
         if loaded_backend != "torch":

@@ -59,7 +59,8 @@ def _crc32c_impl() -> Optional[Callable[[Any, int], int]]:
     try:
         import google_crc32c as _g
 
-        return lambda data, value=0: _g.extend(value, data)
+        # google_crc32c's C extension takes bytes only (not a writable buffer's view): one copy per write
+        return lambda data, value=0: _g.extend(value, bytes(data))
     except ImportError:
         return None
 

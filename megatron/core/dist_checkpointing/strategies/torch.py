@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
@@ -38,10 +37,12 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 from ...fp8_utils import dequantize, is_quantized_tensor
+from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
 from ..dict_utils import nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from .filesystem import ChecksummedFileSystemReader, ChecksummedFileSystemWriter, read_dcp_metadata_file
 from .quantized_load import QuantizedLoadPlannerMixin, dequantize_upfront, quantized_base, view_keeping_base
 
 logger = logging.getLogger(__name__)
@@ -235,34 +236,15 @@ def _object_to_bytes(obj, key: str) -> io.BytesIO:
     return buf
 
 
-def _object_safe_globals() -> list:
-    """The plain classes our objects hold beyond torch's weights_only defaults: argparse.Namespace (``args``), numpy
-    arrays (RNG states), and io.BytesIO (this fork's pre-0.19-parity object items)."""
-    import argparse
-
-    import numpy as np
-
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")] if hasattr(np, "dtypes") else []
-    return [argparse.Namespace, io.BytesIO, np.ndarray, np.dtype, _reconstruct, *dtypes]
-
-
 def object_from_bytes(raw: bytes, what: str):
     """The object stored in a DCP bytes item (``torch.save(obj)``), read with ``torch.load(weights_only=True)`` so
     that nothing in a checkpoint can run code; ``what`` (key and file) names it in the error. Checkpoints of this
     fork from before upstream-0.19 parity hold ``torch.save`` of a buffer of ``torch.save(obj)``: read through."""
-    try:
-        with torch.serialization.safe_globals(_object_safe_globals()):
-            value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            if isinstance(value, io.BytesIO):
-                value.seek(0)
-                value = torch.load(value, map_location="cpu", weights_only=True)
-        return value
-    except Exception as e:
-        raise CheckpointingException(f"cannot read object {what}: {type(e).__name__}: {e}") from e
+    value = safe_torch_load(io.BytesIO(raw), what=f"object {what}")
+    if isinstance(value, io.BytesIO):
+        value.seek(0)  # a pickled buffer keeps its position (often its end)
+        value = safe_torch_load(value, what=f"object {what}")
+    return value
 
 
 def load_objects_local(checkpoint_dir: Union[str, Path], unique_keys) -> Dict[str, Any]:
@@ -278,7 +260,7 @@ def load_objects_local(checkpoint_dir: Union[str, Path], unique_keys) -> Dict[st
         raise CheckpointingException(error)
     state = {k: io.BytesIO() for k in unique_keys}
     planner = MCoreLoadPlanner()
-    _run_dcp(dcp_load, "load", checkpoint_dir, metadata, state, storage_reader=FileSystemReader(str(checkpoint_dir)),
+    _run_dcp(dcp_load, "load", checkpoint_dir, metadata, state, storage_reader=_reader(checkpoint_dir),
              planner=planner, no_dist=True)
     return {k: object_from_bytes(planner.state_dict[k], f"{k!r} of checkpoint {checkpoint_dir}") for k in unique_keys}
 
@@ -366,12 +348,18 @@ class MCoreLoadPlanner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
 
 
 # ---- file checks -----------------------------------------------------------------------------------------------
+def _reader(checkpoint_dir: Path) -> ChecksummedFileSystemReader:
+    """DCP reader: ``.metadata`` through the restricted unpickler, each item's checksum verified as it is read;
+    objects are left to ``MCoreLoadPlanner.load_bytes`` (raw bytes, then ``object_from_bytes``)."""
+    return ChecksummedFileSystemReader(str(checkpoint_dir), safe_objects=False)
+
+
 def _read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
     path = Path(checkpoint_dir) / ".metadata"
     if not path.is_file():
         raise CheckpointingException(f"DCP metadata file {path} is missing: {checkpoint_dir} is not a torch_dist checkpoint")
     try:
-        return FileSystemReader(str(checkpoint_dir)).read_metadata()
+        return read_dcp_metadata_file(path)  # a restricted unpickler: DCP's metadata classes only
     except Exception as e:
         raise CheckpointingException(f"cannot read DCP metadata file {path}: {type(e).__name__}: {e}") from e
 
@@ -512,7 +500,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # No more files than items on this rank: an empty data file would not be referenced by the metadata, so its
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
-        writer = FileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
+        writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
         _run_dcp(dcp_save, "save", checkpoint_dir, None, pyt_state_dict, storage_writer=writer, planner=planner)
 
 
@@ -776,7 +764,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             allow_shape_mismatch_sharded_tensors=allow_mismatch,
             stream_ckpt_dequant=self.stream_ckpt_dequant,
         )
-        reader = FileSystemReader(str(checkpoint_dir))
+        reader = _reader(checkpoint_dir)
         _run_dcp(dcp_load, "load", checkpoint_dir, metadata, pyt_state_dict, storage_reader=reader, planner=planner)
         if self.stream_ckpt_dequant:  # every quantized destination got all its slices (else: which ones did not)
             error = None
