@@ -64,14 +64,16 @@ def _prod(shape) -> int:
     return n
 
 
-def raise_collectively(error: Optional[str], what: str = "checkpointing") -> None:
-    """Raise the same CheckpointingException on every rank if any rank has an error (collective)."""
-    if _world_size() == 1:
+def raise_collectively(error: Optional[str], what: str = "checkpointing", process_group=None) -> None:
+    """Raise the same CheckpointingException on every rank of ``process_group`` (default: WORLD) if any of them has
+    an error (collective over the group)."""
+    size = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    if size == 1:
         if error is not None:
             raise CheckpointingException(error)
         return
-    errors: List[Optional[str]] = [None] * _world_size()
-    dist.all_gather_object(errors, error)
+    errors: List[Optional[str]] = [None] * size
+    dist.all_gather_object(errors, error, group=process_group)
     msgs = []
     for r, e in enumerate(errors):
         if e is not None and e not in msgs:
