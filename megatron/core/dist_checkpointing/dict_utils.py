@@ -70,6 +70,39 @@ def dict_map(f: Callable, x: dict) -> None:
             x[k] = f(v)
 
 
+def dict_map_with_key(f: Callable, x: dict) -> None:
+    """Apply ``f(key, value)`` in place to the leaves of nested dicts (lists are leaves); ``key`` is the leaf's own
+    key."""
+    for k, v in x.items():
+        if isinstance(v, dict):
+            dict_map_with_key(f, v)
+        else:
+            x[k] = f(k, v)
+
+
+def inspect_types(x: Any, prefix: Tuple = (), indent: int = 4) -> None:
+    """Print the nested structure of ``x``: one line per key/index, leaves as their type (tensors as shape and
+    dtype; other values' ``str`` cut at 30 characters)."""
+    pad = " " * indent * len(prefix)
+    if isinstance(x, (dict, list)):
+        if prefix:
+            print()
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+            print(f"{pad}> {k}: ", end="")
+            inspect_types(v, prefix + (k,), indent)
+        return
+    if isinstance(x, torch.Tensor):
+        print(f"Tensor of shape {tuple(x.shape)} dtype {x.dtype}")
+        return
+    try:
+        text = str(x)
+    except Exception:
+        text = "<no string repr>"
+    if len(text) > 30:
+        text = text[:30] + "... (truncated)"
+    print(f"[{type(x).__name__}]: {text}")
+
+
 def dict_list_map_inplace(f: Callable, x: Union[dict, list]):
     """Apply ``f`` in place to the leaves of nested dicts/lists; returns ``x`` (or ``f(x)`` for a leaf)."""
     if isinstance(x, dict):

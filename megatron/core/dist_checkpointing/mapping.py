@@ -17,16 +17,18 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from itertools import chain
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .core import CheckpointingException
+from .dict_utils import dict_list_map_inplace  # noqa: F401 (upstream's mapping.dict_list_map_inplace)
 
 logger = logging.getLogger(__name__)
 
 # A nested dict/list; leaves are ShardedBase objects, factories, nonpersistent objects or plain values.
 ShardedStateDict = Dict[str, Any]
+CommonStateDict = Dict[str, Any]  # the non-sharded part of a state dict (upstream's name)
 StateDict = Dict[str, Any]
 ReplicaId = Union[int, Tuple[int, ...]]
 
@@ -309,6 +311,45 @@ class ShardedTensor(ShardedBase):
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
 
+    def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
+        """Like ``torch.narrow`` applied to every rank's local shard: the result describes the global tensor made of
+        each shard's ``[start, start + length)`` slice along local axis ``dim`` (its global size along that axis is
+        ``axis_fragmentations * length``). Needs a regular grid.
+
+        Returns a list (upstream's contract): one ShardedTensor for a non-flattened shard; for a flattened one
+        (only ``dim`` 0) the part of the flat range that falls into the narrowed rows, or an empty list if none.
+        """
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"{self.key}: narrow needs a regular grid (axis_fragmentations)")
+        if not (0 <= dim < len(self.local_shape)):
+            raise CheckpointingException(f"{self.key}: narrow dim {dim} out of range for local shape {self.local_shape}")
+        axis_len = self.local_shape[dim]
+        if start < 0 or length < 0 or start + length > axis_len:
+            raise CheckpointingException(
+                f"{self.key}: narrow({dim}, {start}, {length}) outside local axis {dim} of size {axis_len}"
+            )
+        axis = dim + self.prepend_axis_num
+        chunk = self.global_offset[axis] // axis_len if axis_len else 0
+        local_shape = self.local_shape[:dim] + (length,) + self.local_shape[dim + 1 :]
+        global_shape = list(self.global_shape)
+        global_shape[axis] = self.axis_fragmentations[axis] * length
+        global_offset = list(self.global_offset)
+        global_offset[axis] = chunk * length
+        placed = dict(local_shape=local_shape, global_shape=tuple(global_shape), global_offset=tuple(global_offset))
+        if self.flattened_range is None:
+            data = None if self.data is None else self.data.narrow(dim, start, length)
+            return [replace(self, data=data, **placed)]
+        if dim != 0:
+            raise CheckpointingException(f"{self.key}: narrow of a flattened shard supports dim 0 only, got {dim}")
+        row = _prod(self.local_shape[1:])
+        lo = max(self.flattened_range.start, start * row)
+        hi = min(self.flattened_range.stop, (start + length) * row)
+        if lo >= hi:
+            return []
+        fr = self.flattened_range
+        data = None if self.data is None else self.data[lo - fr.start : hi - fr.start]
+        return [replace(self, data=data, flattened_range=slice(lo - start * row, hi - start * row), **placed)]
+
     def __str__(self):
         return f"{self.__class__.__name__}(key='{self.key}')"
 
@@ -408,7 +449,6 @@ class LocalNonpersistentObject:
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     """Replace, in place, every ShardedTensorFactory by the sub state dict it builds."""
-    from .dict_utils import dict_list_map_inplace
 
     def _apply(x):
         return x.build() if isinstance(x, ShardedTensorFactory) else x

@@ -28,25 +28,14 @@ or directory; a failed save never touches an existing checkpoint.
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Set, Tuple, Union
+from typing import Callable, Optional, Set, Tuple, Union
 
-import torch
 import torch.distributed as dist
 
 from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
 from .integrity import save_integrity_manifest, verify_integrity_manifest
-from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
-from .mapping import (
-    LocalNonpersistentObject,
-    ShardedBase,
-    ShardedObject,
-    ShardedStateDict,
-    ShardedTensor,
-    ShardedTensorFactory,
-    StateDict,
-    apply_factories,
-    apply_factory_merges,
-)
+from .dict_utils import extract_matching_values, merge
+from .mapping import ShardedObject, ShardedStateDict, StateDict, apply_factory_merges
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -55,12 +44,12 @@ from .strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
+from .state_dict_utils import _load_preprocess, load_preprocess, save_preprocess  # noqa: F401 (upstream names)
 from .validation import (
     StrictHandling,
-    determine_global_metadata,
     parse_strict_flag,
     validate_integrity_and_strict_load,
-    validate_sharding_integrity,
+    verify_checkpoint,
     verify_checkpoint_and_load_strategy,
 )
 
@@ -123,20 +112,6 @@ def _collective_error(error: Optional[str]):
     raise_collectively(error)
 
 
-def _copy_containers(x):
-    """New nested dicts/lists, same leaves (so that applying factories does not modify the caller's dict)."""
-    return dict_list_map_outplace(lambda v: v, x)
-
-
-def _split(sharded_state_dict: ShardedStateDict):
-    """(sharded part, nonpersistent part, common part) of a state dict whose factories were applied."""
-    nonpersistent, rest = extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject), return_lists_as_dicts=True
-    )
-    sharded, common = extract_matching_values(rest, lambda v: isinstance(v, ShardedBase), return_lists_as_dicts=True)
-    return sharded, nonpersistent, common
-
-
 def _restore_list_types(x, like):
     """Turn the {index: value} dicts that stand for lists of ``like`` (fully sharded lists) back into lists."""
     if isinstance(like, list) and isinstance(x, dict) and set(x) == set(range(len(like))):
@@ -163,24 +138,41 @@ def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: Union[str, Path],
     sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
-    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
-    preprocess_common_before_consistancy_check=None,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
+    *,
     verify_integrity: bool = False,
+    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
 ) -> None:
-    """Save ``sharded_state_dict`` to ``checkpoint_dir`` (collective over all ranks).
+    """Save ``sharded_state_dict`` to ``checkpoint_dir`` (collective over all ranks); upstream 0.19's parameters and
+    order, this fork's extras keyword-only.
 
     ``checkpoint_dir`` must exist. If it already holds a checkpoint (a ``metadata.json``) the save is refused (nothing
     is overwritten); other content is kept and a warning is logged, like upstream. With
     ``validate_access_integrity`` the sharding is checked across ranks first (each element of each tensor saved by
-    exactly one main replica; consistent global shapes and dtypes). ``content_metadata`` is stored in the common
-    state (see ``load_content_metadata``). ``verify_integrity`` writes upstream's ``integrity.json`` (SHA-256 of every
-    file) last. Without ``common_strategy`` the checkpoint has upstream 0.19's layout; with one, the legacy layout.
+    exactly one main replica; consistent global shapes and dtypes) and every rank's common state is compared with
+    rank 0's (the one saved; upstream's warning on a difference, after
+    ``preprocess_common_before_consistancy_check``). ``content_metadata`` is stored in the common state (see
+    ``load_content_metadata``). ``async_sharded_save=True`` is refused (not supported by this fork).
+
+    Keyword-only extras: ``verify_integrity`` writes upstream's ``integrity.json`` (SHA-256 of every file) last;
+    ``common_strategy`` writes the legacy layout (``common.pt``) instead of upstream 0.19's; ``process_group``
+    (default WORLD) is the group of the validation collectives (the DCP write itself always spans WORLD).
     """
     if async_sharded_save:
-        raise CheckpointingException("async_sharded_save is not supported by this megatron-core fork")
+        raise CheckpointingException(
+            "save(async_sharded_save=True) is not supported by this megatron-core fork (asynchronous save is not "
+            "implemented yet); call save without it"
+        )
+    if sharded_strategy is not None and not isinstance(sharded_strategy, (SaveShardedStrategy, tuple)):
+        raise CheckpointingException(
+            f"save: sharded_strategy must be a SaveShardedStrategy or a (backend, version) tuple, got "
+            f"{type(sharded_strategy).__name__} (upstream 0.19 order: save(sharded_state_dict, checkpoint_dir, "
+            f"sharded_strategy, validate_access_integrity, async_sharded_save, ...))"
+        )
     checkpoint_dir = Path(checkpoint_dir)
     error = None
     if _rank() == 0:
@@ -205,22 +197,14 @@ def save(
     if legacy and common_strategy is None:
         common_strategy = get_default_save_common_strategy()
 
-    sharded_state_dict = _copy_containers(sharded_state_dict)
-    apply_factories(sharded_state_dict)
-    sharded_part, _, common_state_dict = _split(sharded_state_dict)
+    sharded_part, common_state_dict = save_preprocess(
+        sharded_state_dict,
+        validate_access_integrity,
+        preprocess_common_before_consistancy_check,
+        process_group=process_group,
+    )
     if content_metadata is not None:
         common_state_dict[_CONTENT_METADATA_KEY] = content_metadata
-
-    error = None
-    try:
-        for sh in nested_values(sharded_part):
-            sh.validate_metadata_integrity()
-    except CheckpointingException as e:
-        error = str(e)
-    _collective_error(error)
-    if validate_access_integrity:
-        _, global_metadata = determine_global_metadata(sharded_part)
-        validate_sharding_integrity(global_metadata)
 
     if legacy:
         sharded_part = _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_state_dict,
@@ -257,11 +241,15 @@ def _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
-def get_default_load_sharded_strategy(checkpoint_dir: Union[str, Path]) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(checkpoint_dir: Optional[Union[str, Path]] = None) -> LoadShardedStrategy:
+    """The default load strategy: for ``checkpoint_dir``'s backend (checked against its ``metadata.json``), or,
+    without a directory, upstream's default (``torch_dist``, version 1)."""
+    if checkpoint_dir is None:
+        return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
-def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
+def load_common(checkpoint_dir: Union[str, Path]) -> StateDict:
     """The common (non-sharded) state of the checkpoint: the ``common_state`` object (upstream 0.19's layout) or
     ``common.pt`` (legacy). No communication, so it may be called on one rank only."""
     from .strategies.torch import load_objects_local
@@ -272,6 +260,12 @@ def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
     obj = _common_state_object(None)
     value = load_objects_local(checkpoint_dir, [obj.unique_key])[obj.unique_key]
     return _unwrapped(Path(checkpoint_dir))(value, obj)
+
+
+def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
+    """Upstream's name for ``load_common`` (checks first that ``checkpoint_dir`` is a distributed checkpoint)."""
+    verify_checkpoint(checkpoint_dir)
+    return load_common(checkpoint_dir)
 
 
 def load_tensors_metadata(
@@ -286,6 +280,7 @@ def load_tensors_metadata(
 def load_sharded_metadata(
     checkpoint_dir: Union[str, Path],
     sharded_strategy: Optional[LoadShardedStrategy] = None,
+    *,
     common_strategy: Optional[LoadCommonStrategy] = None,
 ) -> ShardedStateDict:
     """Tensors (as ``load_tensors_metadata``) and ShardedObjects (keyed by unique_key, no data) of the checkpoint."""
@@ -300,10 +295,7 @@ def load_sharded_metadata(
 
 def load_plain_tensors(checkpoint_dir: Union[str, Path]) -> StateDict:
     """{key: full global tensor on CPU} for every tensor of the checkpoint (every rank reads everything)."""
-    sharded_state_dict = load_tensors_metadata(checkpoint_dir)
-    for key, sh in sharded_state_dict.items():
-        sh.data = torch.empty(sh.global_shape, dtype=sh.dtype)
-    return load(sharded_state_dict, checkpoint_dir, validate_access_integrity=False)
+    return load(load_tensors_metadata(checkpoint_dir), checkpoint_dir, validate_access_integrity=False)
 
 
 def load_content_metadata(
@@ -326,19 +318,33 @@ def remove_sharded_tensors(checkpoint_dir: Union[str, Path], key_prefix: str) ->
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: Union[str, Path],
-    sharded_strategy: Union[LoadShardedStrategy, None] = None,
-    common_strategy: Union[LoadCommonStrategy, None] = None,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     verify_integrity: bool = False,
+    process_group: Optional[dist.ProcessGroup] = None,
+    *,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
-    """Load ``sharded_state_dict`` from ``checkpoint_dir`` (collective over all ranks).
+    """Load ``sharded_state_dict`` from ``checkpoint_dir`` (collective over all ranks); upstream 0.19's parameters
+    and order, this fork's ``common_strategy`` (legacy layout only) keyword-only.
 
     ShardedTensors are loaded in place (into their ``data``) and replaced by the loaded tensors; ShardedObjects by the
     loaded objects; factories are merged; LocalNonpersistentObjects are unwrapped; the checkpoint's common state is
-    merged in. For RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing_keys, unexpected_keys)``.
+    merged in. ShardedTensors without real data (``None``, or plain tensors on the 'meta' device as
+    ``load_tensors_metadata`` builds them) are loaded into new CPU tensors, so
+    ``load(load_tensors_metadata(d), d, validate_access_integrity=False)`` returns the full tensors.
+    For RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing_keys, unexpected_keys)``.
     ``verify_integrity`` first checks every file against ``integrity.json`` (upstream's manifest).
+    ``process_group`` (default WORLD) is the group of the validation and strict-check collectives; the DCP read
+    itself always spans WORLD, so every rank calls ``load``.
     """
+    if sharded_strategy is not None and not isinstance(sharded_strategy, (LoadShardedStrategy, tuple)):
+        raise CheckpointingException(
+            f"load: sharded_strategy must be a LoadShardedStrategy or a (backend, version) tuple, got "
+            f"{type(sharded_strategy).__name__} (upstream 0.19 order: load(sharded_state_dict, checkpoint_dir, "
+            f"sharded_strategy, validate_access_integrity, strict, verify_integrity, process_group))"
+        )
     checkpoint_dir = Path(checkpoint_dir)
     if verify_integrity:
         verify_integrity_manifest(checkpoint_dir)
@@ -359,22 +365,24 @@ def load(
             error = str(e)
         _collective_error(error)
 
-    sharded_state_dict = _copy_containers(sharded_state_dict)
-    with_factories = _copy_containers(sharded_state_dict)
-    apply_factories(sharded_state_dict)
-    built = _copy_containers(sharded_state_dict)  # the structure factories built (lists stay lists)
-    sharded_part, nonpersistent, _ = _split(sharded_state_dict)
+    sharded_part, nonpersistent, with_factories, built = _load_preprocess(sharded_state_dict)
 
     ckpt_sharded_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         error = None
         try:
-            ckpt_sharded_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
+            ckpt_sharded_metadata = load_sharded_metadata(
+                checkpoint_dir, sharded_strategy, common_strategy=common_strategy
+            )
         except CheckpointingException as e:
             error = str(e)
         _collective_error(error)
     sharded_part, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
-        sharded_part, strict, validate_access_integrity, ckpt_sharded_metadata=ckpt_sharded_metadata
+        sharded_part,
+        strict,
+        validate_access_integrity,
+        ckpt_sharded_metadata=ckpt_sharded_metadata,
+        process_group=process_group,
     )
 
     if common_strategy is None:  # upstream 0.19's layout: objects wrapped, the common state one of them
@@ -389,7 +397,6 @@ def load(
     loaded = _restore_list_types(loaded, built)  # before merges: merge_fn gets what build_fn built (e.g. a list)
     loaded = apply_factory_merges(loaded, with_factories)
     merge(common_state_dict, loaded)
-    nonpersistent = dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent) if nonpersistent else nonpersistent
     if nonpersistent:
         merge(common_state_dict, nonpersistent)
     if StrictHandling.requires_returning_mismatch_keys(strict):

@@ -5,6 +5,7 @@ Key mismatch naming follows upstream megatron-core (it is about the *checkpoint*
 - "missing" keys: present in the checkpoint but requested by no rank.
 """
 import logging
+import pickle
 from collections import defaultdict
 from enum import Enum
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import Dict, List, Optional, Set, Tuple, Union
 import torch.distributed as dist
 
 from .core import CheckpointingException, maybe_load_config
-from .dict_utils import extract_matching_values, nested_values
-from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from .dict_utils import diff, extract_matching_values, nested_values
+from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,16 @@ def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandlin
     )
 
 
-def _world() -> Tuple[int, int]:
+def _world(process_group=None) -> Tuple[int, int]:
+    """(rank, size) in ``process_group`` (default: WORLD); (0, 1) without torch.distributed."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(process_group), dist.get_world_size(process_group)
     return 0, 1
+
+
+def _group_src(process_group=None) -> int:
+    """The global rank of ``process_group``'s rank 0 (the source of its broadcasts)."""
+    return 0 if process_group is None else dist.get_global_rank(process_group, 0)
 
 
 def local_sharded_metadata(sharded_state_dict: ShardedStateDict) -> List[ShardedBase]:
@@ -87,15 +94,16 @@ def local_sharded_metadata(sharded_state_dict: ShardedStateDict) -> List[Sharded
 
 
 def determine_global_metadata(
-    sharded_state_dict: ShardedStateDict,
+    sharded_state_dict: ShardedStateDict, process_group: Optional[dist.ProcessGroup] = None
 ) -> Tuple[List[ShardedBase], List[List[ShardedBase]]]:
-    """(this rank's metadata, every rank's metadata): data-less ShardedTensors/ShardedObjects (collective)."""
+    """(this rank's metadata, every rank's metadata): data-less ShardedTensors/ShardedObjects, gathered over
+    ``process_group`` (default: WORLD; collective over it)."""
     local = local_sharded_metadata(sharded_state_dict)
-    _, ws = _world()
+    _, ws = _world(process_group)
     if ws == 1:
         return local, [local]
     gathered: List[Optional[List[ShardedBase]]] = [None] * ws
-    dist.all_gather_object(gathered, local)
+    dist.all_gather_object(gathered, local, group=process_group)
     return local, gathered
 
 
@@ -248,14 +256,52 @@ def sharding_integrity_errors(global_metadata: List[List[ShardedBase]]) -> List[
     return errors
 
 
-def validate_sharding_integrity(global_metadata: List[List[ShardedBase]]) -> None:
-    """Rank 0 checks the gathered metadata; every rank raises the same CheckpointingException on error
-    (collective when distributed)."""
-    rank, ws = _world()
+_NOT_COMPARABLE = "<common state of rank 0 is not picklable>"
+
+
+def _validate_common_state_dict(common_state_dict, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Log (warning, upstream's text) on every rank whose common state differs from rank 0's (only rank 0's is
+    saved). Collective over ``process_group`` (default: WORLD); nothing without torch.distributed."""
+    rank, ws = _world(process_group)
+    if ws == 1:
+        return
+    box = [None]
+    if rank == 0:
+        try:  # an unpicklable common state is not compared here: the save fails on it later, naming it
+            pickle.dumps(common_state_dict)
+            box = [common_state_dict]
+        except Exception:
+            box = [_NOT_COMPARABLE]
+    dist.broadcast_object_list(box, src=_group_src(process_group), group=process_group)
+    if rank == 0 or (isinstance(box[0], str) and box[0] == _NOT_COMPARABLE):
+        return
+    only_in_rank0, only_here, mismatch = diff(box[0], common_state_dict)
+    if only_in_rank0 or only_here or mismatch:
+        logger.warning(
+            f"Rank {rank} common state dict differs from rank 0 common state dict. "
+            f"Keys only on rank 0: {only_in_rank0}, "
+            f"Keys only on {rank}: {only_here}, "
+            f"Mismatched keys: {mismatch}"
+        )
+
+
+def validate_sharding_integrity(
+    global_metadata: List[List[ShardedBase]],
+    common_state_dict: Optional[StateDict] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Check the gathered metadata (upstream's signature): the group's rank 0 checks, every rank of
+    ``process_group`` (default: WORLD) raises the same CheckpointingException on error (collective).
+
+    With ``common_state_dict`` (what a save writes from rank 0), every other rank first compares its own common
+    state with rank 0's and logs upstream's "Rank R common state dict differs from rank 0 ..." warning."""
+    if common_state_dict is not None:
+        _validate_common_state_dict(common_state_dict, process_group)
+    rank, ws = _world(process_group)
     errors = sharding_integrity_errors(global_metadata) if rank == 0 else None
     if ws > 1:
         box = [errors]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=_group_src(process_group), group=process_group)
         errors = box[0]
     if errors:
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
@@ -294,14 +340,22 @@ def adjust_non_strict_load(sharded_state_dict: ShardedStateDict, sharded_keys_to
 def maybe_report_missing_and_unexpected_keys(
     missing_keys: Set[str], unexpected_keys: Set[str], raise_error: bool = True
 ) -> None:
+    """Raise (CheckpointingException) or log (warning) the key mismatch, in upstream's words ("Unexpected keys
+    ...", "Missing keys ..."), on one line; nothing if both sets are empty."""
     if not missing_keys and not unexpected_keys:
         return
     parts = []
     if unexpected_keys:
-        parts.append(f"unexpected keys (requested, not in the checkpoint): {sorted(unexpected_keys)}")
+        parts.append(
+            "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict: "
+            f"unexpected keys (for this rank): {sorted(unexpected_keys)}."
+        )
     if missing_keys:
-        parts.append(f"missing keys (in the checkpoint, not requested): {sorted(missing_keys)}")
-    msg = "checkpoint and sharded state dict keys differ: " + "; ".join(parts)
+        parts.append(
+            "Some keys found in the checkpoint are missing in the provided sharded state dict: "
+            f"Missing keys (for all ranks): {sorted(missing_keys)}."
+        )
+    msg = " ".join(parts)
     if raise_error:
         raise CheckpointingException(msg)
     logger.warning(msg)
@@ -314,6 +368,8 @@ def validate_integrity_and_strict_load(
     local_metadata: Optional[List[ShardedBase]] = None,
     global_metadata: Optional[List[List[ShardedBase]]] = None,
     ckpt_sharded_metadata: Optional[ShardedStateDict] = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
 ) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
     """Apply ``strict`` and (optionally) the sharding integrity check before a load.
 
@@ -322,14 +378,14 @@ def validate_integrity_and_strict_load(
     """
     missing_keys: Set[str] = set()
     unexpected_keys: Set[str] = set()
-    _, ws = _world()
+    _, ws = _world(process_group)
     if local_metadata is None and (validate_access_integrity or StrictHandling.requires_explicit_ckpt_mismatch_check(strict)):
         local_metadata = local_sharded_metadata(sharded_state_dict)
     need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     if need_global and global_metadata is None:
         if ws > 1:
             global_metadata = [None] * ws
-            dist.all_gather_object(global_metadata, local_metadata)
+            dist.all_gather_object(global_metadata, local_metadata, group=process_group)
         else:
             global_metadata = [local_metadata]
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
@@ -356,7 +412,7 @@ def validate_integrity_and_strict_load(
                 error = str(e)
             from .strategies.torch import raise_collectively
 
-            raise_collectively(error, "strict load")
+            raise_collectively(error, "strict load", process_group=process_group)
         else:
             if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
                 maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error=False)
@@ -367,7 +423,7 @@ def validate_integrity_and_strict_load(
             if global_metadata is not None:
                 global_metadata = [[sh for sh in md if sh.key not in _unexp_all] for md in global_metadata]
     if validate_access_integrity:
-        validate_sharding_integrity(global_metadata)
+        validate_sharding_integrity(global_metadata, process_group=process_group)
     return sharded_state_dict, missing_keys, unexpected_keys
 
 
@@ -383,12 +439,9 @@ def _default_or_checked_strategy(strategy, action, backend, version):
     return strategy
 
 
-def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharded_strategy=None, common_strategy=None):
-    """(sharded_strategy, common_strategy) to load ``checkpoint_dir``: the defaults for its metadata.json, or the
-    given ones after a compatibility check; common_strategy is None for upstream 0.19's layout (no ``common.pt``).
-    CheckpointingException if it is not a distributed checkpoint."""
-    from .strategies.base import StrategyAction, get_default_strategy
-
+def verify_checkpoint(checkpoint_dir: Union[str, Path]):
+    """The checkpoint's CheckpointingConfig (``metadata.json``); CheckpointingException naming the directory if it
+    does not exist or is not a distributed checkpoint (upstream's ``verify_checkpoint``)."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
@@ -397,6 +450,17 @@ def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharde
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint: {checkpoint_dir / 'metadata.json'} is missing"
         )
+    return config
+
+
+def verify_checkpoint_and_load_strategy(checkpoint_dir: Union[str, Path], sharded_strategy=None, common_strategy=None):
+    """(sharded_strategy, common_strategy) to load ``checkpoint_dir``: the defaults for its metadata.json, or the
+    given ones after a compatibility check; common_strategy is None for upstream 0.19's layout (no ``common.pt``).
+    CheckpointingException if it is not a distributed checkpoint."""
+    from .strategies.base import StrategyAction, get_default_strategy
+
+    checkpoint_dir = Path(checkpoint_dir)
+    config = verify_checkpoint(checkpoint_dir)
     try:
         if isinstance(sharded_strategy, tuple):
             sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)

@@ -20,6 +20,9 @@ that exact checkpoint value and copies it into its destination with ``dest.copy_
 the same high-precision values (bit-identical to a plain load). Cost: such a reader holds the high-precision
 buffers of the shared quantized shards it reads (about 1/N of them for a group of N) until they are exchanged.
 
+The distribution is upstream's ``ShardDistribution`` (``exchange_utils.determine_main_replica_uniform_distribution``)
+and the exchange ``exchange_utils.exchange_by_distribution``; ``cached_distribution`` holds the last one.
+
 ShardedObjects are not redistributed: every rank loads its own through the wrapped strategy (they are small).
 The wrapped load is called exactly once per rank (it is collective), also on a rank with nothing to read.
 """
@@ -33,13 +36,22 @@ import torch.distributed as dist
 
 from ...parallel_state import collective_device
 from ..core import CheckpointingException
+from ..exchange_utils import (  # noqa: F401 (distribute_shards_to_ranks: re-exported, its old home)
+    ShardDistribution,
+    _shard_size,
+    bytes_per_rank,
+    determine_main_replica_uniform_distribution,
+    distribute_shards_to_ranks,
+    exchange_by_distribution,
+)
 from ..mapping import ShardedObject, ShardedTensor
+from ..utils import _sharded_tensor_shard_id, _ShardId
 from .base import LoadShardedStrategy, SaveShardedStrategy
 
 logger = logging.getLogger(__name__)
 
-# A shard's identity across ranks: (key, global offset, local shape, flattened range or ()).
-ShardId = Tuple[str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]
+ShardId = _ShardId  # a shard's identity across ranks: (key, global offset, local shape, flattened range or ())
+_shard_id = _sharded_tensor_shard_id
 
 EXCHANGE_ALGOS = ("broadcast",)
 
@@ -49,30 +61,6 @@ def _is_main_replica(replica_id) -> bool:
     if isinstance(replica_id, int):
         return replica_id == 0
     return all(r == 0 for r in replica_id)
-
-
-def _shard_id(sh_ten) -> ShardId:
-    fr = getattr(sh_ten, "flattened_range", None)
-    fr = () if fr is None else (int(fr.start), int(fr.stop))
-    return (
-        str(sh_ten.key),
-        tuple(int(o) for o in sh_ten.global_offset),
-        tuple(int(s) for s in sh_ten.local_shape),
-        fr,
-    )
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _shard_nbytes(sh_ten) -> int:
-    fr = getattr(sh_ten, "flattened_range", None)
-    numel = (fr.stop - fr.start) if fr is not None else _numel(sh_ten.local_shape)
-    return numel * torch.empty((), dtype=sh_ten.dtype).element_size()
 
 
 def _map_leaves(obj, fn: Callable[[Any], Any]):
@@ -99,12 +87,6 @@ def _group_rank_size(group) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _global_rank(group, group_rank: int) -> int:
-    if group is None:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
 def _fingerprint(items) -> bytes:
     return hashlib.sha1(repr(items).encode()).digest()
 
@@ -115,28 +97,9 @@ def _any_rank_true(flag: bool, group) -> bool:
     return bool(t.item())
 
 
-def distribute_shards_to_ranks(
-    shard_to_ranks: Dict[ShardId, List[int]], shard_to_size: Dict[ShardId, int], num_ranks: int
-) -> Dict[ShardId, int]:
-    """Pick one rank per shard among the ranks holding it, balancing bytes: greedy, largest shard first.
-
-    Deterministic (depends only on its arguments), so every rank computes the same answer.
-    """
-    load = [0] * num_ranks
-    result = {}
-    for shard in sorted(shard_to_ranks, key=lambda s: (-shard_to_size[s], s)):
-        holders = shard_to_ranks[shard]
-        rank = min(holders, key=lambda r: (load[r], r))
-        result[shard] = rank
-        load[rank] += shard_to_size[shard]
-    return result
-
-
-def _gather_shards(local: List[Tuple[ShardId, int, Any]], group) -> List[List[Tuple[ShardId, int, Any]]]:
-    _, size = _group_rank_size(group)
-    gathered = [None] * size
-    dist.all_gather_object(gathered, local, group=group)
-    return gathered
+def _local_fingerprint(sharded_tensors) -> bytes:
+    """What the distribution depends on, on this rank (to reuse a cached distribution when nothing changed)."""
+    return _fingerprint([(_shard_id(t), str(t.dtype), _is_main_replica(t.replica_id)) for t in sharded_tensors])
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -158,7 +121,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
-        self.cached_distribution: Optional[Dict[ShardId, int]] = None
+        self.cached_distribution: Optional[ShardDistribution] = None
         self._cached_fingerprint: Optional[bytes] = None
         self.last_saved_bytes_per_rank: Optional[List[int]] = None  # what the distribution assigned, for reports
 
@@ -178,43 +141,20 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         sharded_state_dict = self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
 
-    def _local_shards(self, sharded_state_dict):
-        return [
-            (_shard_id(v), _shard_nbytes(v), _is_main_replica(v.replica_id))
-            for v in _nested_values(sharded_state_dict)
-            if isinstance(v, ShardedTensor)
-        ]
-
-    def determine_distribution(self, sharded_state_dict) -> Dict[ShardId, int]:
-        """Collective over the group: shard id -> group rank that saves it (for shards the group saves)."""
+    def determine_distribution(self, sharded_state_dict) -> ShardDistribution:
+        """Collective over the group: upstream's ShardDistribution (``main_rank_for_shard``: the group rank that
+        saves each shard the group saves), reused when cached and no rank's shards changed."""
         group = self.parallelization_group
-        local = self._local_shards(sharded_state_dict)
+        local = [v for v in _nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        fp = _local_fingerprint(local)
         if self.do_cache_distribution and self.cached_distribution is not None:
-            fp = _fingerprint(local)
             if not _any_rank_true(fp != self._cached_fingerprint, group):
                 return self.cached_distribution
-        _, size = _group_rank_size(group)
-        gathered = _gather_shards(local, group)
-        shard_to_ranks: Dict[ShardId, List[int]] = {}
-        shard_to_size: Dict[ShardId, int] = {}
-        has_main = set()
-        for rank, items in enumerate(gathered):
-            for sid, nbytes, main in items:
-                holders = shard_to_ranks.setdefault(sid, [])
-                if rank not in holders:
-                    holders.append(rank)
-                shard_to_size[sid] = nbytes
-                if main:
-                    has_main.add(sid)
-        shard_to_ranks = {s: r for s, r in shard_to_ranks.items() if s in has_main}
-        distribution = distribute_shards_to_ranks(shard_to_ranks, shard_to_size, size)
-        per_rank = [0] * size
-        for sid, rank in distribution.items():
-            per_rank[rank] += shard_to_size[sid]
-        self.last_saved_bytes_per_rank = per_rank
+        distribution = determine_main_replica_uniform_distribution(local, group)
+        self.last_saved_bytes_per_rank = bytes_per_rank(distribution, dist.get_world_size(group))
         if self.do_cache_distribution:
             self.cached_distribution = distribution
-            self._cached_fingerprint = _fingerprint(local)
+            self._cached_fingerprint = fp
         return distribution
 
     def apply_saving_parallelization(self, sharded_state_dict):
@@ -225,7 +165,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         group = self.parallelization_group
         if dist.get_world_size(group) == 1:
             return sharded_state_dict
-        distribution = self.determine_distribution(sharded_state_dict)
+        distribution = self.determine_distribution(sharded_state_dict).main_rank_for_shard
         my_rank = dist.get_rank(group)
         seen_here = set()
 
@@ -308,44 +248,20 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         return self.base_strategy.check_version_compatibility(loaded_version)
 
     # -- distribution --
-    def determine_distribution(self, sharded_tensors: List[ShardedTensor]):
-        """Collective: ``(reader, holders, exchange_meta)`` dicts keyed by shard id.
-
-        reader: group rank that reads the shard; holders: group ranks that asked for it; exchange_meta: (shape, dtype)
-        of the buffer the shard travels in, and whether the reader's destination is quantized.
-        """
+    def determine_distribution(self, sharded_tensors: List[ShardedTensor]) -> ShardDistribution:
+        """Collective: upstream's ShardDistribution over the group for every requested shard
+        (``main_rank_for_shard``: the group rank that reads it; ``all_ranks_for_shard``: the ranks that need it),
+        reused when cached and no rank's requests changed."""
         group = self.parallelization_group
-        local = []
-        seen = set()
-        for t in sharded_tensors:
-            sid = _shard_id(t)
-            if sid in seen:
-                continue
-            seen.add(sid)
-            local.append((sid, _shard_nbytes(t), (str(t.dtype), is_quantized_destination(t.data))))
+        fp = _local_fingerprint(sharded_tensors)
         if self.do_cache_distribution and self.cached_distribution is not None:
-            if not _any_rank_true(_fingerprint(local) != self._cached_fingerprint, group):
+            if not _any_rank_true(fp != self._cached_fingerprint, group):
                 return self.cached_distribution
-        _, size = _group_rank_size(group)
-        gathered = _gather_shards(local, group)
-        holders: Dict[ShardId, List[int]] = {}
-        sizes: Dict[ShardId, int] = {}
-        extra: Dict[ShardId, Dict[int, Tuple[str, bool]]] = {}
-        for rank, items in enumerate(gathered):
-            for sid, nbytes, info in items:
-                holders.setdefault(sid, []).append(rank)
-                sizes[sid] = nbytes
-                extra.setdefault(sid, {})[rank] = info
-        reader = distribute_shards_to_ranks(holders, sizes, size)
-        meta = {sid: extra[sid][reader[sid]] for sid in reader}
-        per_rank = [0] * size
-        for sid, rank in reader.items():
-            per_rank[rank] += sizes[sid]
-        self.last_read_bytes_per_rank = per_rank
-        distribution = (reader, holders, meta)
+        distribution = determine_main_replica_uniform_distribution(sharded_tensors, group, ignore_groups=True)
+        self.last_read_bytes_per_rank = bytes_per_rank(distribution, dist.get_world_size(group))
         if self.do_cache_distribution:
             self.cached_distribution = distribution
-            self._cached_fingerprint = _fingerprint(local)
+            self._cached_fingerprint = fp
         return distribution
 
     def _sync_errors(self, exc: Optional[BaseException], group):
@@ -374,7 +290,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         for t in sharded_tensors:
             by_id.setdefault(_shard_id(t), []).append(t)
 
-        reader, holders, meta = self.determine_distribution(sharded_tensors)
+        distribution = self.determine_distribution(sharded_tensors)
+        reader, holders = distribution.main_rank_for_shard, distribution.all_ranks_for_shard
 
         # What this rank reads through the wrapped strategy: its own destination, or a high-precision buffer when
         # the destination is quantized and other ranks need the value too. Sharded objects: every rank its own.
@@ -418,7 +335,19 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                 for t in tens if sid in send_buffers else tens[1:]:
                     t.data.copy_(src)
 
-        self._exchange(reader, holders, meta, by_id, send_buffers, my_rank)
+        # Shards read by another rank: received one at a time and copied into every destination here.
+        loaded_here = {sid: send_buffers.get(sid, tens[0].data) for sid, tens in by_id.items() if reader[sid] == my_rank}
+        needed = {sid: tens[0] for sid, tens in by_id.items() if reader[sid] != my_rank}
+
+        def copy_received(sid, buf):
+            for t in by_id[sid]:
+                if not _same_memory(t.data, buf):
+                    t.data.copy_(buf.view(t.data.shape) if t.data.shape != buf.shape else buf)
+
+        with torch.no_grad():  # destinations may be parameters (leaves that require grad)
+            exchange_by_distribution(
+                loaded_here, needed, distribution, group, self.exchange_algo, on_received=copy_received
+            )
 
         def result(v):
             if isinstance(v, ShardedTensor):
@@ -428,30 +357,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             return v
 
         return _map_leaves(sharded_state_dict, result)
-
-    @torch.no_grad()  # destinations may be parameters (leaves that require grad)
-    def _exchange(self, reader, holders, meta, by_id, send_buffers, my_rank):
-        group = self.parallelization_group
-        device = collective_device(group)
-        for sid in sorted(reader):
-            if len(holders[sid]) < 2:
-                continue
-            src_rank = reader[sid]
-            dtype_name, _ = meta[sid]
-            dtype = getattr(torch, dtype_name.replace("torch.", ""))
-            shape = sid[2] if not sid[3] else (sid[3][1] - sid[3][0],)
-            if src_rank == my_rank:
-                src = send_buffers.get(sid)
-                if src is None:
-                    src = by_id[sid][0].data
-                buf = src.to(device=device, dtype=dtype).contiguous()
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(buf, src=_global_rank(group, src_rank), group=group)
-            if src_rank != my_rank and sid in by_id:
-                for t in by_id[sid]:
-                    t.data.copy_(buf.view(t.data.shape) if t.data.shape != buf.shape else buf)
-            del buf
 
 
 def _same_memory(a, b) -> bool:

@@ -65,14 +65,16 @@ def _prod(shape) -> int:
     return n
 
 
-def raise_collectively(error: Optional[str], what: str = "checkpointing") -> None:
-    """Raise the same CheckpointingException on every rank if any rank has an error (collective)."""
-    if _world_size() == 1:
+def raise_collectively(error: Optional[str], what: str = "checkpointing", process_group=None) -> None:
+    """Raise the same CheckpointingException on every rank of ``process_group`` (default: WORLD) if any of them has
+    an error (collective over the group)."""
+    size = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    if size == 1:
         if error is not None:
             raise CheckpointingException(error)
         return
-    errors: List[Optional[str]] = [None] * _world_size()
-    dist.all_gather_object(errors, error)
+    errors: List[Optional[str]] = [None] * size
+    dist.all_gather_object(errors, error, group=process_group)
     msgs = []
     for r, e in enumerate(errors):
         if e is not None and e not in msgs:
@@ -428,6 +430,11 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         separation_hint: Optional[str] = None,
     ):
         super().__init__(backend, version)
+        if separation_hint is not None:
+            raise CheckpointingException(
+                f"TorchDistSaveShardedStrategy(separation_hint={separation_hint!r}) is not supported by this fork "
+                f"(upstream writes the keys starting with the hint to their own files); leave it None"
+            )
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         self.cached_metadata = cached_metadata
@@ -522,14 +529,32 @@ def _orig_global_shape(metadata: Metadata, key: str, md: TensorStorageMetadata) 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Load a ``torch_dist`` checkpoint with PyTorch DCP (``FileSystemReader``), resharding as needed.
 
-    ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``): quantized destinations are filled through the load planner
-    one scratch at a time instead of being dequantized upfront (see ``strategies/quantized_load.py``).
+    ``cache_metadata`` (upstream's): keep the DCP metadata of the last checkpoint loaded and reuse it for the next
+    load of the same directory and ``checkpoint_name`` (do not set it if a directory may be rewritten in between).
+    ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``, keyword-only, default off: this fork's choice): quantized
+    destinations are filled through the load planner one scratch at a time instead of being dequantized upfront (see
+    ``strategies/quantized_load.py``).
     """
 
-    def __init__(self, stream_ckpt_dequant: bool = False):
+    def __init__(
+        self, cache_metadata: bool = False, checkpoint_name: Optional[str] = None, *, stream_ckpt_dequant: bool = False
+    ):
         super().__init__()
+        self.cache_metadata = cache_metadata
+        self.checkpoint_name = checkpoint_name
         self.stream_ckpt_dequant = stream_ckpt_dequant
         self.cached_global_metadata: Optional[Metadata] = None
+        self._cached_metadata_for: Optional[Tuple[str, Optional[str]]] = None
+
+    def _metadata(self, checkpoint_dir: Path) -> Metadata:
+        """The DCP metadata of ``checkpoint_dir``; with ``cache_metadata`` the cached one when it is for the same
+        directory and ``checkpoint_name``."""
+        key = (str(Path(checkpoint_dir).resolve()), self.checkpoint_name)
+        if self.cache_metadata and self.cached_global_metadata is not None and self._cached_metadata_for == key:
+            return self.cached_global_metadata
+        metadata = _read_dcp_metadata(checkpoint_dir)
+        self.cached_global_metadata, self._cached_metadata_for = metadata, key
+        return metadata
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -702,7 +727,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         objects = [v for _, v in items if isinstance(v, ShardedObject)]
         error, metadata = None, None
         try:
-            metadata = _read_dcp_metadata(checkpoint_dir)
+            metadata = self._metadata(checkpoint_dir)
             error = self._precheck(tensors, objects, metadata, checkpoint_dir)
         except CheckpointingException as e:
             error = str(e)
