@@ -329,11 +329,14 @@ def format_mismatches(mismatches) -> str:
     return ", ".join(f"{name} (checkpoint {old!r} vs run {new!r})" for name, old, new in mismatches)
 
 
+NON_MODEL_TENSOR_PREFIXES = ("optimizer.",)
+
+
 def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple]) -> List[str]:
     """Problems of loading a model whose tensors are ``requested`` ({key: global shape}) from a checkpoint holding
     ``ckpt_shapes`` ({key: global shape}, every tensor): tensors of the model missing from the checkpoint, global
-    shapes that differ, and checkpoint tensors under the model's top-level names (``embedding``, ``decoder``, ...)
-    that the model does not have."""
+    shapes that differ, and checkpoint tensors the model does not have (every tensor outside ``optimizer.*``, the
+    optimizer state's namespace, is a model tensor)."""
     problems = []
     for key in sorted(requested):
         if key not in ckpt_shapes:
@@ -341,8 +344,7 @@ def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple
         elif tuple(ckpt_shapes[key]) != tuple(requested[key]):
             problems.append(f"model key {key}: checkpoint shape {tuple(ckpt_shapes[key])}, "
                             f"model shape {tuple(requested[key])}")
-    roots = {k.split(".", 1)[0] for k in requested}
-    unexpected = sorted(k for k in ckpt_shapes if k.split(".", 1)[0] in roots and k not in requested)
+    unexpected = sorted(k for k in ckpt_shapes if k not in requested and not k.startswith(NON_MODEL_TENSOR_PREFIXES))
     if unexpected:
         problems.append(f"unexpected model keys in the checkpoint (not in the model): {unexpected[:8]}"
                         f"{' ...' if len(unexpected) > 8 else ''}")

@@ -21,6 +21,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -334,9 +335,11 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
         from megatron.core.dist_checkpointing.core import CheckpointingException
 
         try:
-            common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
-            ckpt_shapes = {k: tuple(v.global_shape)
-                           for k, v in dist_checkpointing.load_tensors_metadata(checkpoint_dir).items()}
+            with warnings.catch_warnings():  # DCP's note that a local (one-process) read is one
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+                ckpt_shapes = {k: tuple(v.global_shape)
+                               for k, v in dist_checkpointing.load_tensors_metadata(checkpoint_dir).items()}
         except (CheckpointingException, OSError):
             common, ckpt_shapes = None, None  # the load itself reports what is wrong with the files
         if common is not None:
