@@ -154,6 +154,18 @@ def _read_owner(path: str) -> dict:
         return {}
 
 
+def _current_owner(path: str, wait_s: float = 2.0) -> dict:
+    """The holder recorded in a lock file someone holds. The holder writes its record right after taking the lock,
+    so an empty record, or one of a dead process on this host (the previous holder's), is read again for a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = _read_owner(path)
+        fresh = info and not (info.get("host") == socket.gethostname() and not _pid_alive(info.get("pid")))
+        if fresh or time.monotonic() > deadline:
+            return info
+        time.sleep(0.02)
+
+
 def _pid_alive(pid) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -179,7 +191,7 @@ def acquire_save_lock(save_dir: str) -> Optional[str]:
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                info = _read_owner(path)
+                info = _current_owner(path)
                 raise CheckpointError(
                     f"--save {save_dir} is in use by another job: lock file {path} is held by "
                     f"{_owner_text(info) if info else 'an unknown process'}; two jobs must not save into one "

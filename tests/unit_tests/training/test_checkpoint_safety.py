@@ -188,6 +188,32 @@ def test_lock_held_by_live_process_and_stale_lock_taken_over(tmp_path, capsys):
     assert not os.path.exists(os.path.join(d, "megatron_save.lock"))
 
 
+def test_lock_refusal_waits_for_the_new_holders_record(tmp_path):
+    """A job that finds the lock held while its holder has not yet written its record (the file still empty or
+    still naming the previous, dead holder) names the new holder, not an unknown or dead one."""
+    from megatron.training import checkpoint_safety as safety
+
+    d = str(tmp_path)
+    path = os.path.join(d, "megatron_save.lock")
+    with open(path, "w") as f:
+        json.dump({"host": os.uname().nodename, "pid": 2**22 + 12345, "time": "earlier"}, f)  # a dead holder
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, json, os, sys, time\n"
+         "fd = os.open(%r, os.O_RDWR)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('locked', flush=True); time.sleep(0.5)\n"
+         "os.ftruncate(fd, 0); os.pwrite(fd, json.dumps({'host': os.uname().nodename, 'pid': os.getpid()}).encode(), 0)\n"
+         "sys.stdin.read()" % path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(safety.CheckpointError, match=rf"is held by host \S+, pid {holder.pid}, "):
+            safety.acquire_save_lock(d)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
 def test_leftovers_and_publish(tmp_path):
     from megatron.training import checkpoint_safety as safety
 
