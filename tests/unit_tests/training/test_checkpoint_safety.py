@@ -387,3 +387,23 @@ def test_torchrun_error_is_one_line_on_rank_0(tmp_path):
 
 def _save_four_layers(rank, world_size, ckpt):
     _run(_with_layers(4) + ["--train-iters", 1, "--save", ckpt])
+
+
+def test_full_disk_named_when_the_writer_lost_the_errno(tmp_path, monkeypatch):
+    """A real full disk surfaces from torch's zip writer as 'unexpected pos 704 vs 598' (the ENOSPC stays in a
+    writer thread): a file system with no space left is then named from statvfs (seen for real on a 300k tmpfs)."""
+    from megatron.training import checkpoint_safety as safety
+
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    path = str(tmp_path / "iter_0000001.partial")
+    assert safety.describe_save_failure(lost, path) == f"RuntimeError: {lost}"  # space left: no guess
+    real = os.statvfs
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Full() if str(p).startswith(str(tmp_path)) else real(p))
+    assert safety.describe_save_failure(lost, path) == f"no space left on device (errno ENOSPC) while writing {path}"
+    wrapped = RuntimeError("save of x failed: rank 1: OSError: [Errno 30] Read-only file system: '/ro/__1_0.distcp'")
+    assert safety.describe_save_failure(wrapped, path) == \
+        "read-only file system (errno EROFS) while writing /ro/__1_0.distcp"
