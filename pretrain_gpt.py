@@ -12,7 +12,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.training import ModelType, pretrain
-from megatron.training.utils import print_rank_0
+from megatron.training.utils import exit_on_user_error, print_rank_0
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, **unused):
@@ -90,7 +90,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_user_error():  # checkpoint/argument errors: one line on rank 0, exit code 1
+        main()
     if torch.distributed.is_initialized():  # a clean shutdown: no rank exits while another still uses the group
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

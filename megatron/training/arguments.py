@@ -168,6 +168,9 @@ def _add_checkpointing_args(parser):
                    choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                             "return_unexpected", "return_all", "ignore_all"],
                    help="Handling of key mismatches on a dist checkpoint load.")
+    g.add_argument("--check-weights-finite", action="store_true",
+                   help="Right after a checkpoint load, stop with an error naming the first model tensor that "
+                        "holds NaN or Inf.")
 
 
 def _add_mixed_precision_args(parser):

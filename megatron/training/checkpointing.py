@@ -10,13 +10,18 @@ State dict keys (upstream's): ``model`` (the model's ``sharded_state_dict()``), 
 written by data-parallel rank 0, ``replica_id`` = DP rank, so a different DP size loads it), ``iteration``,
 ``args`` (with ``consumed_train_samples``), ``checkpoint_version``, ``num_floating_point_operations_so_far``.
 
-The tracker is advanced only after every rank finished its part of the save (a success flag is all-reduced),
-so a save that fails midway leaves the previous checkpoint as the latest.
+A save is written to ``<save>/iter_N.partial`` and renamed to ``iter_N`` only after every rank finished (a success
+flag is all-reduced); the tracker is advanced after the rename, so a save that fails or is killed midway leaves the
+previous checkpoint as the latest, and its leftovers are removed by the next save. Rank 0 holds an exclusive lock on
+the save root for the whole job (``checkpoint_safety``). A load checks the model-shape arguments stored in the
+checkpoint and the model's tensor keys/shapes against the run before any tensor is read.
 """
 import os
 import random
+import shutil
 import sys
 import time
+import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -24,15 +29,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.training import checkpoint_safety as safety
+from megatron.training.checkpoint_safety import CheckpointError  # noqa: F401  (its public home for callers)
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or unreadable; the message names the directory or file."""
+_TRACKER_MAX_BYTES = 4096
 
 
 def _dist() -> bool:
@@ -61,10 +65,18 @@ def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = F
 def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
     """(iteration, release) from a tracker file."""
     try:
-        with open(tracker_filename) as f:
-            text = f.read().strip()
+        with open(tracker_filename, "rb") as f:
+            raw = f.read(_TRACKER_MAX_BYTES + 1)
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint tracker {tracker_filename}: {e}") from e
+    if len(raw) > _TRACKER_MAX_BYTES:
+        raise CheckpointError(f"checkpoint tracker {tracker_filename} is not a tracker: over {_TRACKER_MAX_BYTES} "
+                              f"bytes (it holds an iteration number or 'release')")
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"checkpoint tracker {tracker_filename} holds binary data, not an iteration or "
+                              f"'release' (first bytes {raw[:16]!r})") from None
     if text == "release":
         return 0, True
     try:
@@ -89,6 +101,7 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    safety.fsync_dir(save_dir)
 
 
 # ---- RNG --------------------------------------------------------------------------------------------------
@@ -183,7 +196,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None, save_dir=None):
-    """Save ``<save>/iter_<iteration>/`` on all ranks, then (after all ranks succeeded) advance the tracker."""
+    """Save ``<save>/iter_<iteration>/`` on all ranks: write ``iter_N.partial``, rename it to ``iter_N`` when every
+    rank finished, then advance the tracker. Holds (takes, if the start-up check did not) the save root's lock."""
     args = get_args()
     save_dir = save_dir or args.save
     if not save_dir:
@@ -191,36 +205,47 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     if args.ckpt_format != "torch_dist":
         raise CheckpointError(f"--ckpt-format {args.ckpt_format}: only torch_dist is supported")
     checkpoint_dir = get_checkpoint_name(save_dir, iteration)
+    partial_dir = safety.partial_name(checkpoint_dir)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
+    safety.check_save_dir(save_dir)  # a no-op lock-wise when this job already holds it
+    error = None
     if _rank() == 0:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-    _barrier()
+        try:
+            removed = safety.remove_leftovers(save_dir)
+            if removed:
+                print(f"  removed leftovers of an earlier unfinished save in {save_dir}: {removed}", flush=True)
+            os.makedirs(partial_dir)
+        except OSError as e:
+            error = f"saving checkpoint {checkpoint_dir} failed: {safety.describe_save_failure(e, partial_dir)}"
+    safety.raise_collectively(error)
 
-    ok, error = True, None
+    error, cause = None, None
     try:
         rng_state = None if args.no_save_rng else get_rng_state()
         state_dict = generate_state_dict(
             args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
-        dist_checkpointing.save(state_dict, checkpoint_dir, sharded_strategy=_save_strategy(args))
+        dist_checkpointing.save(state_dict, partial_dir, sharded_strategy=_save_strategy(args))
     except Exception as e:  # decide together whether the save completed
-        ok, error = False, e
-    if _dist():
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=parallel_state.collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        all_ok = bool(flag.item())
-    else:
-        all_ok = ok
-    if not all_ok:
-        where = f"{type(error).__name__}: {error}" if error is not None else "failed on another rank"
-        raise CheckpointError(
-            f"saving checkpoint {checkpoint_dir} failed ({where}); "
-            f"{get_checkpoint_tracker_filename(save_dir)} was not advanced"
-        ) from error
+        error, cause = e, safety.describe_save_failure(e, partial_dir)
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    try:
+        safety.raise_collectively(cause)  # every rank has stopped writing once this returns or raises
+    except CheckpointError as e:
+        if _rank() == 0:
+            shutil.rmtree(partial_dir, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {checkpoint_dir} failed: {e}; {tracker} was not advanced "
+                              f"(it still names the previous checkpoint)") from error
+    error = None
     if _rank() == 0:
-        _write_tracker(save_dir, iteration)
-    _barrier()
+        try:
+            safety.publish(partial_dir, checkpoint_dir)
+            _write_tracker(save_dir, iteration)
+        except OSError as e:
+            error = (f"saving checkpoint {checkpoint_dir} failed while publishing it: "
+                     f"{safety.describe_save_failure(e, save_dir)}")
+    safety.raise_collectively(error)
     print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
 
 
@@ -237,7 +262,10 @@ def _find_checkpoint(load_dir: str, args) -> Optional[Tuple[int, bool, str]]:
     checkpoint_dir = get_checkpoint_name(load_dir, iteration, release)
     if not os.path.isdir(checkpoint_dir):
         src = f"--ckpt-step {step}" if step is not None else f"the tracker {tracker}"
-        raise CheckpointError(f"checkpoint directory {checkpoint_dir} (iteration {iteration}, from {src}) does not exist")
+        partial = safety.partial_name(checkpoint_dir)
+        note = f" ({partial} exists: that save never finished)" if os.path.isdir(partial) else ""
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir} (iteration {iteration}, from {src}) does not "
+                              f"exist{note}")
     return iteration, release, checkpoint_dir
 
 
@@ -269,6 +297,85 @@ def _copy_model_values(model_chunk, sharded_sd: dict, loaded: dict, strict: bool
                     module.set_extra_state(value)
                 except Exception as e:  # name the key: the module's own error cannot
                     raise CheckpointError(f"model key {key}: {e}") from e
+
+
+def _requested_model_shapes(sharded_model_sds: dict) -> dict:
+    """{key: global shape} of every tensor the model requests (factories built), united over the ranks."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    shapes = {}
+
+    def visit(values):
+        for v in values:
+            if isinstance(v, ShardedTensorFactory):
+                visit(nested_values(v.build()))
+            elif isinstance(v, ShardedTensor):
+                shapes[v.key] = tuple(v.global_shape)
+
+    visit(nested_values(sharded_model_sds))
+    if _dist() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, shapes)
+        for d in gathered:
+            shapes.update(d)
+    return shapes
+
+
+def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bool) -> None:
+    """Before any tensor is read (collective; rank 0 reads the checkpoint's common state and tensor metadata):
+    the model-shape arguments stored in the checkpoint vs the run's (upstream's ``check_checkpoint_args``; with
+    ``--finetune`` a difference is only a warning, as long as the tensors still fit), then the model's tensor keys
+    and global shapes vs the checkpoint's (missing, resized and unexpected model keys are errors;
+    ``--dist-ckpt-strictness log_*`` or ``strict=False``: warnings; ``ignore_all``: not checked)."""
+    requested = _requested_model_shapes(sharded_model_sds)
+    error = None
+    if _rank() == 0:
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        try:
+            with warnings.catch_warnings():  # DCP's note that a local (one-process) read is one
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+                ckpt_shapes = {k: tuple(v.global_shape)
+                               for k, v in dist_checkpointing.load_tensors_metadata(checkpoint_dir).items()}
+        except (CheckpointingException, OSError):
+            common, ckpt_shapes = None, None  # the load itself reports what is wrong with the files
+        if common is not None:
+            ckpt_args = common.get("args") if isinstance(common, dict) else None
+            mismatches = safety.checkpoint_args_mismatches(ckpt_args, args) if ckpt_args is not None else []
+            differ = f"arguments that differ: {safety.format_mismatches(mismatches)}" if mismatches else ""
+            strictness = str(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
+            problems = [] if strictness == "ignore_all" else safety.model_key_problems(requested, ckpt_shapes)
+            if mismatches and not args.finetune:
+                error = (f"checkpoint {checkpoint_dir} was saved by a different model: {differ} "
+                         f"(--finetune loads its weights anyway where every tensor still fits)")
+            elif problems:
+                text = (f"checkpoint {checkpoint_dir} does not fit the model: {'; '.join(problems[:6])}"
+                        f"{' ...' if len(problems) > 6 else ''}{'; ' + differ if differ else ''}")
+                if strict and not strictness.startswith("log_"):
+                    error = text
+                else:
+                    print(f"WARNING: {text}", flush=True)
+            elif mismatches:
+                print(f"WARNING: --finetune: checkpoint {checkpoint_dir}: {differ}; every tensor fits, loading it",
+                      flush=True)
+    safety.broadcast_error_from_rank0(error)
+
+
+def _check_weights_finite(model) -> None:
+    """``--check-weights-finite``: every rank checks its (local) model tensors; the first non-finite one is named
+    on every rank."""
+    error = None
+    for i, chunk in enumerate(_chunks(model)):
+        base = unwrap_model(chunk)
+        name = safety.first_non_finite(list(base.named_parameters()) + list(base.named_buffers()))
+        if name is not None:
+            error = f"--check-weights-finite: model{'' if len(_chunks(model)) == 1 else i} tensor {name} holds " \
+                    f"NaN or Inf right after loading the checkpoint"
+            break
+    safety.raise_collectively(error)
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, checkpointing_context=None,
@@ -305,6 +412,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     sharded_model_sds = {k: v for k, v in state_dict.items() if k == "model" or k.startswith("model")}
     if opt_param_scheduler is not None and load_optim:
         state_dict.pop("opt_param_scheduler")  # a plain dict: comes from the checkpoint's common state
+    _check_resume(args, checkpoint_dir, sharded_model_sds, strict)
     strategy = _load_strategy(args)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
@@ -337,6 +445,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
             if "optimizer" not in loaded:
                 raise CheckpointError(f"checkpoint {checkpoint_dir} has no optimizer state (use --no-load-optim)")
             optimizer.load_state_dict(loaded["optimizer"])
+        if getattr(args, "check_weights_finite", False):
+            _check_weights_finite(model)
     if opt_param_scheduler is not None and load_optim:
         if "opt_param_scheduler" not in loaded:
             raise CheckpointError(f"checkpoint {checkpoint_dir} has no opt_param_scheduler state")

@@ -23,6 +23,7 @@ from megatron.training.arguments import (
     ddp_config_from_args,
     optimizer_config_from_args,
 )
+from megatron.training.checkpoint_safety import check_save_dir
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.global_vars import get_args, get_tensorboard_writer
 from megatron.training.initialize import initialize_megatron
@@ -447,6 +448,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, args=args)
     args = get_args()
     start = time.time()
+    if args.save:  # before any work: --save writable and this job's alone (all ranks stop otherwise)
+        check_save_dir(args.save)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(train_valid_test_dataset_provider)
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -1,6 +1,8 @@
-"""Small helpers of the training loop: rank-0 printing, loss averaging, memory figures."""
+"""Small helpers of the training loop: rank-0 printing, loss averaging, memory figures, the exit on a user error."""
 import os
 import resource
+import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -61,3 +63,28 @@ def memory_report() -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return f"mem max allocated (MiB): {torch.cuda.max_memory_allocated() / 2**20:.1f}"
     return f"mem RSS (MiB): {current_rss_bytes() / 2**20:.1f}"
+
+
+@contextmanager
+def exit_on_user_error():
+    """Turn a checkpoint or argument error (raised the same on every rank) into one line on rank 0's stderr,
+    ``error: <message>``, and exit code 1 on every rank, instead of a traceback per rank. Other exceptions pass."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training.checkpoint_safety import CheckpointError
+
+    try:
+        yield
+    except (CheckpointError, CheckpointingException) as e:
+        message = f"checkpoint error: {e}"
+    except SystemExit as e:
+        if not isinstance(e.code, str):  # exit codes (argparse, sys.exit(n)) keep their own behavior
+            raise
+        message = e.code
+    else:
+        return
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.getenv("RANK", "0"))
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    raise SystemExit(1)

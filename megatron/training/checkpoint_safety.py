@@ -1,0 +1,381 @@
+"""What keeps a training checkpoint honest: one job per save directory, atomic publication, checks on resume.
+
+- **Exclusive save root.** Rank 0 holds an ``fcntl.flock`` on ``<save>/megatron_save.lock`` for the life of the
+  job; the file records the holder (host, pid, start time, command). A second job that wants to save into the same
+  directory fails fast with a message naming the lock file and its holder. The kernel drops the lock when the
+  holder dies, so a lock left behind by a dead process (kill -9, node crash on a shared file system with working
+  locks) is simply taken over, and said so.
+- **Atomic saves.** A save is written to ``<save>/iter_0000100.partial`` and renamed to ``iter_0000100`` by rank 0
+  only after every rank finished; the tracker is advanced after the rename. Names ending in ``.partial`` /
+  ``.replaced`` are never loaded (the loader uses the exact ``iter_N`` name) and are removed by the next save (it
+  holds the lock, so no other job can be writing them).
+- **Start-up check.** ``check_save_dir`` (before training) creates ``--save``, writes a probe file and takes the
+  lock; a failure stops every rank with a message naming ``--save``.
+- **Resume checks.** ``checkpoint_args_mismatches`` compares the model-shape arguments stored in the checkpoint
+  with the run's (upstream's ``check_checkpoint_args``); ``model_key_problems`` compares the model's tensor keys and
+  global shapes with the checkpoint's (a 4-layer checkpoint never fills a 2-layer model silently).
+- **Named causes.** ``describe_save_failure`` turns ENOSPC / EDQUOT / EROFS / EACCES anywhere in an error (also
+  inside DCP's per-rank failure text) into "no space left on device while writing <path>"-style messages.
+"""
+import atexit
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+LOCK_FILENAME = "megatron_save.lock"
+PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"
+_LEFTOVER = re.compile(r"^(iter_\d{7}|release)(\.partial|\.replaced)$|^latest_checkpointed_iteration\.txt\.tmp\.\d+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unreadable or does not fit the run; the message names the directory,
+    file, flag or argument."""
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def raise_collectively(error: Optional[str]) -> None:
+    """Raise the same CheckpointError on every rank if any rank has an error (collective when distributed)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.strategies.torch import raise_collectively as _core_raise
+
+    try:
+        _core_raise(error, "checkpoint")
+    except CheckpointingException as e:
+        raise CheckpointError(str(e)) from None
+
+
+def broadcast_error_from_rank0(error: Optional[str]) -> None:
+    """Raise rank 0's error (a string or None computed on rank 0 only) on every rank."""
+    if _dist() and dist.get_world_size() > 1:
+        box = [error if _rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
+# ---- named OS errors ----------------------------------------------------------------------------------------
+_NAMED_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+_TEXT_MARKERS = [(f"[Errno {code}]", code) for code in _NAMED_ERRNOS] + [
+    (os.strerror(code), code) for code in _NAMED_ERRNOS]
+
+
+def _chain(exc: Optional[BaseException]) -> Iterable[BaseException]:
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # torch DCP CheckpointException
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def named_os_error(exc: Optional[BaseException]) -> Optional[Tuple[int, Optional[str]]]:
+    """(errno, filename) of the first ENOSPC/EDQUOT/EROFS/EACCES/EPERM in ``exc`` (its chain, DCP failures, or
+    the text a wrapper kept), or None."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _NAMED_ERRNOS:
+            return e.errno, e.filename
+    for e in _chain(exc):
+        text = str(e)
+        for marker, code in _TEXT_MARKERS:
+            if marker in text:
+                m = re.search(re.escape(marker) + r"[^']*'([^']+)'", text)
+                return code, m.group(1) if m else None
+    return None
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def describe_save_failure(exc: Optional[BaseException], path: str) -> str:
+    """One line for a failed save: the named OS cause with its path when there is one (also a full file system
+    detected afterwards, when the writer's own error lost the errno), else the exception."""
+    named = named_os_error(exc)
+    if named is None and _free_bytes(path) == 0:
+        named = (errno.ENOSPC, None)
+    if named is not None:
+        code, filename = named
+        return f"{_NAMED_ERRNOS[code]} (errno {errno.errorcode[code]}) while writing {filename or path}"
+    return f"{type(exc).__name__}: {exc}" if exc is not None else "failed on another rank"
+
+
+# ---- the save root's lock -----------------------------------------------------------------------------------
+_HELD: Dict[str, int] = {}  # realpath of a save root -> fd holding its flock (this process)
+
+
+def _owner_text(info: dict) -> str:
+    return (f"host {info.get('host', '?')}, pid {info.get('pid', '?')}, since {info.get('time', '?')}"
+            + (f", command {info['command']}" if info.get("command") else ""))
+
+
+def _read_owner(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+        info = json.loads(raw.decode("utf-8"))
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _current_owner(path: str, wait_s: float = 2.0) -> dict:
+    """The holder recorded in a lock file someone holds. The holder writes its record right after taking the lock,
+    so an empty record, or one of a dead process on this host (the previous holder's), is read again for a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = _read_owner(path)
+        fresh = info and not (info.get("host") == socket.gethostname() and not _pid_alive(info.get("pid")))
+        if fresh or time.monotonic() > deadline:
+            return info
+        time.sleep(0.02)
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+def acquire_save_lock(save_dir: str) -> Optional[str]:
+    """Take (or keep, if this process holds it) the exclusive lock of ``save_dir``. Returns a note when a lock left
+    by a finished/dead job was taken over; raises CheckpointError naming the lock file and its holder when another
+    live job holds it. Call on one rank (rank 0)."""
+    key = os.path.realpath(save_dir)
+    if key in _HELD:
+        return None
+    path = os.path.join(save_dir, LOCK_FILENAME)
+    for _ in range(10):  # retry when the file was replaced between open and flock
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                info = _current_owner(path)
+                raise CheckpointError(
+                    f"--save {save_dir} is in use by another job: lock file {path} is held by "
+                    f"{_owner_text(info) if info else 'an unknown process'}; two jobs must not save into one "
+                    f"directory (use another --save, or stop the other job)"
+                ) from None
+            raise CheckpointError(f"cannot lock {path} (--save {save_dir}): {e}") from e
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        previous = _read_owner(path)
+        info = {"host": socket.gethostname(), "pid": os.getpid(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        os.fsync(fd)
+        _HELD[key] = fd
+        if previous and previous.get("pid") != os.getpid():
+            dead = previous.get("host") == info["host"] and not _pid_alive(previous.get("pid"))
+            return (f"took over the stale lock {path} left by {_owner_text(previous)}"
+                    f"{' (that process is no longer running)' if dead else ' (its lock was released)'}")
+        return None
+    raise CheckpointError(f"cannot lock {path} (--save {save_dir}): the lock file keeps being replaced")
+
+
+def release_save_lock(save_dir: str) -> None:
+    """Drop this process's lock of ``save_dir`` (removes the lock file while still holding it)."""
+    fd = _HELD.pop(os.path.realpath(save_dir), None)
+    if fd is None:
+        return
+    try:
+        os.unlink(os.path.join(save_dir, LOCK_FILENAME))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    for key in list(_HELD):
+        release_save_lock(key)
+
+
+# ---- start-up check -----------------------------------------------------------------------------------------
+def check_save_dir(save_dir: str, flag: str = "--save") -> None:
+    """Before training: ``save_dir`` exists (created), is writable (a probe file is written, synced, removed) and
+    this job holds its lock. Collective: every rank raises the same CheckpointError naming ``flag`` otherwise."""
+    error = None
+    if _rank() == 0:
+        probe = os.path.join(save_dir, f".write_probe.{os.getpid()}")
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"megatron")
+                f.flush()
+                os.fsync(f.fileno())
+            os.unlink(probe)
+        except OSError as e:
+            error = f"{flag} {save_dir} is not writable: {describe_save_failure(e, save_dir)}"
+        if error is None:
+            try:
+                note = acquire_save_lock(save_dir)
+                if note:
+                    print(f"WARNING: {note}", flush=True)
+            except CheckpointError as e:
+                error = str(e)
+    raise_collectively(error)
+
+
+# ---- atomic publication -------------------------------------------------------------------------------------
+def partial_name(checkpoint_dir: str) -> str:
+    return checkpoint_dir.rstrip(os.sep) + PARTIAL_SUFFIX
+
+
+def remove_leftovers(save_dir: str) -> List[str]:
+    """Remove what crashed saves left in ``save_dir`` (``iter_N.partial``, ``iter_N.replaced``, tracker temp
+    files). Call only while holding the lock. Returns the removed names."""
+    removed = []
+    for name in sorted(os.listdir(save_dir)):
+        if _LEFTOVER.match(name):
+            path = os.path.join(save_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(name)
+    return removed
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(partial_dir: str, checkpoint_dir: str) -> None:
+    """Rename the finished ``partial_dir`` to ``checkpoint_dir``. An existing ``checkpoint_dir`` (the same iteration
+    saved again) is moved to ``<name>.replaced`` first and removed after."""
+    replaced = None
+    if os.path.lexists(checkpoint_dir):
+        replaced = checkpoint_dir.rstrip(os.sep) + REPLACED_SUFFIX
+        os.rename(checkpoint_dir, replaced)
+    os.rename(partial_dir, checkpoint_dir)
+    fsync_dir(os.path.dirname(checkpoint_dir.rstrip(os.sep)) or ".")
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+# ---- resume checks ------------------------------------------------------------------------------------------
+# Arguments that decide the shapes (or the meaning) of the model's weights. (name, default when absent)
+MODEL_ARGS = (
+    ("num_layers", None), ("hidden_size", None), ("ffn_hidden_size", None), ("num_attention_heads", None),
+    ("kv_channels", None), ("group_query_attention", False), ("num_query_groups", 1),
+    ("padded_vocab_size", None), ("max_position_embeddings", None), ("position_embedding_type", "learned_absolute"),
+    ("normalization", "LayerNorm"), ("swiglu", False), ("add_bias_linear", True), ("add_qkv_bias", False),
+    ("untie_embeddings_and_output_weights", False), ("num_experts", None), ("moe_ffn_hidden_size", None),
+    ("moe_layer_freq", 1),
+)  # Parallel sizes are not compared: torch_dist checkpoints reshard (upstream skips them with dist ckpt too).
+
+
+def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, object]]:
+    """(name, checkpoint value, run value) for each model-shape argument that differs. Arguments the checkpoint
+    does not store are skipped; ``num_query_groups`` only counts with grouped-query attention on either side;
+    ``moe_ffn_hidden_size`` only with experts."""
+    out = []
+    for name, default in MODEL_ARGS:
+        if not hasattr(ckpt_args, name):
+            continue
+        old, new = getattr(ckpt_args, name), getattr(args, name, default)
+        if name == "num_query_groups" and not (getattr(ckpt_args, "group_query_attention", False)
+                                               or getattr(args, "group_query_attention", False)):
+            continue
+        if name in ("moe_ffn_hidden_size", "moe_layer_freq") and not (
+                getattr(ckpt_args, "num_experts", None) or getattr(args, "num_experts", None)):
+            continue
+        if old != new:
+            out.append((name, old, new))
+    return out
+
+
+def format_mismatches(mismatches) -> str:
+    return ", ".join(f"{name} (checkpoint {old!r} vs run {new!r})" for name, old, new in mismatches)
+
+
+NON_MODEL_TENSOR_PREFIXES = ("optimizer.",)
+
+
+def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple]) -> List[str]:
+    """Problems of loading a model whose tensors are ``requested`` ({key: global shape}) from a checkpoint holding
+    ``ckpt_shapes`` ({key: global shape}, every tensor): tensors of the model missing from the checkpoint, global
+    shapes that differ, and checkpoint tensors the model does not have (every tensor outside ``optimizer.*``, the
+    optimizer state's namespace, is a model tensor)."""
+    problems = []
+    for key in sorted(requested):
+        if key not in ckpt_shapes:
+            problems.append(f"model key {key} is not in the checkpoint")
+        elif tuple(ckpt_shapes[key]) != tuple(requested[key]):
+            problems.append(f"model key {key}: checkpoint shape {tuple(ckpt_shapes[key])}, "
+                            f"model shape {tuple(requested[key])}")
+    unexpected = sorted(k for k in ckpt_shapes if k not in requested and not k.startswith(NON_MODEL_TENSOR_PREFIXES))
+    if unexpected:
+        problems.append(f"unexpected model keys in the checkpoint (not in the model): {unexpected[:8]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}")
+    return problems
+
+
+# ---- weights finite -----------------------------------------------------------------------------------------
+def first_non_finite(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
+    """Name of the first floating-point tensor holding NaN or Inf (local data of DTensors; quantized tensors
+    dequantized one at a time), else None."""
+    from megatron.core.fp8_utils import dequantize, is_quantized_tensor
+
+    for name, t in named_tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        if is_quantized_tensor(t):
+            t = dequantize(t)
+        elif hasattr(t, "to_local"):
+            t = t.to_local()
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
