@@ -210,3 +210,180 @@ def te_quantize(x: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = N
         raise ValueError(f"unknown quantization kind {kind!r}; expected one of {KINDS}")
     with torch.no_grad():
         return q(x)
+
+
+# ---- chunked quantization: the streaming load's bounded-memory path ---------------------------------------------
+# A quantized tensor is seen here as 2-D: rows = numel // shape[-1], cols = shape[-1] (row-major, so a range of rows
+# is a range of the leading axis for 2-D weights). ``quantize_rows_into`` quantizes a range of rows into the
+# tensor's own raw buffers, giving exactly the bytes (data and scales) a whole-tensor quantize gives for those rows
+# when the range starts (and, except for the last one, ends) on a multiple of ``chunk_row_multiple``:
+# - delayed: the quantizer's fixed per-tensor scale is used for every range (TE: a Float8Quantizer over that scale,
+#   writing into row views of ``_data``); scale_inv is set from it.
+# - tensorwise: the caller passes the whole tensor's amax (max |x| over all ranges, an exact float32); the scale is
+#   computed from it as the whole-tensor quantize would (TE: by TE itself, quantizing the one-element tensor [amax]
+#   with a fresh current-scaling quantizer of the same settings; then each range is cast with that scale).
+# - mxfp8 (1x32 rowwise, 32x1 columnwise blocks) and blockwise (128x128 blocks): ranges aligned to the blocks are
+#   independent; TE: the range is quantized by the tensor's quantizer into a temporary and its buffers copied into
+#   the destination's rows (rowwise data/scales) and columns (blockwise's transposed columnwise data/scales).
+# After the last range ``finish_rows_quantize`` makes derived caches consistent (TE Float8Tensor: a ``_transpose``
+# that exists is recomputed from ``_data`` into its own buffer, no new memory).
+# Protocol tensors provide ``chunk_row_multiple`` (int), ``quantize_rows_(row_start, src2d, amax=None)`` and
+# optionally ``finish_rows_quantize_()``. Kinds without a chunked path here (nvfp4: global amax plus 16-element
+# blocks and a random Hadamard transform; MXFP8 with GEMM-swizzled scales; unknown layouts) return None from
+# ``chunk_row_multiple``: the caller quantizes them whole.
+_TE_ROW_MULTIPLE = {DELAYED: 1, TENSORWISE: 1, MXFP8: 128, BLOCKWISE: 128}
+
+
+def rows_cols(t) -> tuple:
+    """``(rows, cols)`` of the 2-D view of ``t`` the chunked path works on."""
+    if t.dim() == 0:
+        return 1, 1
+    cols = int(t.shape[-1])
+    return (t.numel() // cols if cols else 0), cols
+
+
+def chunk_row_multiple(t) -> Optional[int]:
+    """Row ranges of ``t`` quantized by :func:`quantize_rows_into` must start on a multiple of this (MXFP8: 128 for
+    TE, the scale padding granule; blockwise: 128). ``None``: ``t`` has no chunked path (quantize it whole)."""
+    if not is_quantized_tensor(t) or t.dim() < 2:
+        return None
+    if not _is_te_quantized(t):
+        m = getattr(t, "chunk_row_multiple", None)
+        return int(m) if isinstance(m, int) and m > 0 and hasattr(t, "quantize_rows_") else None
+    kind = quantization_kind(t)
+    if kind not in _TE_ROW_MULTIPLE:
+        return None
+    if kind == MXFP8 and getattr(t, "_with_gemm_swizzled_scales", False):
+        return None  # swizzled scales: a row range is not a slice of the scale buffers
+    if kind == BLOCKWISE and not getattr(t, "_is_2D_scaled", True):
+        return None  # 1x128 blocks: scales stored transposed and padded; not handled
+    return _TE_ROW_MULTIPLE[kind]
+
+
+def chunk_extra_bytes_per_element(t) -> int:
+    """Transient bytes per element of a row range that :func:`quantize_rows_into` allocates besides the caller's
+    high-precision source (TE MXFP8/blockwise: the temporary rowwise + columnwise FP8 data)."""
+    if _is_te_quantized(t) and quantization_kind(t) in (MXFP8, BLOCKWISE):
+        return 2
+    return 0
+
+
+def needs_whole_tensor_amax(t) -> bool:
+    """True when a range cannot be quantized before the amax of the whole tensor is known (tensorwise)."""
+    return quantization_kind(t) == TENSORWISE
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a one-element float32 tensor on ``x``'s device (exact: the largest element's magnitude)."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32).reshape(1)
+
+
+def quantize_rows_into(dst: torch.Tensor, row_start: int, src: torch.Tensor,
+                       amax: Optional[torch.Tensor] = None) -> None:
+    """Quantize ``src`` (high precision, ``n`` rows of ``dst``'s 2-D view, any shape of that numel) into rows
+    ``[row_start, row_start + n)`` of ``dst`` in place. ``amax``: the whole tensor's (tensorwise only). Amax
+    bookkeeping of delayed scaling is untouched by this path (callers snapshot/restore anyway)."""
+    rows, cols = rows_cols(dst)
+    mult = chunk_row_multiple(dst)
+    if mult is None:
+        raise ValueError(f"quantize_rows_into: {type(dst).__name__} ({quantization_kind(dst)}) has no chunked path")
+    n = src.numel() // cols if cols else 0
+    if src.numel() != n * cols or row_start < 0 or row_start + n > rows:
+        raise ValueError(f"quantize_rows_into: rows [{row_start}, {row_start + n}) (src shape {tuple(src.shape)}) "
+                         f"outside a {rows}x{cols} destination")
+    if row_start % mult or (row_start + n != rows and n % mult):
+        raise ValueError(f"quantize_rows_into: rows [{row_start}, {row_start + n}) not aligned to {mult} rows")
+    if needs_whole_tensor_amax(dst) and amax is None:
+        raise ValueError("quantize_rows_into: a tensorwise destination needs the whole tensor's amax")
+    src2d = src.reshape(n, cols)
+    with torch.no_grad():
+        if not _is_te_quantized(dst):
+            dst.quantize_rows_(row_start, src2d, amax)
+        else:
+            _te_quantize_rows(dst, row_start, src2d.to(dst.device), amax)
+
+
+def finish_rows_quantize(dst: torch.Tensor) -> None:
+    """Call once after every row range of ``dst`` went through :func:`quantize_rows_into`."""
+    with torch.no_grad():
+        if not _is_te_quantized(dst):
+            fn = getattr(dst, "finish_rows_quantize_", None)
+            if fn is not None:
+                fn()
+            return
+        if quantization_kind(dst) in (DELAYED, TENSORWISE) and getattr(dst, "_transpose", None) is not None:
+            if getattr(dst, "_transpose_invalid", False):
+                return  # TE recomputes an invalid transpose when it is next needed
+            create = getattr(dst, "_create_transpose", None)
+            if create is not None:
+                create()  # tex.fp8_transpose of _data into the existing _transpose buffer
+            else:
+                dst._transpose_invalid = True
+
+
+# ---- TE implementation of the row-range quantize (GPU; checked by tests marked gpu and the benchmark's err) ---
+def _te_tensorwise_scale(dst, amax: torch.Tensor):
+    """(scale, scale_inv) a whole-tensor current-scaling quantize of a tensor with this amax computes: TE computes
+    them itself from the one-element tensor [amax] (the amax is an element's magnitude, exact in the input dtype)."""
+    q = dst._quantizer
+    probe_q = _te.Float8CurrentScalingQuantizer(
+        q.dtype, dst.device, rowwise=True, columnwise=False,
+        force_pow_2_scales=getattr(q, "force_pow_2_scales", False), amax_epsilon=getattr(q, "amax_epsilon", 0.0),
+    )
+    probe = probe_q(amax.to(device=dst.device, dtype=high_precision_dtype(dst)).reshape(1, 1))
+    return probe_q.scale.clone(), probe._scale_inv.clone()
+
+
+def _te_quantize_rows(dst, r0: int, src2d: torch.Tensor, amax) -> None:
+    kind = quantization_kind(dst)
+    n, cols = src2d.shape
+    src2d = src2d.to(high_precision_dtype(dst)).contiguous()
+    if kind in (DELAYED, TENSORWISE):
+        q = dst._quantizer
+        if kind == DELAYED:
+            scale = q.scale
+            scale_inv = None
+        else:
+            scale, scale_inv = _te_tensorwise_scale(dst, amax)
+        cast_q = _te.Float8Quantizer(
+            scale=scale, amax=torch.zeros(1, dtype=torch.float32, device=dst.device), fp8_dtype=q.dtype,
+            rowwise=True, columnwise=False,
+        )
+        rows_view = dst._data.view(-1, cols)[r0:r0 + n]
+        out = _te.Float8Tensor(
+            shape=(n, cols), dtype=dst.dtype, data=rows_view,
+            fp8_scale_inv=torch.empty(1, dtype=torch.float32, device=dst.device), fp8_dtype=q.dtype,
+            requires_grad=False, data_transpose=None, quantizer=cast_q,
+        )
+        cast_q.update_quantized(src2d, out)
+        dst._scale_inv.copy_(out._scale_inv if scale_inv is None else scale_inv)
+        if kind == TENSORWISE:  # as the whole-tensor quantize leaves its workspace
+            q.scale.copy_(scale)
+        return
+    tmp = dst._quantizer(src2d)
+    if kind == MXFP8:
+        g = 32
+        for name in ("_rowwise_data", "_columnwise_data"):
+            d, t = getattr(dst, name), getattr(tmp, name)
+            if d is not None and t is not None:
+                d.view(-1, cols)[r0:r0 + n].copy_(t.view(n, cols))
+        d, t = dst._rowwise_scale_inv, tmp._rowwise_scale_inv
+        if d is not None and t is not None:
+            d[r0:r0 + n].copy_(t[:n])
+        d, t = dst._columnwise_scale_inv, tmp._columnwise_scale_inv
+        if d is not None and t is not None:
+            k = -(-n // g)
+            d[r0 // g:r0 // g + k].copy_(t[:k])
+        return
+    # BLOCKWISE, 128x128: rowwise [R, C] + scales [ceil(R/128), .]; columnwise data is the transpose [C, R] with
+    # scales [ceil(C/128), ceil(R/128) padded]: a row range is a column range there.
+    g = 128
+    k = -(-n // g)
+    if dst._rowwise_data is not None and tmp._rowwise_data is not None:
+        dst._rowwise_data.view(-1, cols)[r0:r0 + n].copy_(tmp._rowwise_data.view(n, cols))
+        dst._rowwise_scale_inv[r0 // g:r0 // g + k].copy_(tmp._rowwise_scale_inv[:k])
+    if dst._columnwise_data is not None and tmp._columnwise_data is not None:
+        dst._columnwise_data.view(cols, -1)[:, r0:r0 + n].copy_(tmp._columnwise_data.view(cols, n))
+        dst._columnwise_scale_inv[:, r0 // g:r0 // g + k].copy_(tmp._columnwise_scale_inv[:, :k])

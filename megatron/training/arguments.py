@@ -164,6 +164,10 @@ def _add_checkpointing_args(parser):
     g.add_argument("--stream-ckpt-dequant", action="store_true",
                    help="Load quantized (FP8/FP4 param-gather) weights through one high-precision scratch at a "
                         "time instead of dequantizing every weight upfront.")
+    g.add_argument("--stream-ckpt-dequant-chunk-mb", type=float, default=64.0,
+                   help="With --stream-ckpt-dequant: the most high-precision scratch (MiB) a quantized weight gets at "
+                        "once; larger weights are quantized chunk by chunk (exact for every recipe but NVFP4). "
+                        "0: one scratch of the whole weight.")
     g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
                    choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                             "return_unexpected", "return_all", "ignore_all"],
@@ -648,6 +652,8 @@ def validate_args(args, defaults={}):
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         _fail("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
+    if not args.stream_ckpt_dequant_chunk_mb >= 0:
+        _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")
     warn_param_gather_load(args)
 
     args.consumed_train_samples = 0

@@ -184,7 +184,8 @@ def _save_strategy(args):
 def _load_strategy(args):
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=bool(args.stream_ckpt_dequant))
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=bool(args.stream_ckpt_dequant),
+                                            stream_ckpt_dequant_chunk_mb=args.stream_ckpt_dequant_chunk_mb)
     if args.ckpt_fully_parallel_load:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 

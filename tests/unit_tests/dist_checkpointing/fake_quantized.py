@@ -9,6 +9,20 @@ and a ``_quantizer`` with ``scale``, ``amax`` and ``amax_history``. Modes:
   amax in the history (rolls it and writes row 0, as TE's cast + recipe bookkeeping would). ``update_scale()`` is the
   recipe step: scale = FP8_MAX / max(amax_history).
 - ``"tensorwise"``: copy_ computes the scale from the source's own amax at copy_ time (current scaling); no history.
+- ``"mxfp8"``: 1x32 blocks along the last axis (rowwise ``_scale_inv`` [rows, ceil(cols/32)], powers of two) plus
+  columnwise data quantized in 32x1 blocks (``_columnwise_data`` [rows, cols], ``_columnwise_scale_inv``
+  [ceil(rows/32), cols]), like TE's MXFP8Tensor.
+- ``"blockwise"``: 128x128 blocks (``_scale_inv`` [ceil(rows/128), ceil(cols/128)], scale = FP8_MAX / block amax)
+  plus the transposed columnwise copy (``_columnwise_data`` [cols, rows], ``_columnwise_scale_inv`` its blocks),
+  like TE's Float8BlockwiseQTensor with 2-D scaling.
+Per-tensor modes may carry a ``_transpose`` cache ([cols, rows] FP8, ``with_transpose=True``), like TE's
+Float8Tensor.
+
+The chunked streaming protocol (``megatron.core.fp8_utils.quantize_rows_into``): ``chunk_row_multiple`` (1, 32,
+128) and ``quantize_rows_(row_start, src2d, amax)``, which encodes only the given rows (tensorwise: with the scale of
+the given whole-tensor amax) into the tensor's buffers, refusing a range not aligned to the blocks;
+``finish_rows_quantize_()`` recomputes the transpose cache. So chunked == whole-tensor quantize can be checked
+bit for bit on CPU.
 
 Ops: ``dequantize``, ``copy_`` (quantizes into this tensor), ``view`` and ``detach`` (stay quantized, share data and
 quantizer, no dequantize); any other op dequantizes its quantized arguments and runs on plain tensors (in-place ops
@@ -22,13 +36,63 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 aten = torch.ops.aten
+MODES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+PER_TENSOR = ("delayed", "tensorwise")
+BLOCK = {"mxfp8": 32, "blockwise": 128}
+
+
+def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
+    extra = (-x.shape[dim]) % mult
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _mx_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """A power of two >= amax / FP8_MAX per block (E8M0-like); 1 for an all-zero block."""
+    out = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    return torch.where(amax > 0, out, torch.ones_like(out))
+
+
+def _block_scale(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
+
+
+def encode_mxfp8(x: torch.Tensor):
+    """float32 [r, c] -> (data, scale_inv [r, ceil(c/32)], col_data, col_scale_inv [ceil(r/32), c])."""
+    r, c = x.shape
+    xr = _pad_to(x, 1, 32).reshape(r, -1, 32)
+    s_inv = _mx_scale_inv(xr.abs().amax(-1))
+    data = _to_fp8(xr / s_inv.unsqueeze(-1)).reshape(r, -1)[:, :c]
+    xc = _pad_to(x, 0, 32).reshape(-1, 32, c)
+    cs_inv = _mx_scale_inv(xc.abs().amax(1))
+    col = _to_fp8(xc / cs_inv.unsqueeze(1)).reshape(-1, c)[:r]
+    return data, s_inv, col, cs_inv
+
+
+def encode_blockwise(x: torch.Tensor):
+    """float32 [r, c] -> (data, scale_inv [ceil(r/128), ceil(c/128)], col_data [c, r], col_scale_inv)."""
+    r, c = x.shape
+    xp = _pad_to(_pad_to(x, 0, 128), 1, 128)
+    br, bc = xp.shape[0] // 128, xp.shape[1] // 128
+    blocks = xp.reshape(br, 128, bc, 128)
+    scale = _block_scale(blocks.abs().amax(dim=(1, 3)))
+    q = _to_fp8(blocks * scale[:, None, :, None]).reshape(xp.shape)[:r, :c]
+    s_inv = 1.0 / scale
+    return q, s_inv, q.t().contiguous(), s_inv.t().contiguous()
 
 
 class FakeQuantizer:
     """Per-tensor quantizer state (shared by views of a tensor, like TE's quantizer)."""
 
     def __init__(self, mode: str, history_len: int = 4, device="cpu"):
-        if mode not in ("delayed", "tensorwise"):
+        if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self.mode = mode
         self.scale = torch.ones(1, dtype=torch.float32, device=device)
@@ -49,16 +113,30 @@ class FakeQuantizedTensor(torch.Tensor):
     quantize_calls = 0
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, quantizer: FakeQuantizer, dtype=torch.bfloat16):
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, quantizer: FakeQuantizer, dtype=torch.bfloat16,
+                extra=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
         )
 
-    def __init__(self, data, scale_inv, quantizer, dtype=torch.bfloat16):
+    def __init__(self, data, scale_inv, quantizer, dtype=torch.bfloat16, extra=None):
         assert data.dtype == FP8_DTYPE
         self._data = data
-        self._scale_inv = scale_inv  # 1-element float32: x ~= q * scale_inv
+        self._scale_inv = scale_inv  # per-tensor: 1-element float32, x ~= q * scale_inv; block modes: per block
         self._quantizer = quantizer
+        # block modes: _columnwise_data / _columnwise_scale_inv; per-tensor: optional _transpose (None if absent)
+        self._extra = dict(extra or {})
+        self._transpose = self._extra.get("_transpose")
+        self._columnwise_data = self._extra.get("_columnwise_data")
+        self._columnwise_scale_inv = self._extra.get("_columnwise_scale_inv")
+
+    @property
+    def chunk_row_multiple(self) -> int:
+        return BLOCK.get(self._quantizer.mode, 1)
+
+    def _rows_cols(self):
+        c = self._data.shape[-1] if self._data.dim() else 1
+        return (self._data.numel() // c if c else 0), c
 
     # ---- protocol ------------------------------------------------------------------------------------------
     @property
@@ -67,11 +145,69 @@ class FakeQuantizedTensor(torch.Tensor):
 
     @property
     def scale_inv(self) -> float:
-        return float(self._scale_inv)
+        return float(self._scale_inv) if self._scale_inv.numel() == 1 else float(self._scale_inv.max())
 
     def dequantize(self, dtype=None) -> torch.Tensor:
         FakeQuantizedTensor.dequantize_calls += 1
-        return (self._data.to(torch.float32) * self._scale_inv).to(dtype or self.dtype)
+        mode = self._quantizer.mode
+        if mode in PER_TENSOR:
+            return (self._data.to(torch.float32) * self._scale_inv).to(dtype or self.dtype)
+        r, c = self._rows_cols()
+        g = BLOCK[mode]
+        q = self._data.reshape(r, c).to(torch.float32)
+        if mode == "mxfp8":
+            s_inv = self._scale_inv.repeat_interleave(g, 1)[:, :c]
+        else:
+            s_inv = self._scale_inv.repeat_interleave(g, 0).repeat_interleave(g, 1)[:r, :c]
+        return (q * s_inv).reshape(self.shape).to(dtype or self.dtype)
+
+    def _write_rows(self, r0: int, x: torch.Tensor, scale=None) -> None:
+        """Encode float32 rows ``x`` ([n, cols]) into rows [r0, r0 + n) of every buffer (per-tensor: with ``scale``)."""
+        mode = self._quantizer.mode
+        n, c = x.shape
+        r, _ = self._rows_cols()
+        if mode in PER_TENSOR:
+            q = _to_fp8(x * scale)
+            self._data.view(r, c)[r0:r0 + n].copy_(q)
+            self._scale_inv.copy_(1.0 / scale)
+            if self._transpose is not None:
+                self._transpose.view(c, r)[:, r0:r0 + n].copy_(q.t())
+            return
+        g = BLOCK[mode]
+        if r0 % g or (r0 + n != r and n % g):
+            raise ValueError(f"{mode}: rows [{r0}, {r0 + n}) are not aligned to its {g}-row blocks")
+        k = -(-n // g)
+        if mode == "mxfp8":
+            data, s_inv, col, cs_inv = encode_mxfp8(x)
+            self._data.view(r, c)[r0:r0 + n].copy_(data)
+            self._scale_inv[r0:r0 + n].copy_(s_inv)
+            self._columnwise_data.view(r, c)[r0:r0 + n].copy_(col)
+            self._columnwise_scale_inv[r0 // g:r0 // g + k].copy_(cs_inv)
+        else:
+            data, s_inv, col, cs_inv = encode_blockwise(x)
+            self._data.view(r, c)[r0:r0 + n].copy_(data)
+            self._scale_inv[r0 // g:r0 // g + k].copy_(s_inv)
+            self._columnwise_data[:, r0:r0 + n].copy_(col)
+            self._columnwise_scale_inv[:, r0 // g:r0 // g + k].copy_(cs_inv)
+
+    rows_quantize_calls = 0
+
+    def quantize_rows_(self, row_start: int, src2d: torch.Tensor, amax=None) -> None:
+        """The chunked protocol: quantize ``src2d`` into rows [row_start, row_start + n) only."""
+        FakeQuantizedTensor.rows_quantize_calls += 1
+        q = self._quantizer
+        x = src2d.detach().to(device=self._data.device, dtype=torch.float32)
+        scale = None
+        if q.mode == "tensorwise":
+            amax = amax.to(torch.float32).reshape(())
+            scale = (FP8_MAX / amax if float(amax) > 0 else torch.ones(())).reshape(1).to(torch.float32)
+            q.scale.copy_(scale)
+        elif q.mode == "delayed":
+            scale = q.scale.clone()
+        self._write_rows(row_start, x, scale)
+
+    def finish_rows_quantize_(self) -> None:
+        pass  # _write_rows keeps the transpose in step (TE recomputes it here: fp8_utils.finish_rows_quantize)
 
     def _quantize_from(self, src: torch.Tensor) -> None:
         """Quantize ``src`` (plain) into this tensor's data, the way the mode says."""
@@ -79,13 +215,15 @@ class FakeQuantizedTensor(torch.Tensor):
         q = self._quantizer
         src = src.detach().to(device=self._data.device, dtype=torch.float32).reshape(self._data.shape)
         amax = src.abs().max() if src.numel() else torch.zeros((), device=src.device)
+        if q.mode in BLOCK:
+            self._write_rows(0, src.reshape(self._rows_cols()))
+            return
         if q.mode == "tensorwise":
             scale = FP8_MAX / amax if float(amax) > 0 else torch.ones((), device=src.device)
             scale = scale.reshape(1).to(torch.float32)
         else:
             scale = q.scale.clone()
-        self._data.copy_((src * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
-        self._scale_inv.copy_(1.0 / scale)
+        self._write_rows(0, src.reshape(self._rows_cols()), scale)
         if q.mode == "delayed":  # record the amax like TE's cast does (history roll + row 0)
             q.amax_history.copy_(torch.roll(q.amax_history, 1))
             q.amax_history[0] = amax
@@ -93,20 +231,32 @@ class FakeQuantizedTensor(torch.Tensor):
             q.scale.copy_(scale)
 
     @classmethod
-    def quantize(cls, src: torch.Tensor, mode: str, dtype=torch.bfloat16, history_len: int = 4):
+    def quantize(cls, src: torch.Tensor, mode: str, dtype=torch.bfloat16, history_len: int = 4,
+                 with_transpose: bool = False):
         """A new quantized tensor holding ``src`` (delayed: scale first set from the source's amax, like a warmed-up
-        recipe, then history holds that amax)."""
+        recipe, then history holds that amax). ``with_transpose``: per-tensor modes keep a ``_transpose`` cache."""
         q = FakeQuantizer(mode, history_len, device=src.device)
         if mode == "delayed":
             amax = float(src.detach().abs().max()) if src.numel() else 0.0
             q.amax_history.fill_(amax)
             q.update_scale()
-        out = cls(
-            torch.empty(src.shape, dtype=FP8_DTYPE, device=src.device),
-            torch.ones(1, dtype=torch.float32, device=src.device),
-            q,
-            dtype=dtype,
-        )
+        dev = src.device
+        c = src.shape[-1] if src.dim() else 1
+        r = src.numel() // c if c else 0
+        extra = {}
+        if mode in PER_TENSOR:
+            scale_inv = torch.ones(1, dtype=torch.float32, device=dev)
+            if with_transpose:
+                extra["_transpose"] = torch.empty(c, r, dtype=FP8_DTYPE, device=dev)
+        elif mode == "mxfp8":
+            scale_inv = torch.ones(r, -(-c // 32), dtype=torch.float32, device=dev)
+            extra["_columnwise_data"] = torch.empty(src.shape, dtype=FP8_DTYPE, device=dev)
+            extra["_columnwise_scale_inv"] = torch.ones(-(-r // 32), c, dtype=torch.float32, device=dev)
+        else:
+            scale_inv = torch.ones(-(-r // 128), -(-c // 128), dtype=torch.float32, device=dev)
+            extra["_columnwise_data"] = torch.empty(c, r, dtype=FP8_DTYPE, device=dev)
+            extra["_columnwise_scale_inv"] = torch.ones(-(-c // 128), -(-r // 128), dtype=torch.float32, device=dev)
+        out = cls(torch.empty(src.shape, dtype=FP8_DTYPE, device=dev), scale_inv, q, dtype=dtype, extra=extra)
         out._quantize_from(src)
         return out
 
@@ -122,18 +272,24 @@ class FakeQuantizedTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is aten.detach.default:
             t = args[0]
-            return cls(t._data, t._scale_inv, t._quantizer, dtype=t.dtype)
+            return cls(t._data, t._scale_inv, t._quantizer, dtype=t.dtype, extra=t._extra)
         if func is aten.view.default:
             t, shape = args[0], args[1]
             if cls.view_keeps_ndim_only and len(shape) != t.dim():
                 raise NotImplementedError("Changing shape with view not implemented")  # like TE's blockwise
-            return cls(t._data.view(shape), t._scale_inv, t._quantizer, dtype=t.dtype)
+            if t._quantizer.mode in BLOCK and tuple(shape)[-1:] != tuple(t.shape)[-1:]:
+                raise RuntimeError("a block-scaled tensor cannot change its last axis by view")  # like TE's MXFP8
+            extra = {k: v for k, v in t._extra.items() if k != "_transpose"}  # like TE: a view drops the transpose
+            return cls(t._data.view(shape), t._scale_inv, t._quantizer, dtype=t.dtype, extra=extra)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             if isinstance(dst, cls):
                 if isinstance(src, cls):  # quantized -> quantized: copy the encoding
                     dst._data.copy_(src._data.view(dst._data.shape))
                     dst._scale_inv.copy_(src._scale_inv)
+                    for k, v in dst._extra.items():
+                        if k in src._extra:
+                            v.copy_(src._extra[k])
                 else:
                     dst._quantize_from(src)
                 return dst

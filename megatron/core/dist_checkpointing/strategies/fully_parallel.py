@@ -232,6 +232,14 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         self.base_strategy.stream_ckpt_dequant = value
 
     @property
+    def stream_ckpt_dequant_chunk_mb(self) -> float:
+        return getattr(self.base_strategy, "stream_ckpt_dequant_chunk_mb", 0)
+
+    @stream_ckpt_dequant_chunk_mb.setter
+    def stream_ckpt_dequant_chunk_mb(self, value: float):
+        self.base_strategy.stream_ckpt_dequant_chunk_mb = value
+
+    @property
     def can_handle_sharded_objects(self):
         return self.base_strategy.can_handle_sharded_objects
 

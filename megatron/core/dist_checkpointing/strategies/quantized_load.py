@@ -14,6 +14,21 @@ Two paths, chosen by ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``):
   (``untyped_storage().resize_(0)``, so a view the reader still holds does not keep it alive). DCP reads the items
   of one file destination by destination, so about one scratch is alive: peak about 2 bytes x max(numel).
 
+Chunked streaming (``stream_chunk_bytes``, ``--stream-ckpt-dequant-chunk-mb``, default 64 MiB): a quantized destination
+whose high-precision bytes exceed the chunk, and whose kind has a row-range quantize (``fp8_utils.chunk_row_multiple``:
+delayed, tensorwise, MXFP8, blockwise), never gets a whole scratch. Its leading axis (of the original tensor, after
+any prepended axes) is cut into chunks of ``chunk_len`` indices, aligned to the kind's scaling blocks, each at most
+``stream_chunk_bytes`` of high-precision scratch plus the adapter's temporaries. ``resolve_tensor`` hands DCP a
+``_CaptureTarget`` (a storage-free tensor whose ``copy_`` records the source the reader loaded, zero copy);
+``commit_tensor`` cuts that source along the leading axis into the chunks it covers (a read item may cover several
+chunks or part of one: resharding) and keeps the pieces (host memory the reader already allocated; a piece of a much
+larger saved item is cloned so the item is not kept alive). When all bytes of a chunk landed, the chunk's scratch is
+filled from its pieces, quantized into the destination's rows (``fp8_utils.quantize_rows_into``) and freed. For
+tensorwise scaling the scale needs the whole tensor's amax: a completed chunk only contributes its amax (scratch
+filled, amax taken, freed) and keeps its pieces; once every chunk landed, each is filled again and quantized with the
+whole tensor's amax, bit-identical to one whole-tensor quantize. Peak scratch: one chunk. Destinations up to one
+chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
+
 Prepended singleton axes (``prepend_axis_num``): the strategy gives DCP ``view_keeping_base(data, shape)``; the
 planner quantizes into that base (a TE Float8Tensor view that adds axes drops the cached transpose, so quantizing into
 the view would leave the original's transpose stale), and ``strip_prepended_axes`` / the strategy's unwrap hand the
@@ -22,7 +37,8 @@ base back. Where a quantized tensor cannot add axes by view at all (TE blockwise
 All knowledge of quantized tensors is in ``megatron.core.fp8_utils``; plain destinations get DCP's default behaviour.
 """
 import logging
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -35,6 +51,10 @@ from ..core import CheckpointingException
 logger = logging.getLogger(__name__)
 
 DestKey = Tuple[str, Optional[Tuple[int, ...]]]
+
+DEFAULT_STREAM_CHUNK_MB = 64
+MiB = 2**20
+aten = torch.ops.aten
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -160,6 +180,70 @@ class _Scratch:
         self.dest, self.buf, self.nbytes = dest, buf, _nbytes(buf)
 
 
+class _CaptureTarget(torch.Tensor):
+    """What ``resolve_tensor`` gives DCP for a chunked destination: a storage-free tensor of the read item's shape
+    whose ``copy_(src)`` records ``src`` (the reader's loaded tensor) in ``capture`` instead of copying it; its
+    ``detach`` shares the record. Anything else is refused with a clear error (a reader that writes into the
+    target some other way cannot use the chunked path: set the chunk size to 0)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape, dtype, capture: list, what: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device="cpu", requires_grad=False)
+        t.capture, t.what = capture, what
+        return t
+
+    def __init__(self, shape, dtype, capture: list, what: str):
+        pass
+
+    def __repr__(self):
+        return f"_CaptureTarget({self.what}, shape={tuple(self.shape)})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        t = args[0] if args else None
+        if func is aten.detach.default:
+            return cls(t.shape, t.dtype, t.capture, t.what)
+        if func is aten.copy_.default and isinstance(t, cls) and not isinstance(args[1], cls):
+            src = args[1]
+            if tuple(src.shape) != tuple(t.shape):
+                raise CheckpointingException(f"{t.what}: read a tensor of shape {tuple(src.shape)} into a read item "
+                                             f"of shape {tuple(t.shape)}")
+            t.capture.append(src)
+            return t
+        what = t.what if isinstance(t, cls) else "?"
+        raise CheckpointingException(
+            f"{what}: the chunked streaming load only accepts copy_ into its read target, got {func}; this storage "
+            "reader writes read items another way (use --stream-ckpt-dequant-chunk-mb 0 for whole-tensor scratches)"
+        )
+
+
+class _ChunkedDest:
+    """Bookkeeping of one chunked quantized destination (see the module docstring)."""
+
+    def __init__(self, key: DestKey, dest: torch.Tensor, lead: int, chunk_len: int):
+        self.key, self.dest, self.lead, self.chunk_len = key, dest, lead, chunk_len
+        self.dim0 = int(dest.shape[0])
+        self.inner = math.prod(int(d) for d in dest.shape[1:])  # elements per leading index
+        self.rows_per_index = self.inner // int(dest.shape[-1])
+        self.n_chunks = -(-self.dim0 // chunk_len)
+        self.pieces: Dict[int, List[Tuple[Tuple[int, ...], torch.Tensor]]] = {}
+        self.landed: Dict[int, int] = {}
+        self.done = 0  # chunks quantized (or, tensorwise, whose amax is in)
+        self.whole_amax = fp8_utils.needs_whole_tensor_amax(dest)
+        self.amax: Optional[torch.Tensor] = None
+        self.snap = fp8_utils.snapshot_amax(dest)
+        self.hp = fp8_utils.high_precision_dtype(dest)
+
+    def chunk_bounds(self, i: int) -> Tuple[int, int]:
+        return i * self.chunk_len, min((i + 1) * self.chunk_len, self.dim0)
+
+    def chunk_numel(self, i: int) -> int:
+        a, b = self.chunk_bounds(i)
+        return (b - a) * self.inner
+
+
 class QuantizedLoadPlannerMixin:
     """Mixed into MCoreLoadPlanner before DCP's DefaultLoadPlanner: ``class MCoreLoadPlanner(QuantizedLoadPlannerMixin,
     DefaultLoadPlanner)``. With ``stream_ckpt_dequant=False`` it changes nothing.
@@ -171,14 +255,20 @@ class QuantizedLoadPlannerMixin:
     ``quantized_destinations_committed`` counts destinations quantized (once each).
     """
 
-    def __init__(self, *args, stream_ckpt_dequant: bool = False, **kwargs):
+    def __init__(self, *args, stream_ckpt_dequant: bool = False,
+                 stream_chunk_bytes: Optional[int] = DEFAULT_STREAM_CHUNK_MB * MiB, **kwargs):
         super().__init__(*args, **kwargs)
         self.stream_ckpt_dequant = stream_ckpt_dequant
+        if stream_chunk_bytes is not None and stream_chunk_bytes < 0:
+            raise CheckpointingException(f"stream_chunk_bytes must be >= 0 (0: no chunking), got {stream_chunk_bytes}")
+        self.stream_chunk_bytes = int(stream_chunk_bytes or 0)
         self._reset_quantized_state()
 
     def _reset_quantized_state(self) -> None:
         self._quantized_pending: Dict[DestKey, int] = {}
         self._quantized_scratch: Dict[DestKey, _Scratch] = {}
+        self._chunked: Dict[DestKey, _ChunkedDest] = {}
+        self.chunked_destinations_committed = 0
         self.scratch_bytes_live = 0
         self.scratch_bytes_peak = 0
         self.quantized_destinations_committed = 0
@@ -203,10 +293,37 @@ class QuantizedLoadPlannerMixin:
                 key = self._dest_key(item.dest_index)
                 if key in pending:
                     pending[key] += 1
-                elif self._is_quantized_destination(self.lookup_tensor(item.dest_index)):
+                    continue
+                dest = self.lookup_tensor(item.dest_index)
+                if self._is_quantized_destination(dest):
                     pending[key] = 1
+                    chunked = self._chunked_destination(key, dest)
+                    if chunked is not None:
+                        self._chunked[key] = chunked
             self._quantized_pending = pending
         return plan
+
+    def _chunked_destination(self, key: DestKey, dest) -> Optional[_ChunkedDest]:
+        """A _ChunkedDest when ``dest`` (as DCP sees it) takes the chunked path, else None."""
+        if not self.stream_chunk_bytes:
+            return None
+        base = quantized_base(dest)
+        base = dest if base is None else base
+        lead = dest.dim() - base.dim()
+        if lead < 0 or tuple(dest.shape[lead:]) != tuple(base.shape) or any(int(d) != 1 for d in dest.shape[:lead]):
+            return None
+        mult = fp8_utils.chunk_row_multiple(base)
+        if mult is None or base.numel() == 0:
+            return None
+        hp_bytes = torch.empty((), dtype=fp8_utils.high_precision_dtype(base)).element_size()
+        if base.numel() * hp_bytes <= self.stream_chunk_bytes:
+            return None  # fits one chunk: today's whole-destination scratch
+        inner = math.prod(int(d) for d in base.shape[1:])
+        rows_per_index = inner // int(base.shape[-1])
+        step = mult // math.gcd(mult, rows_per_index)  # leading indices per aligned unit
+        per_index = inner * (hp_bytes + fp8_utils.chunk_extra_bytes_per_element(base))
+        chunk_len = max(step, (self.stream_chunk_bytes // per_index) // step * step)
+        return _ChunkedDest(key, base, lead, min(chunk_len, int(base.shape[0])))
 
     @staticmethod
     def _is_quantized_destination(dest) -> bool:
@@ -218,6 +335,9 @@ class QuantizedLoadPlannerMixin:
         key = self._dest_key(read_item.dest_index)
         if key not in self._quantized_pending:
             return super().resolve_tensor(read_item)  # plain destination: DCP's default
+        chunked = self._chunked.get(key)
+        if chunked is not None:
+            return _CaptureTarget(read_item.lengths, chunked.hp, [], f"{key[0]} (offset {key[1]})")
         scratch = self._quantized_scratch.get(key)
         if scratch is None:
             dest = self.lookup_tensor(read_item.dest_index)
@@ -232,6 +352,14 @@ class QuantizedLoadPlannerMixin:
     def commit_tensor(self, read_item, tensor):
         if self.stream_ckpt_dequant:
             key = self._dest_key(read_item.dest_index)
+            chunked = self._chunked.get(key)
+            if chunked is not None and key in self._quantized_pending:
+                self._commit_chunked(chunked, read_item, tensor)
+                self._quantized_pending[key] -= 1
+                if self._quantized_pending[key] == 0:
+                    del self._quantized_pending[key]
+                    self._finish_chunked(chunked)
+                return
             if key in self._quantized_pending:
                 if key not in self._quantized_scratch:
                     raise CheckpointingException(
@@ -264,15 +392,87 @@ class QuantizedLoadPlannerMixin:
         # Free the memory now: the reader may still hold a narrowed view of ``buf`` until its next item.
         buf.untyped_storage().resize_(0)
 
+    # ---- chunked internals ---------------------------------------------------------------------------------
+    def _commit_chunked(self, c: _ChunkedDest, read_item, target) -> None:
+        capture = getattr(target, "capture", None)
+        if not isinstance(target, _CaptureTarget) or len(capture) != 1:
+            raise CheckpointingException(
+                f"{c.key[0]}: read item committed without exactly one copy_ into its chunked target "
+                f"({0 if capture is None else len(capture)} seen)"
+            )
+        src = capture.pop()
+        offs = [int(o) for o in read_item.dest_offsets][c.lead:]
+        lens = [int(n) for n in read_item.lengths][c.lead:]
+        src = src.reshape(lens)
+        o0 = offs[0]
+        for i in range(o0 // c.chunk_len, -(-(o0 + lens[0]) // c.chunk_len)):
+            a, b = c.chunk_bounds(i)
+            lo, hi = max(a, o0), min(b, o0 + lens[0])
+            if lo >= hi:
+                continue
+            piece = src.narrow(0, lo - o0, hi - lo)
+            if piece.untyped_storage().nbytes() > 2 * _nbytes(piece):
+                piece = piece.clone()  # do not keep a much larger loaded item alive
+            c.pieces.setdefault(i, []).append(((lo - a,) + tuple(offs[1:]), piece))
+            c.landed[i] = c.landed.get(i, 0) + piece.numel()
+            if c.landed[i] > c.chunk_numel(i):
+                raise CheckpointingException(f"{c.key[0]}: read items overlap in chunk {i} (rows {a}..{b})")
+            if c.landed[i] == c.chunk_numel(i):
+                self._chunk_complete(c, i)
+
+    def _fill_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
+        a, b = c.chunk_bounds(i)
+        buf = torch.empty((b - a,) + tuple(c.dest.shape[1:]), dtype=c.hp, device=c.dest.device)
+        self.scratch_bytes_live += _nbytes(buf)
+        self.scratch_bytes_peak = max(self.scratch_bytes_peak, self.scratch_bytes_live)
+        for offsets, piece in c.pieces[i]:
+            _narrow(buf, offsets, piece.shape).copy_(piece)
+        return buf
+
+    def _free_chunk(self, buf: torch.Tensor) -> None:
+        self.scratch_bytes_live -= _nbytes(buf)
+        buf.untyped_storage().resize_(0)
+
+    def _quantize_chunk(self, c: _ChunkedDest, i: int) -> None:
+        buf = self._fill_chunk(c, i)
+        fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, c.amax)
+        self._free_chunk(buf)
+        del c.pieces[i]
+
+    def _chunk_complete(self, c: _ChunkedDest, i: int) -> None:
+        c.done += 1
+        if not c.whole_amax:
+            self._quantize_chunk(c, i)
+            return
+        buf = self._fill_chunk(c, i)  # first pass: the chunk's amax only; its pieces stay (host) for the second
+        m = fp8_utils.amax_of(buf)
+        c.amax = m if c.amax is None else torch.maximum(c.amax, m)
+        self._free_chunk(buf)
+
+    def _finish_chunked(self, c: _ChunkedDest) -> None:
+        if c.done != c.n_chunks:
+            raise CheckpointingException(
+                f"{c.key[0]}: all read items committed but only {c.done} of {c.n_chunks} chunks complete"
+            )
+        if c.whole_amax:
+            for i in sorted(c.pieces):
+                self._quantize_chunk(c, i)
+        fp8_utils.finish_rows_quantize(c.dest)
+        fp8_utils.restore_amax(c.dest, c.snap)
+        del self._chunked[c.key]
+        self.quantized_destinations_committed += 1
+        self.chunked_destinations_committed += 1
+
     def finish_quantized_load(self) -> None:
         """Call after the read. Raises CheckpointingException naming the keys of quantized destinations that did
         not get all of their read items (their scratches are freed, the destinations are left untouched)."""
         if not self.stream_ckpt_dequant:
             return
-        incomplete = sorted(set(self._quantized_pending) | set(self._quantized_scratch), key=str)
+        incomplete = sorted(set(self._quantized_pending) | set(self._quantized_scratch) | set(self._chunked), key=str)
         for key in list(self._quantized_scratch):
             self._release(key).buf.untyped_storage().resize_(0)
         self._quantized_pending = {}
+        self._chunked = {}
         if incomplete:
             raise CheckpointingException(
                 "streaming load into quantized destinations did not complete for "
@@ -281,4 +481,5 @@ class QuantizedLoadPlannerMixin:
             )
 
     def quantized_load_state_is_empty(self) -> bool:
-        return not self._quantized_pending and not self._quantized_scratch and self.scratch_bytes_live == 0
+        return (not self._quantized_pending and not self._quantized_scratch and not self._chunked
+                and self.scratch_bytes_live == 0)

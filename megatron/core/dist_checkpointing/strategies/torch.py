@@ -43,7 +43,14 @@ from ..dict_utils import nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
 from .filesystem import ChecksummedFileSystemReader, ChecksummedFileSystemWriter, read_dcp_metadata_file
-from .quantized_load import QuantizedLoadPlannerMixin, dequantize_upfront, quantized_base, view_keeping_base
+from .quantized_load import (
+    DEFAULT_STREAM_CHUNK_MB,
+    MiB,
+    QuantizedLoadPlannerMixin,
+    dequantize_upfront,
+    quantized_base,
+    view_keeping_base,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -533,16 +540,24 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     load of the same directory and ``checkpoint_name`` (do not set it if a directory may be rewritten in between).
     ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``, keyword-only, default off: this fork's choice): quantized
     destinations are filled through the load planner one scratch at a time instead of being dequantized upfront (see
-    ``strategies/quantized_load.py``).
+    ``strategies/quantized_load.py``); ``stream_ckpt_dequant_chunk_mb`` (``--stream-ckpt-dequant-chunk-mb``, default
+    64) bounds that scratch for larger destinations (0: one scratch of the whole destination).
     """
 
     def __init__(
-        self, cache_metadata: bool = False, checkpoint_name: Optional[str] = None, *, stream_ckpt_dequant: bool = False
+        self, cache_metadata: bool = False, checkpoint_name: Optional[str] = None, *, stream_ckpt_dequant: bool = False,
+        stream_ckpt_dequant_chunk_mb: float = DEFAULT_STREAM_CHUNK_MB,
     ):
         super().__init__()
         self.cache_metadata = cache_metadata
         self.checkpoint_name = checkpoint_name
         self.stream_ckpt_dequant = stream_ckpt_dequant
+        if not stream_ckpt_dequant_chunk_mb >= 0:
+            raise CheckpointingException(
+                f"stream_ckpt_dequant_chunk_mb (--stream-ckpt-dequant-chunk-mb) must be >= 0, got "
+                f"{stream_ckpt_dequant_chunk_mb}"
+            )
+        self.stream_ckpt_dequant_chunk_mb = stream_ckpt_dequant_chunk_mb
         self.cached_global_metadata: Optional[Metadata] = None
         self._cached_metadata_for: Optional[Tuple[str, Optional[str]]] = None
 
@@ -788,6 +803,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             shapes_validation_sharded_tensors=tuple(validate),
             allow_shape_mismatch_sharded_tensors=allow_mismatch,
             stream_ckpt_dequant=self.stream_ckpt_dequant,
+            stream_chunk_bytes=int(self.stream_ckpt_dequant_chunk_mb * MiB),
         )
         reader = _reader(checkpoint_dir)
         _run_dcp(dcp_load, "load", checkpoint_dir, metadata, pyt_state_dict, storage_reader=reader, planner=planner)

@@ -1,0 +1,296 @@
+"""--stream-ckpt-dequant with a fixed chunk (``--stream-ckpt-dequant-chunk-mb``): constant-memory streaming load.
+
+Destinations are ``FakeQuantizedTensor`` of all four chunkable kinds (delayed, tensorwise, mxfp8 with 32-row column
+blocks, blockwise 128x128 with a transposed columnwise copy; per-tensor kinds with a transpose cache), bigger than the
+chunk. Checked: the chunked load gives exactly the bytes (data, scales, columnwise data/scales, transpose) of one
+whole-tensor quantize of the saved values, tensorwise included (its rows differ in magnitude by 10^4, so a per-chunk
+scale would differ); no dequantize and no whole-tensor quantize happen; the live scratch never exceeds the chunk;
+delayed-scaling amax history/scale come back exactly; resharded loads (1 -> 2 ranks, 2 -> 1 along columns, 4 -> 1/2
+with read items straddling chunk boundaries) and a stacked-layer key (prepended layer axis, also for a tensor whose
+view cannot add axes) stay exact; the knob defaults to 64 MiB and the flag to off; 0 gives the whole scratch; bad
+values and misaligned row ranges are refused by name.
+"""
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from megatron.core import dist_checkpointing, fp8_utils
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import quantized_load
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+from megatron.core.dist_checkpointing.strategies.quantized_load import (
+    CheckpointingException,
+    QuantizedLoadPlannerMixin,
+)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor
+from tests.unit_tests.dist_utils import run_distributed
+
+KINDS = ("delayed", "tensorwise", "mxfp8", "blockwise")
+CHUNK = 64 * 1024  # bytes of bf16 scratch: 128 rows of 256 columns
+SENTINEL = (7.25, 3.5, 9.75, 5.0)
+
+
+def _full(rows=1000, cols=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g) * torch.logspace(-2, 2, rows).reshape(-1, 1)
+    return t.to(torch.bfloat16)
+
+
+def _dest(like: torch.Tensor, kind: str, ref_amax: float) -> FakeQuantizedTensor:
+    d = FakeQuantizedTensor.quantize(torch.randn(like.shape).to(torch.bfloat16) * 0.01, kind,
+                                     with_transpose=kind in ("delayed", "tensorwise"))
+    if kind == "delayed":
+        d._quantizer.amax_history.copy_(torch.tensor(SENTINEL) * ref_amax / max(SENTINEL))
+        d._quantizer.update_scale()
+    return d
+
+
+def _buffers(t: FakeQuantizedTensor):
+    out = {"data": t._data.view(torch.uint8), "scale_inv": t._scale_inv}
+    for k, v in t._extra.items():
+        out[k] = v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
+    return out
+
+
+def _assert_whole_equal(dest: FakeQuantizedTensor, values: torch.Tensor, kind: str, scale=None, what=""):
+    """``dest`` holds exactly the bytes of one whole-tensor quantize of ``values`` (delayed: with ``scale``)."""
+    ref = FakeQuantizedTensor.quantize(values, kind, with_transpose=dest._transpose is not None)
+    if kind == "delayed":
+        ref._quantizer.scale.copy_(scale)
+        ref._quantize_from(values)
+    got, want = _buffers(dest), _buffers(ref)
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        assert got[k].shape == want[k].shape and torch.equal(got[k], want[k]), (what, kind, k)
+
+
+class _Planner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
+    pass
+
+
+# ---- the adapter and the fake --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_quantize_equals_whole(kind):
+    x = _full(300, 96, 1)
+    whole = FakeQuantizedTensor.quantize(x, kind, with_transpose=kind in ("delayed", "tensorwise"))
+    d = _dest(x, kind, float(x.float().abs().max()))
+    if kind == "delayed":
+        d._quantizer.scale.copy_(whole._quantizer.scale)
+    mult = fp8_utils.chunk_row_multiple(d)
+    assert mult == {"mxfp8": 32, "blockwise": 128}.get(kind, 1)
+    step = 128
+    amax = fp8_utils.amax_of(x) if fp8_utils.needs_whole_tensor_amax(d) else None
+    assert (amax is not None) == (kind == "tensorwise")
+    for r0 in range(0, 300, step):
+        fp8_utils.quantize_rows_into(d, r0, x[r0:r0 + step], amax)
+    fp8_utils.finish_rows_quantize(d)
+    for k, v in _buffers(whole).items():
+        assert torch.equal(_buffers(d)[k], v), k
+    if kind in ("mxfp8", "blockwise"):
+        with pytest.raises(ValueError, match="not aligned"):
+            fp8_utils.quantize_rows_into(d, 16, x[16:48], amax)
+    if kind == "tensorwise":
+        with pytest.raises(ValueError, match="amax"):
+            fp8_utils.quantize_rows_into(d, 0, x[:128])
+        # a chunk-local amax would give another scale: the whole-tensor amax matters
+        fp8_utils.quantize_rows_into(d, 0, x[:128], fp8_utils.amax_of(x[:128]))
+        assert not torch.equal(d._scale_inv, whole._scale_inv)
+
+
+def test_plain_and_unchunkable_have_no_chunked_path():
+    assert fp8_utils.chunk_row_multiple(torch.zeros(4, 4)) is None
+    assert fp8_utils.chunk_row_multiple(FakeQuantizedTensor.quantize(torch.randn(8), "tensorwise")) is None  # 1-D
+    assert fp8_utils.chunk_extra_bytes_per_element(FakeQuantizedTensor.quantize(torch.randn(4, 4), "mxfp8")) == 0
+
+
+# ---- the planner on plain torch.distributed.checkpoint: one read item covering many chunks ---------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_planner_exact_and_bounded(tmp_path, kind):
+    full = _full()
+    dcp.save({"w": full, "plain": torch.arange(10)}, checkpoint_id=str(tmp_path), no_dist=True)
+    amax = float(full.float().abs().max())
+    dest = _dest(full, kind, amax)
+    hist, scale = dest._quantizer.amax_history.clone(), dest._quantizer.scale.clone()
+    plain = torch.zeros(10, dtype=torch.int64)
+    planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=CHUNK)
+    FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
+    FakeQuantizedTensor.rows_quantize_calls = 0
+    dcp.load({"w": dest, "plain": plain}, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
+    planner.finish_quantized_load()
+    assert planner.quantized_load_state_is_empty()
+    assert planner.chunked_destinations_committed == 1 and planner.quantized_destinations_committed == 1
+    assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0
+    assert FakeQuantizedTensor.rows_quantize_calls == 8  # 1000 rows in chunks of 128 (the last 104)
+    assert 0 < planner.scratch_bytes_peak <= CHUNK
+    assert planner.scratch_bytes_peak < full.numel() * 2 / 7
+    assert torch.equal(plain, torch.arange(10))
+    if kind == "delayed":
+        assert torch.equal(dest._quantizer.amax_history, hist) and torch.equal(dest._quantizer.scale, scale)
+    _assert_whole_equal(dest, full, kind, scale, "plain dcp")
+
+
+def test_peak_bounded_for_a_large_destination(tmp_path):
+    full = _full(4096, 512, 2)  # 4 MiB of bf16, 64 chunks of 64 KiB
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    peaks = {}
+    for chunk in (CHUNK, 0):
+        dest = FakeQuantizedTensor.quantize(torch.zeros(4096, 512, dtype=torch.bfloat16), "tensorwise")
+        planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=chunk)
+        dcp.load({"w": dest}, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
+        planner.finish_quantized_load()
+        peaks[chunk] = planner.scratch_bytes_peak
+        _assert_whole_equal(dest, full, "tensorwise", what=f"chunk={chunk}")
+    assert peaks[CHUNK] == CHUNK  # 64 rows x 512 x 2 bytes
+    assert peaks[0] == full.numel() * 2  # 0: today's whole-destination scratch
+
+
+def test_small_destination_keeps_whole_path(tmp_path):
+    full = _full(64, 256)  # 32 KiB < chunk
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    dest = FakeQuantizedTensor.quantize(torch.zeros(64, 256, dtype=torch.bfloat16), "blockwise")
+    planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=CHUNK)
+    FakeQuantizedTensor.quantize_calls = FakeQuantizedTensor.rows_quantize_calls = 0
+    dcp.load({"w": dest}, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
+    planner.finish_quantized_load()
+    assert planner.chunked_destinations_committed == 0 and FakeQuantizedTensor.quantize_calls == 1
+    assert FakeQuantizedTensor.rows_quantize_calls == 0 and planner.scratch_bytes_peak == full.numel() * 2
+    _assert_whole_equal(dest, full, "blockwise")
+
+
+def test_incomplete_chunked_destination_named(tmp_path):
+    full = _full()
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "delayed")
+    planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=CHUNK)
+    reader = dcp.FileSystemReader(str(tmp_path))
+    planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
+    plan = planner.finish_plan(planner.create_local_plan())
+    target = planner.resolve_tensor(plan.items[0]).detach()
+    assert type(target).__name__ == "_CaptureTarget" and tuple(target.shape) == (1000, 256)
+    with pytest.raises(CheckpointingException, match=r"w .*only accepts copy_"):
+        target.add_(1)
+    with pytest.raises(CheckpointingException, match="w"):
+        planner.finish_quantized_load()  # resolved, never committed
+    assert planner.quantized_load_state_is_empty()
+
+
+def test_knob_defaults_and_bad_values():
+    assert TorchDistLoadShardedStrategy().stream_ckpt_dequant is False
+    assert TorchDistLoadShardedStrategy().stream_ckpt_dequant_chunk_mb == 64
+    assert torch_strategy.MCoreLoadPlanner().stream_chunk_bytes == 64 * 2**20
+    assert quantized_load.DEFAULT_STREAM_CHUNK_MB == 64
+    with pytest.raises(CheckpointingException, match="stream_ckpt_dequant_chunk_mb"):
+        TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=-1)
+    with pytest.raises(CheckpointingException, match="stream_chunk_bytes"):
+        _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=-5)
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    w = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(stream_ckpt_dequant_chunk_mb=8))
+    assert w.stream_ckpt_dequant_chunk_mb == 8
+    w.stream_ckpt_dequant_chunk_mb = 2
+    assert w.base_strategy.stream_ckpt_dequant_chunk_mb == 2
+
+
+def test_flag_registered():
+    from megatron.training import arguments
+
+    parser = arguments.get_parser()
+    assert parser.parse_args([]).stream_ckpt_dequant_chunk_mb == 64.0
+    assert parser.parse_args(["--stream-ckpt-dequant-chunk-mb", "0.5"]).stream_ckpt_dequant_chunk_mb == 0.5
+
+
+# ---- through dist_checkpointing on several gloo ranks: resharding and stacked layers ---------------------------
+def _save_body(rank, world_size, ckpt, full, axis):
+    n = full.shape[axis] // world_size
+    local = full.narrow(axis, rank * n, n).clone()
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", local, (axis, rank, world_size))}, ckpt)
+
+
+def _load_body(rank, world_size, ckpt, full, axis):
+    n = full.shape[axis] // world_size
+    local = full.narrow(axis, rank * n, n).contiguous()
+    amax = float(full.float().abs().max())
+    for kind in KINDS:
+        dest = _dest(local, kind, amax)
+        hist, scale = dest._quantizer.amax_history.clone(), dest._quantizer.scale.clone()
+        sd = {"w": ShardedTensor.from_rank_offsets("w", dest, (axis, rank, world_size))}
+        strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=CHUNK / 2**20)
+        planners = []
+        orig = QuantizedLoadPlannerMixin.__init__
+
+        def spy(p, *a, **kw):
+            orig(p, *a, **kw)
+            planners.append(p)
+
+        QuantizedLoadPlannerMixin.__init__ = spy
+        FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
+        try:
+            dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
+        finally:
+            QuantizedLoadPlannerMixin.__init__ = orig
+        assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0, kind
+        assert [p.chunked_destinations_committed for p in planners] == [1], kind
+        assert all(p.quantized_load_state_is_empty() for p in planners)
+        # the bound: one chunk, or one aligned block of rows where that is larger (blockwise: 128 rows x 512 cols)
+        bound = max(CHUNK, fp8_utils.chunk_row_multiple(dest) * local.shape[1] * 2)
+        assert 0 < planners[0].scratch_bytes_peak <= bound, kind
+        if kind == "delayed":
+            assert torch.equal(dest._quantizer.amax_history, hist) and torch.equal(dest._quantizer.scale, scale)
+        _assert_whole_equal(dest, local, kind, scale, f"rank {rank}/{world_size} axis {axis}")
+
+
+@pytest.mark.parametrize(
+    "save_ranks,load_ranks,axis,shape",
+    [
+        (1, 2, 0, (1536, 256)),  # 1 -> 2: each read item a narrow of the saved item, covering several chunks
+        (2, 1, 1, (1000, 512)),  # 2 -> 1 along columns: every chunk gets part of each of two read items
+        (4, 1, 0, (1000, 256)),  # read items of 250 rows straddle the 128-row chunks (and blockwise blocks)
+        (4, 2, 0, (1280, 256)),  # 320-row items into 640-row destinations: partial chunks on both sides
+    ],
+)
+def test_resharded_chunked_exact(tmp_path, save_ranks, load_ranks, axis, shape):
+    full = _full(*shape, seed=save_ranks * 10 + load_ranks)
+    run_distributed(_save_body, save_ranks, str(tmp_path), full, axis)
+    run_distributed(_load_body, load_ranks, str(tmp_path), full, axis)
+
+
+class _NoReshapeView(FakeQuantizedTensor):
+    view_keeps_ndim_only = True
+
+
+def _stacked_save_body(rank, world_size, ckpt, layers):
+    """Upstream's stacked layout: one key, a prepended layer axis; rank r saves layers r, r + world_size, ..."""
+    n = layers.shape[0]
+    sd = {f"l{i}": ShardedTensor.from_rank_offsets("stack", layers[i].clone(), (0, i, n), prepend_axis_num=1)
+          for i in range(rank, n, world_size)}
+    dist_checkpointing.save(sd, ckpt)
+
+
+def _stacked_load_body(rank, world_size, ckpt, layers, kind, no_reshape_view):
+    n = layers.shape[0]
+    amax = float(layers.float().abs().max())
+    dests = {}
+    for i in range(rank, n, world_size):
+        d = _dest(layers[i], kind, amax)
+        if no_reshape_view:
+            d = _NoReshapeView(d._data, d._scale_inv, d._quantizer, dtype=d.dtype, extra=d._extra)
+        dests[i] = d
+    scales = {i: d._quantizer.scale.clone() for i, d in dests.items()}
+    sd = {f"l{i}": ShardedTensor.from_rank_offsets("stack", d, (0, i, n), prepend_axis_num=1) for i, d in dests.items()}
+    FakeQuantizedTensor.dequantize_calls = 0
+    loaded = dist_checkpointing.load(
+        sd, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(stream_ckpt_dequant=True,
+                                                                stream_ckpt_dequant_chunk_mb=CHUNK / 2**20))
+    assert FakeQuantizedTensor.dequantize_calls == 0
+    for i, d in dests.items():
+        assert loaded[f"l{i}"] is d
+        _assert_whole_equal(d, layers[i], kind, scales[i], f"layer {i}")
+
+
+@pytest.mark.parametrize("kind,no_reshape_view", [("tensorwise", False), ("blockwise", True), ("mxfp8", False)])
+def test_stacked_layers_chunked(tmp_path, kind, no_reshape_view):
+    layers = torch.stack([_full(512, 256, seed=i) for i in range(4)])
+    run_distributed(_stacked_save_body, 2, str(tmp_path), layers)
+    run_distributed(_stacked_load_body, 2, str(tmp_path), layers, kind, no_reshape_view)
