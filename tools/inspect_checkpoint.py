@@ -6,18 +6,23 @@ and on upstream megatron-core's (common state inside the DCP files as ``common_s
     python tools/inspect_checkpoint.py <dir> --json     # the same as one JSON object
     python tools/inspect_checkpoint.py <dir> --all-args # every arg, not only the model-defining ones
 
-Nothing is executed from the checkpoint: the metadata is read with torch DCP, the common state and the stored
-objects with ``torch.load(weights_only=True)`` (only ``argparse.Namespace`` is allowed besides tensors and plain
-containers); an object that needs anything else is reported as unreadable, not loaded.
+Nothing is executed from the checkpoint: ``.metadata`` is read through dist_checkpointing's restricted unpickler, the
+common state and the stored objects through ``megatron.core.safe_globals.safe_torch_load`` (``weights_only=True``
+with the project's allowlist); an object that needs anything else is reported as unreadable, not loaded.
 """
 import argparse
 import io
 import json
 import os
 import sys
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's megatron
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata, read_object_bytes_local  # noqa: E402
+from megatron.core.safe_globals import safe_torch_load  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"
 UPSTREAM_COMMON_KEY = "common_state/shard_0_1"
@@ -51,45 +56,13 @@ def resolve_checkpoint_dir(path: str):
     return path, iteration
 
 
-def _safe_torch_load(data: bytes):
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
-def _read_bytes_items(ckpt_dir: str, keys) -> Dict[str, bytes]:
-    """The raw bytes of DCP bytes items (torch's default planner would unpickle them without weights_only)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    raw: Dict[str, bytes] = {}
-
-    class _RawBytesPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            raw[read_item.dest_index.fqn] = value.read()
-
-    state = {k: io.BytesIO() for k in keys}
-    if state:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed ... assuming ... a single process"
-            dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt_dir), planner=_RawBytesPlanner(), no_dist=True)
-    missing = [k for k in keys if k not in raw]
-    if missing:
-        raise ValueError(f"{ckpt_dir}: could not read the stored objects {missing[:5]}")
-    return raw
-
-
 def _describe_object(data: bytes):
+    """``{"value": obj}`` (upstream's one-element list unwrapped), or ``{"unreadable": why}`` when the safe loader
+    refuses it (nothing from it runs)."""
     try:
-        value = _safe_torch_load(data)
-    except Exception as exc:  # weights_only refused it (or it is not a torch.save): do not execute anything
-        text = str(exc)
-        marker = "Unsupported global: "
-        if marker in text:
-            needs = text.split(marker, 1)[1].split()[1] if len(text.split(marker, 1)[1].split()) > 1 else "?"
-            return {"unreadable": f"not loaded: needs {needs}, which weights_only loading does not allow"}
-        return {"unreadable": f"not loaded: {type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"}
+        value = safe_torch_load(io.BytesIO(data), what="object")
+    except CheckpointingException as exc:
+        return {"unreadable": f"not loaded: {exc}"}
     if isinstance(value, list) and len(value) == 1:  # upstream stores a ShardedObject as [obj]
         value = value[0]
     return {"value": value}
@@ -111,14 +84,13 @@ def _jsonable(x):
 
 def inspect_checkpoint(path: str, all_args: bool = False) -> dict:
     """Everything the command prints, as a dict."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     ckpt_dir, iteration = resolve_checkpoint_dir(path)
     try:
-        metadata = dcp.FileSystemReader(ckpt_dir).read_metadata()
-    except Exception as exc:
-        raise ValueError(f"{ckpt_dir}: cannot read the DCP metadata (.metadata): {exc}") from None
+        metadata = read_dcp_metadata(ckpt_dir)  # DCP's metadata classes only: nothing in it can run
+    except CheckpointingException as exc:
+        raise ValueError(str(exc)) from None
     info = {"checkpoint_dir": ckpt_dir, "iteration": iteration, "format": None, "tensors": {}, "objects": {},
             "common": None, "args": None}
     meta_json = os.path.join(ckpt_dir, "metadata.json")
@@ -137,7 +109,7 @@ def inspect_checkpoint(path: str, all_args: bool = False) -> dict:
                                     "chunks": len(md.chunks)}
         elif isinstance(md, BytesStorageMetadata):
             byte_keys.append(key)
-    raw = _read_bytes_items(ckpt_dir, byte_keys)
+    raw = read_object_bytes_local(ckpt_dir, byte_keys, metadata) if byte_keys else {}
     for key in byte_keys:
         info["objects"][key] = {"bytes": len(raw[key]), **_describe_object(raw[key])}
     common: Optional[dict] = None

@@ -259,8 +259,14 @@ def object_from_bytes(raw: bytes, what: str):
 def load_objects_local(checkpoint_dir: Union[str, Path], unique_keys) -> Dict[str, Any]:
     """{unique_key: object} for the given ShardedObject items, read by this process alone (no collective: may be
     called on one rank only)."""
+    raw = read_object_bytes_local(checkpoint_dir, unique_keys)
+    return {k: object_from_bytes(raw[k], f"{k!r} of checkpoint {checkpoint_dir}") for k in unique_keys}
+
+
+def read_object_bytes_local(checkpoint_dir: Union[str, Path], unique_keys, metadata: Optional[Metadata] = None):
+    """{unique_key: stored bytes} of object items (checksums verified, nothing unpickled), by this process alone."""
     checkpoint_dir = Path(checkpoint_dir)
-    metadata = _read_dcp_metadata(checkpoint_dir)
+    metadata = metadata or read_dcp_metadata(checkpoint_dir)
     missing = [k for k in unique_keys if not isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)]
     if missing:
         raise CheckpointingException(f"object(s) {missing} not found in checkpoint {checkpoint_dir}")
@@ -271,7 +277,7 @@ def load_objects_local(checkpoint_dir: Union[str, Path], unique_keys) -> Dict[st
     planner = MCoreLoadPlanner()
     _run_dcp(dcp_load, "load", checkpoint_dir, metadata, state, storage_reader=_reader(checkpoint_dir),
              planner=planner, no_dist=True)
-    return {k: object_from_bytes(planner.state_dict[k], f"{k!r} of checkpoint {checkpoint_dir}") for k in unique_keys}
+    return {k: planner.state_dict[k] for k in unique_keys}
 
 
 @dataclass
@@ -363,7 +369,7 @@ def _reader(checkpoint_dir: Path) -> ChecksummedFileSystemReader:
     return ChecksummedFileSystemReader(str(checkpoint_dir), safe_objects=False)
 
 
-def _read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
+def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
     path = Path(checkpoint_dir) / ".metadata"
     if not path.is_file():
         raise CheckpointingException(f"DCP metadata file {path} is missing: {checkpoint_dir} is not a torch_dist checkpoint")
@@ -567,7 +573,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         key = (str(Path(checkpoint_dir).resolve()), self.checkpoint_name)
         if self.cache_metadata and self.cached_global_metadata is not None and self._cached_metadata_for == key:
             return self.cached_global_metadata
-        metadata = _read_dcp_metadata(checkpoint_dir)
+        metadata = read_dcp_metadata(checkpoint_dir)
         self.cached_global_metadata, self._cached_metadata_for = metadata, key
         return metadata
 
@@ -586,7 +592,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     # -- metadata --
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path], metadata: Optional[Metadata] = None):
         if metadata is None:
-            metadata = _read_dcp_metadata(Path(checkpoint_dir))
+            metadata = read_dcp_metadata(Path(checkpoint_dir))
         out = {}
         for key, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -599,7 +605,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path], metadata: Optional[Metadata] = None):
         if metadata is None:
-            metadata = _read_dcp_metadata(Path(checkpoint_dir))
+            metadata = read_dcp_metadata(Path(checkpoint_dir))
         out = {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -616,7 +622,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         ``.metadata`` atomically; the data files are left as they are)."""
         checkpoint_dir = Path(checkpoint_dir)
         if _rank() == 0:
-            metadata = _read_dcp_metadata(checkpoint_dir)
+            metadata = read_dcp_metadata(checkpoint_dir)
             metadata.state_dict_metadata = {
                 k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
             }
