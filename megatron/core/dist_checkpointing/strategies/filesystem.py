@@ -350,13 +350,15 @@ class ChecksummedFileSystemReader(FileSystemReader):
             report_unverified(metadata, str(self.path))
 
     def _slice_file(self, file, sinfo):
-        """The item's bytes, read ONCE into memory and checked there (torch.load then parses the buffer, not the file:
-        no second pass over the file); items without a checksum are read as torch does."""
         expected = getattr(sinfo, CHECKSUM_ATTR, None)
-        if expected is None:
-            return super()._slice_file(file, sinfo)
+        if expected is not None:
+            self._verify(file, sinfo, expected)
+        return super()._slice_file(file, sinfo)
+
+    def _verify(self, file, sinfo, expected) -> None:
         algorithm, value = parse_checksum(expected)
         update = ALGORITHMS.get(algorithm)
+        path = getattr(file, "name", None) or str(self.fs.concat_path(self.path, sinfo.relative_path))
         if update is None:
             _log_once(
                 ("algorithm", algorithm),
@@ -364,20 +366,9 @@ class ChecksummedFileSystemReader(FileSystemReader):
                 f"{self.path}: item checksums use {algorithm!r}, which is not available here (install the crc32c or "
                 f"google-crc32c package): the items are read unverified",
             )
-            return super()._slice_file(file, sinfo)
-        path = getattr(file, "name", None) or str(self.fs.concat_path(self.path, sinfo.relative_path))
+            return
         start, end = int(sinfo.offset), int(sinfo.offset) + int(sinfo.length)
-        file.seek(start)
-        data = file.read(end - start)
-        if len(data) != end - start:
-            raise CheckpointingException(
-                f"checkpoint data file {path} is truncated: it ends at byte {start + len(data)}, an item needs bytes "
-                f"[{start}, {end})"
-            )
-        self._check(update(data, 0), value, algorithm, path, start, end, sinfo)
-        return io.BytesIO(data)  # shares ``data``'s memory (no copy)
-
-    def _check(self, actual: int, value: int, algorithm: str, path: str, start: int, end: int, sinfo) -> None:
+        actual = _checksum_range(path, start, end, update, stream=file)
         if actual != value:
             key = _describe_index(self._index_of.get(id(sinfo)))
             raise CheckpointingException(
