@@ -200,6 +200,11 @@ class DistributedOptimizer(MegatronOptimizer):
             o = self.offsets[p]
             p.data.view(-1).copy_(full[o : o + p.numel()])
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        for s, main in zip(self.slices, self.main_params):
+            main.copy_(s.model_param.detach().reshape(-1)[s.start : s.stop])
+
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         result = super().step()
         if result[0]:

@@ -155,6 +155,16 @@ class MegatronOptimizer:
             # into the local shard: a quantized weight quantizes on copy_ (its own quantizer)
             _local(mp).copy_(_local(main).to(_local(mp).dtype))
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model params (upstream's name): after the model alone was loaded
+        (``--no-load-optim``, ``--finetune``), else the next step would write the stale main values back."""
+        if self.main_params is None:
+            return
+        for mp, main in zip(self.model_params, self.main_params):
+            if mp is not main:
+                _local(main).copy_(_local(_fp32_main_param(mp)))
+
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]
 

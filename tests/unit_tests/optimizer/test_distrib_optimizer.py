@@ -163,3 +163,22 @@ def test_refuses_ddp_without_the_flag():
                                        build_gpt(cfg, 0))
     with pytest.raises(ValueError, match="OptimizerConfig.use_distributed_optimizer is False"):
         get_megatron_optimizer(OptimizerConfig(lr=1e-3), [sharding])
+
+
+def _reload_body(rank, ws):
+    """After the model alone is loaded (--no-load-optim / --finetune), reload_model_params refreshes the fp32
+    slices; without it the next step would all-gather the stale slices over the loaded weights."""
+    cfg = tiny_config(moe=False)
+    ddp, opt = _build(cfg, 1, distributed=True, lr=0.0)
+    loaded = build_gpt(cfg, 2)  # stands for the weights a checkpoint load wrote into the model
+    with torch.no_grad():
+        for p, q in zip(ddp.module.parameters(), loaded.parameters()):
+            p.copy_(q)
+    opt.reload_model_params()
+    _step(ddp, opt, 0, rank, ws)  # lr 0: the parameters must stay the loaded ones
+    for (n, p), q in zip(ddp.module.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_reload_model_params_after_a_model_only_load():
+    run_distributed(_reload_body, 2)

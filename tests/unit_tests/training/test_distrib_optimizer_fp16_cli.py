@@ -42,6 +42,11 @@ def _distopt_body(rank, world_size, ckpt):
     assert _curve(first, second) == curve  # the resume is exact (fp32 main params and Adam state restored)
     assert _curve(first, second, key="grad_norms") == _curve(full, key="grad_norms")
     assert curve[-1] < curve[0]
+    # --no-load-optim: the fp32 slices come from the loaded model (not the new run's random init)
+    fresh = _run(TINY + ["--train-iters", HALF + 2, "--use-distributed-optimizer", "--load", ckpt, "--ckpt-step",
+                         HALF, "--no-load-optim"])
+    assert fresh.losses[HALF + 1] == full.losses[HALF + 1]
+    assert abs(fresh.losses[HALF + 2] - full.losses[HALF + 2]) < abs(fresh.losses[HALF + 2] - full.losses[1])
     replicated = _run(TINY + ["--train-iters", ITERS])
     np.testing.assert_allclose(curve, _curve(replicated), rtol=1e-5, atol=0)
     _same_on_all_ranks(curve)
