@@ -179,9 +179,17 @@ def _add_checkpointing_args(parser):
 
 def _add_mixed_precision_args(parser):
     g = parser.add_argument_group(title="mixed precision")
-    g.add_argument("--fp16", action="store_true", help="Not supported yet (no loss scaler): use --bf16.")
+    g.add_argument("--fp16", action="store_true",
+                   help="Train in fp16 with fp32 main params and loss scaling (dynamic unless --loss-scale).")
     g.add_argument("--bf16", action="store_true", help="Train in bf16.")
-    g.add_argument("--loss-scale", type=float, default=None, help="Not supported yet (fp16 loss scaling).")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static fp16 loss scale (a positive power of 2 helps); without it the scale is dynamic.")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="Initial dynamic fp16 loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic fp16 loss scale.")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="Iterations without inf/nan gradients before the dynamic loss scale doubles.")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="Iterations with inf/nan gradients before the dynamic loss scale halves.")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", help="Reduce grads in fp32.")
 
 
@@ -210,8 +218,8 @@ def _add_distributed_args(parser):
                    help="torch.distributed backend (default nccl with CUDA, gloo without).")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Shard optimizer state over the data-parallel ranks: with --use-megatron-fsdp only (its "
-                        "optimizer steps the sharded parameters).")
+                   help="Shard the fp32 main params and optimizer state over the data-parallel ranks "
+                        "(reduce-scatter grads, all-gather params); with --use-megatron-fsdp its own sharding.")
     g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron-FSDP (FSDP2 per transformer layer).")
     g.add_argument("--init-model-with-meta-device", action="store_true",
                    help="Build the model on the meta device; Megatron-FSDP materializes it shard by shard.")
@@ -444,10 +452,9 @@ def _validate_data_parallel_args(args):
         _fail(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it nothing is "
               "sharded: no_shard)")
     args.data_parallel_sharding_strategy = "no_shard"
-    if args.use_distributed_optimizer:
-        _fail("--use-distributed-optimizer is not supported yet without --use-megatron-fsdp: optimizer state is "
-              "replicated on every data-parallel rank; remove the flag, or add --use-megatron-fsdp (which shards "
-              "optimizer state, gradients and parameters)")
+    if args.use_distributed_optimizer and (args.fp8_param_gather or args.fp4_param_gather):
+        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather / "
+              "--fp4-param-gather (quantized weights are gathered by Megatron-FSDP only); add --use-megatron-fsdp")
     for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
                        ("overlap_param_gather", "parameters are not gathered (DDP replicates them)")):
         if getattr(args, dest):
@@ -601,13 +608,25 @@ def validate_args(args, defaults={}):
     # ---- precision ----------------------------------------------------------------------------------------
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 are mutually exclusive")
-    if args.fp16:
-        _fail("--fp16 is not supported yet: this fork has no fp16 loss scaler; use --bf16 (no loss scaling "
-              "needed) or fp32, and remove --fp16")
-    if args.loss_scale is not None:
-        _fail("--loss-scale is not supported yet: it is the static fp16 loss scale and --fp16 is not supported; "
-              "remove the flag")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.loss_scale is not None and not args.fp16:
+        _fail("--loss-scale is the static fp16 loss scale: it needs --fp16 (bf16 and fp32 need no loss scaling)")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        _fail(f"--loss-scale must be positive (got {args.loss_scale})")
+    if args.fp16 and args.loss_scale is None:
+        if not args.initial_loss_scale > 0:
+            _fail(f"--initial-loss-scale must be positive (got {args.initial_loss_scale})")
+        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+            _fail(f"--min-loss-scale must be in (0, --initial-loss-scale] (got {args.min_loss_scale})")
+        if not args.loss_scale_window >= 1:
+            _fail(f"--loss-scale-window must be >= 1 (got {args.loss_scale_window})")
+        if args.hysteresis < 1:
+            _fail(f"--hysteresis must be >= 1 (got {args.hysteresis})")
+    if args.fp16 and args.use_megatron_fsdp:
+        _fail("--fp16 with --use-megatron-fsdp is not supported yet (no loss scaler on FSDP2's sharded grads); "
+              "use --bf16, or --fp16 without --use-megatron-fsdp")
+    if args.fp16 and (args.fp8 is not None or args.fp4 is not None):
+        _fail("--fp16 with --fp8-format / --fp4-format is not supported: use --bf16 as the high precision")
+    args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     if args.fp8 is not None and args.fp4 is not None:
         _fail("--fp8-format and --fp4-format are mutually exclusive (choose one quantized format)")
     if args.fp8_param_gather and args.fp8 is None:
@@ -739,6 +758,10 @@ def optimizer_config_from_args(args):
         fp16=args.fp16,
         params_dtype=args.params_dtype,
         loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     return _build(OptimizerConfig, kw)

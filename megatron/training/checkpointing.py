@@ -442,6 +442,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         else:
             for i, chunk in enumerate(chunks):
                 _copy_model_values(chunk, sharded_model_sds[f"model{i}"], loaded[f"model{i}"], strict)
+        if optimizer is not None and not load_optim and hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()  # fp32 main params (bf16/fp16, distributed optimizer) from the model
         if load_optim:
             if "optimizer" not in loaded:
                 raise CheckpointError(f"checkpoint {checkpoint_dir} has no optimizer state (use --no-load-optim)")

@@ -55,6 +55,10 @@ class TrainingResult:
     losses: Dict[int, float] = field(default_factory=dict)
     grad_norms: Dict[int, float] = field(default_factory=dict)
     learning_rates: Dict[int, float] = field(default_factory=dict)
+    loss_scales: Dict[int, float] = field(default_factory=dict)
+    """The loss scale each iteration used (1.0 without --fp16)."""
+    skipped_iterations: int = 0
+    """Iterations whose optimizer step was skipped (inf/nan gradients)."""
     valid_losses: Dict[int, float] = field(default_factory=dict)
     final_valid_loss: Optional[float] = None
     test_loss: Optional[float] = None
@@ -213,7 +217,8 @@ def _memory_scalars() -> Dict[str, float]:
     return {"mem-rss-bytes": float(current_rss_bytes())}
 
 
-def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: float, seconds: float) -> None:
+def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: float, seconds: float,
+                           loss_scale: float = 1.0) -> None:
     """TensorBoard scalars of one iteration (the last rank, every ``--tensorboard-log-interval`` iterations)."""
     args = get_args()
     writer = get_tensorboard_writer()
@@ -223,6 +228,7 @@ def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: fl
     writer.add_scalar("lm loss", loss, iteration)
     writer.add_scalar("learning-rate", lr, iteration)
     writer.add_scalar("grad-norm", grad_norm, iteration)
+    writer.add_scalar("loss-scale", loss_scale, iteration)
     writer.add_scalar("batch-size", args.global_batch_size, iteration)
     writer.add_scalar("tokens-per-sec", tokens / seconds if seconds > 0 else 0.0, iteration)
     if args.log_timers_to_tensorboard:
@@ -310,8 +316,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             output, loss_func = forward_step_func(data_iterator, chunk)
             loss, value = _unpack_loss(loss_func(output))
             loss = loss / n
-            if loss_scale is not None:
-                loss = loss * loss_scale
+            if loss_scale is not None:  # fp16: scaled loss (1 otherwise); the optimizer unscales the grads
+                loss = loss * loss_scale.to(loss.device).reshape(())
             loss.backward()
         reported.append(value.detach().float().reshape(()))
     if hasattr(chunk, "finish_grad_sync"):
@@ -345,7 +351,7 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
     return float(average_losses_across_data_parallel_group([torch.stack(values).mean()])[0])
 
 
-def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters) -> str:
+def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=1.0, skipped=0, nan_iters=0) -> str:
     args = get_args()
     per_iter = elapsed / max(iters, 1)
     tokens_per_s = args.global_batch_size * args.seq_length / per_iter if per_iter > 0 else 0.0
@@ -362,7 +368,10 @@ def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters) -> str:
         f" learning rate: {lr:.6E} |"
         f" global batch size: {args.global_batch_size:5d} |"
         f" lm loss: {loss_avg:.6E} |"
+        f" loss scale: {loss_scale:.1f} |"
         f" grad norm: {grad_norm:.3f} |"
+        f" number of skipped iterations: {skipped:3d} |"
+        f" number of nan iterations: {nan_iters:3d} |"
         f" {memory_report()} |"
     )
     print_rank_0(line)
@@ -376,10 +385,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     for m in model:
         m.train()
     interval_losses, t0, iters = [], time.time(), 0
+    skipped, nan_iters = 0, 0  # per log interval, as upstream
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
     while iteration < args.train_iters:
         t_step = time.time()
+        loss_scale = _loss_scale_value(optimizer)  # the scale this iteration's backward used
         loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
                                          opt_param_scheduler)
         iteration += 1
@@ -387,18 +398,25 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         args.consumed_train_samples += args.global_batch_size
         args.num_floating_point_operations_so_far += flops_per_iteration
         value = float(loss)
+        result.loss_scales[iteration] = loss_scale
+        if not ok:
+            skipped += 1
+            result.skipped_iterations += 1
+        nan_iters += int(not math.isfinite(value))
         result.losses[iteration] = value
         result.grad_norms[iteration] = grad_norm
         lr = optimizer.param_groups[0]["lr"]
         result.learning_rates[iteration] = lr
         interval_losses.append(value)
         iters += 1
-        write_training_scalars(iteration, value, lr, grad_norm, time.time() - t_step)
+        write_training_scalars(iteration, value, lr, grad_norm, time.time() - t_step, loss_scale)
         if on_iteration_end is not None:
             on_iteration_end(iteration, model, value)
         if iteration % args.log_interval == 0:
-            training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0, iters)
+            training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0, iters,
+                         loss_scale, skipped, nan_iters)
             interval_losses, t0, iters = [], time.time(), 0
+            skipped, nan_iters = 0, 0
         t_extra = time.time()  # evaluation and saving are not counted in the iteration time
         if valid_dataset is not None and args.eval_iters > 0 and args.eval_interval and iteration % args.eval_interval == 0:
             v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
@@ -411,6 +429,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
             break
     return iteration, saved_at
+
+
+def _loss_scale_value(optimizer) -> float:
+    get_loss_scale = getattr(optimizer, "get_loss_scale", None)
+    return float(get_loss_scale().reshape(-1)[0]) if callable(get_loss_scale) else 1.0
 
 
 def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler) -> None:

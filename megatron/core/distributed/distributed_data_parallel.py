@@ -92,9 +92,10 @@ class DistributedDataParallel(MegatronModule):
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """Average ``param.grad`` over the data-parallel group (fp32 when ``grad_reduce_in_fp32``)."""
+        """Average ``param.grad`` over the data-parallel group (fp32 when ``grad_reduce_in_fp32``). With
+        ``use_distributed_optimizer`` nothing happens here: the DistributedOptimizer reduce-scatters the grads."""
         ws = self._world_size()
-        if not self._sync_enabled or ws == 1:
+        if not self._sync_enabled or ws == 1 or self.ddp_config.use_distributed_optimizer:
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
         for p in params:

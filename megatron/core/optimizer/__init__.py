@@ -3,10 +3,12 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-__all__ = ["OptimizerConfig", "MegatronOptimizer", "get_megatron_optimizer", "get_param_groups"]
+__all__ = ["OptimizerConfig", "MegatronOptimizer", "DistributedOptimizer", "get_megatron_optimizer", "get_param_groups"]
+
 
 
 def _named_params(chunk: torch.nn.Module):
@@ -72,7 +74,9 @@ def get_megatron_optimizer(
     Parameters that are bf16/fp16 plain tensors (DDP with ``--bf16``) or quantized weights (TE FP8/FP4, also as
     FSDP2 DTensor shards, with ``--fp8-param-gather``) get fp32 main copies that the optimizer updates; fp32
     FSDP2 parameters (DTensor, already the main params) are optimised directly, so their optimizer state is
-    sharded too.
+    sharded too. ``config.use_distributed_optimizer`` with plain data parallelism gives a
+    ``DistributedOptimizer`` (main params and state sharded over DP ranks); ``config.fp16`` a grad scaler
+    (``grad_scaler.py``: static with ``loss_scale``, else dynamic).
     """
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
@@ -80,6 +84,43 @@ def get_megatron_optimizer(
         raise ValueError("OptimizerConfig.lr (--lr) must be set")
     min_lr = config.min_lr if config.min_lr is not None else 0.0
     groups, names = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config.lr, min_lr)
+    from megatron.core.optimizer.grad_scaler import build_grad_scaler
+
+    params = [p for g in groups for p in g["params"]]
+    grad_scaler = build_grad_scaler(config, params[0].device if params else None)
+
+    def make_optimizer(param_groups):
+        for g in param_groups:
+            g["weight_decay"] = config.weight_decay * g["wd_mult"]
+            g["lr"] = config.lr * g["lr_mult"]
+        if config.optimizer == "adam":
+            return torch.optim.AdamW(
+                param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+            )
+        return torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum,
+                               weight_decay=config.weight_decay)
+
+    ddp_configs = [c.ddp_config for c in model_chunks if getattr(c, "ddp_config", None) is not None]
+    use_fsdp = any(c.use_megatron_fsdp for c in ddp_configs)
+    if config.use_distributed_optimizer and not use_fsdp:
+        # plain data parallelism: ZeRO-1 sharding of main params and optimizer state (distrib_optimizer.py)
+        if not ddp_configs or not all(c.use_distributed_optimizer for c in ddp_configs):
+            raise ValueError(
+                "use_distributed_optimizer (--use-distributed-optimizer): the model chunks must be wrapped in "
+                "DistributedDataParallel with ddp_config.use_distributed_optimizer=True (the optimizer then "
+                "reduce-scatters the gradients instead of DDP all-reducing them)"
+            )
+        return DistributedOptimizer(
+            make_optimizer, config, groups, names, grad_scaler=grad_scaler,
+            grad_reduce_in_fp32=any(c.grad_reduce_in_fp32 for c in ddp_configs),
+            check_for_nan_in_grad=any(c.check_for_nan_in_grad for c in ddp_configs),
+        )
+    if any(c.use_distributed_optimizer and not c.use_megatron_fsdp for c in ddp_configs):
+        raise ValueError(
+            "a DistributedDataParallel chunk has ddp_config.use_distributed_optimizer=True (it leaves the gradient "
+            "reduction to the optimizer) but OptimizerConfig.use_distributed_optimizer is False"
+        )
     model_params = [p for g in groups for p in g["params"]]
     from megatron.core.optimizer.optimizer import _fp32_main_param, _is_quantized_param, _needs_main_param
 
@@ -92,14 +133,5 @@ def get_megatron_optimizer(
             mains = [_fp32_main_param(p) if _needs_main_param(p) or _is_quantized_param(p) else p for p in g["params"]]
             main_params.extend(mains)
             g["params"] = mains
-    for g in groups:
-        g["weight_decay"] = config.weight_decay * g["wd_mult"]
-        g["lr"] = config.lr * g["lr_mult"]
-    if config.optimizer == "adam":
-        opt = torch.optim.AdamW(
-            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
-    else:
-        opt = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
-    return MegatronOptimizer(opt, config, model_params, names, main_params)
+    opt = make_optimizer(groups)
+    return MegatronOptimizer(opt, config, model_params, names, main_params, grad_scaler=grad_scaler)

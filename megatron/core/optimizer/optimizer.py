@@ -81,8 +81,10 @@ class MegatronOptimizer:
         model_params: List[torch.Tensor],
         param_to_name: Dict[torch.Tensor, str],
         main_params: Optional[List[torch.Tensor]] = None,
+        grad_scaler=None,
     ):
         self.optimizer = optimizer
+        self.grad_scaler = grad_scaler  # fp16: a MegatronGradScaler (grad_scaler.py); None otherwise
         self.config = config
         self.model_params = list(model_params)  # in optimizer param order (groups concatenated)
         self.main_params = list(main_params) if main_params is not None else None
@@ -110,6 +112,12 @@ class MegatronOptimizer:
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The factor the training loop multiplies the loss by: the fp16 loss scale, else 1."""
+        if self.grad_scaler is None:
+            return torch.tensor([1.0], dtype=torch.float32)
+        return self.grad_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params + (self.main_params or []):
@@ -146,6 +154,16 @@ class MegatronOptimizer:
                 continue
             # into the local shard: a quantized weight quantizes on copy_ (its own quantizer)
             _local(mp).copy_(_local(main).to(_local(mp).dtype))
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model params (upstream's name): after the model alone was loaded
+        (``--no-load-optim``, ``--finetune``), else the next step would write the stale main values back."""
+        if self.main_params is None:
+            return
+        for mp, main in zip(self.model_params, self.main_params):
+            if mp is not main:
+                _local(main).copy_(_local(_fp32_main_param(mp)))
 
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]
@@ -199,10 +217,34 @@ class MegatronOptimizer:
         return local + plain
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, float, Optional[int]]:
-        """Clip and step. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a non-finite grad norm
-        skips the update (parameters and optimizer state unchanged) and returns ``update_successful=False``."""
+    def _unscale_and_check_for_inf(self) -> bool:
+        """fp16: multiply the main grads by ``1/loss scale``; whether any rank of the data-parallel group has an
+        inf/nan main grad (all-reduced, so every rank takes the same decision)."""
+        inv = self.grad_scaler.inv_scale
+        found = torch.zeros(1, dtype=torch.float32)
+        for g in self._grads():
+            local = _local(g)
+            local.mul_(inv.to(local.device))
+            if not torch.isfinite(local).all():
+                found.fill_(1.0)
+        if dist.is_initialized():
+            group = parallel_state.get_data_parallel_group()
+            found = found.to(parallel_state.collective_device(group))
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """Clip and step. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``. fp16 (a grad scaler): the
+        grads are unscaled and an inf/nan on any rank skips the step and updates the scaler (upstream returns
+        ``(False, None, None)`` then). A non-finite grad norm also skips the update (parameters and optimizer
+        state unchanged) and returns ``update_successful=False``."""
         self._copy_model_grads_to_main()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         if not math.isfinite(grad_norm):
@@ -237,12 +279,22 @@ class MegatronOptimizer:
         sd = self.optimizer.state_dict()
         if self.main_params is None:
             return sd
-        return {"optimizer": sd, "fp32_from_fp16_params": [p.detach().clone() for p in self.main_params]}
+        out = {"optimizer": sd, "fp32_from_fp16_params": [p.detach().clone() for p in self.main_params]}
+        if self.grad_scaler is not None:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    def _load_grad_scaler(self, state_dict: dict) -> None:
+        """Upstream's ``grad_scaler`` entry: restored into this optimizer's scaler; a checkpoint without it (not
+        fp16) keeps the scaler's initial state; one with it and no scaler here (not --fp16 now) ignores it."""
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict()`` output, or what ``dist_checkpointing.load`` returned for ``sharded_state_dict``
         (plain local shards where the state is a DTensor: they are put back into the parameter's layout)."""
+        self._load_grad_scaler(state_dict)
         if "optimizer" in state_dict and "state" not in state_dict:
             inner, mains = state_dict["optimizer"], state_dict.get("fp32_from_fp16_params")
         else:
@@ -292,7 +344,10 @@ class MegatronOptimizer:
             _state_sharded_tensor(sh, f"optimizer.state.fp32_param.{sh.key}", _local(m).detach())
             for sh, m in zip(shs, self.main_params)
         ]
-        return {"optimizer": sd, "fp32_from_fp16_params": mains}
+        out = {"optimizer": sd, "fp32_from_fp16_params": mains}
+        if self.grad_scaler is not None:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
 
     def _param_sharded_tensor(self, p, model_sharded_state_dict: dict):
         name = self.param_to_name.get(p)

@@ -1,4 +1,5 @@
 """MLP: ``fc2(act(fc1(x)))``, or gated (``act(x W1) * (x V)``, e.g. SwiGLU) with ``gated_linear_unit``."""
+import math
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ def apply_swiglu_sharded_factory(original, sharded_offsets=()):
     @torch.no_grad()
     def build_fn(key, t, replica_id, flattened_range):
         if flattened_range is not None:
-            raise NotImplementedError(f"{key}: a flattened_range gated linear unit fc1 shard")
+            return _flat_halves(key, t.detach(), flattened_range, replica_id)
         t = t.detach()  # the pieces are views of the live parameter's storage, loaded in place, outside autograd
         if regular:  # upstream's chunks exactly: the two halves of a 2-piece grid on the output axis
             w, v = torch.chunk(t, 2, dim=0)
@@ -49,6 +50,24 @@ def apply_swiglu_sharded_factory(original, sharded_offsets=()):
             )
             for a, b in bounds
         ]
+
+    def _flat_halves(key, t, fr, replica_id):
+        # the distributed optimizer's state: ``t`` is the flat slice ``fr`` of the whole (regular) parameter;
+        # its parts in the first and the second half are flat slices of the two chunks
+        if not regular:
+            raise NotImplementedError(f"{key}: a flattened_range shard of an irregularly sharded gated fc1")
+        n = t.numel() if fr.stop is None else fr.stop - fr.start
+        half_numel = half * math.prod(original.local_shape[1:])
+        out = []
+        for i in range(2):
+            a, b = max(fr.start, i * half_numel), min(fr.start + n, (i + 1) * half_numel)
+            if a >= b:
+                continue
+            out.append(ShardedTensor.from_rank_offsets_flat(
+                key, t[a - fr.start : b - fr.start], (half,) + tuple(original.local_shape[1:]), *sharded_offsets,
+                (axis, i, 2), replica_id=replica_id, prepend_axis_num=axis,
+                flattened_range=slice(a - i * half_numel, b - i * half_numel)))
+        return out
 
     def merge_fn(loaded):
         return torch.cat(list(loaded), dim=0)

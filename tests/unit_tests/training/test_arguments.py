@@ -109,12 +109,15 @@ def test_bad_value_is_one_short_line(capsys):
 
 
 REFUSED = [
-    (["--use-distributed-optimizer"], ["--use-distributed-optimizer is not supported yet", "replicated",
-                                       "remove the flag"]),
+    (["--use-distributed-optimizer", "--fp8-format", "e4m3", "--fp8-param-gather", "--transformer-impl",
+      "transformer_engine"], ["--use-distributed-optimizer without --use-megatron-fsdp does not support"]),
     (["--overlap-grad-reduce"], ["--overlap-grad-reduce is not supported without --use-megatron-fsdp"]),
     (["--overlap-param-gather"], ["--overlap-param-gather is not supported without --use-megatron-fsdp"]),
-    (["--fp16"], ["--fp16 is not supported yet", "--bf16"]),
-    (["--loss-scale", 1024], ["--loss-scale is not supported yet"]),
+    (["--loss-scale", 1024], ["--loss-scale is the static fp16 loss scale: it needs --fp16"]),
+    (["--fp16", "--loss-scale", 0], ["--loss-scale must be positive"]),
+    (["--fp16", "--hysteresis", 0], ["--hysteresis must be >= 1"]),
+    (["--fp16", "--min-loss-scale", 2**40], ["--min-loss-scale must be in (0, --initial-loss-scale]"]),
+    (["--fp16", "--use-megatron-fsdp"], ["--fp16 with --use-megatron-fsdp is not supported yet"]),
     (["--timing-log-level", 1], ["--timing-log-level 1 is not supported"]),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
      ["--data-parallel-sharding-strategy optim is not supported yet", "optim_grads_params"]),
@@ -281,3 +284,18 @@ def test_param_gather_warning(fmt, flag, tmp_path, monkeypatch):
 def test_param_gather_warning_rank0_only(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert _warnings_for(*FP8, "--fp8-param-gather", "--load", str(tmp_path)) == []
+
+
+def test_fp16_and_distributed_optimizer_flags_reach_the_configs():
+    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
+
+    a = _args("--fp16", "--use-distributed-optimizer", "--initial-loss-scale", 4096, "--min-loss-scale", 2,
+              "--loss-scale-window", 50, "--hysteresis", 3)
+    assert a.params_dtype == torch.float16
+    o = optimizer_config_from_args(a)
+    assert o.fp16 and o.loss_scale is None and o.use_distributed_optimizer
+    assert (o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis) == (4096, 2, 50, 3)
+    assert ddp_config_from_args(a).use_distributed_optimizer and not ddp_config_from_args(a).use_megatron_fsdp
+    d = _args("--fp16")  # upstream's defaults
+    assert (d.initial_loss_scale, d.min_loss_scale, d.loss_scale_window, d.hysteresis) == (2**32, 1.0, 1000, 2)
+    assert optimizer_config_from_args(_args("--fp16", "--loss-scale", 512)).loss_scale == 512

@@ -1,0 +1,301 @@
+"""The distributed optimizer (``--use-distributed-optimizer`` with plain data parallelism, ZeRO-1 style).
+
+Layout: every model parameter (in param-group order, the same on every rank) occupies ``[offset, offset + numel)``
+of one flat index space of ``N`` elements, padded to ``ceil(N / D) * D`` (``D``: data-parallel size). DP rank
+``r`` owns the contiguous range ``[r * S, (r + 1) * S)``, ``S = padded / D``: for every parameter that range
+intersects, it keeps an fp32 main copy of that flat slice, and the torch optimizer (AdamW / SGD) steps only those
+slices, so the main params and the optimizer state on a rank are ``1/D`` of the whole (the last rank less the
+padding).
+
+Step: the gradients of all parameters are flattened and reduce-scattered over the DP group (each rank receives
+the sum of its own range, then divided by ``D``: the mean, as DDP's all-reduce gives), the owned slices are
+stepped, and the updated slices are all-gathered back into every rank's parameters. The collectives are
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (torch's ``*_single`` names where they exist); gloo in
+torch 2.13 has both, and where a backend lacks them the code falls back to ``all_reduce`` + slice and
+``all_gather`` into a list. ``DistributedDataParallel.finish_grad_sync`` does not all-reduce when the DDP config
+says ``use_distributed_optimizer`` (this optimizer reduces); building this optimizer on a model whose DDP config
+says otherwise is refused.
+
+Checkpoint (upstream's ``fully_sharded_model_space``): the optimizer state of a parameter slice is a
+``ShardedTensor`` that copies the parameter's own ShardedTensor (key ``optimizer.state.<exp_avg|exp_avg_sq|
+fp32_param>.<param key>``, the model's prepended/stacked axes and offsets) with ``flattened_range`` = the slice
+and the DP replica coordinate 0 (each rank's slices are distinct). A load on another DP size asks for its own
+slices of the same keys, so the state reshards. Plain values: ``optimizer.param_groups`` (hyper-parameters and
+``step``), ``param_state_sharding_type``, and ``grad_scaler`` with fp16.
+"""
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.optimizer.optimizer import MegatronOptimizer, _is_dtensor, _is_quantized_param
+
+SHARDING_TYPE = "fully_sharded_model_space"
+
+
+@dataclasses.dataclass
+class _Slice:
+    """The part of ``model_param`` (flat elements ``[start, stop)``) this rank owns, at ``shard_offset`` of the
+    rank's flat shard."""
+
+    model_param: torch.nn.Parameter
+    start: int
+    stop: int
+    shard_offset: int
+
+
+def _dp_group_and_size():
+    group = parallel_state.get_data_parallel_group()
+    if group is None or not dist.is_initialized():
+        return None, 1, 0
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group, rank: int) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        fn(out, flat, group=group)
+    except (RuntimeError, NotImplementedError):  # a backend without it: all_reduce + own slice
+        dist.all_reduce(flat, group=group)
+        out.copy_(flat[rank * out.numel() : (rank + 1) * out.numel()])
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    try:
+        fn(out, shard, group=group)
+    except (RuntimeError, NotImplementedError):  # a backend without it: all_gather into views of ``out``
+        dist.all_gather(list(out.view(-1, shard.numel()).unbind(0)), shard, group=group)
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """``DistributedOptimizer(make_optimizer, config, groups, param_to_name, grad_scaler=None,
+    grad_reduce_in_fp32=False, check_for_nan_in_grad=False)``.
+
+    ``groups``: the param groups of ``get_param_groups`` (model parameters); ``make_optimizer(groups)`` builds
+    the torch optimizer over groups whose ``params`` are this rank's fp32 slices (a group may be empty here).
+    """
+
+    def __init__(self, make_optimizer, config, groups: List[dict], param_to_name: Dict, grad_scaler=None,
+                 grad_reduce_in_fp32: bool = False, check_for_nan_in_grad: bool = False):
+        self.group, self.dp_size, self.dp_rank = _dp_group_and_size()
+        self.all_params = [p for g in groups for p in g["params"]]
+        for p in self.all_params:
+            name = param_to_name.get(p, "<unnamed>")
+            if _is_dtensor(p) or _is_quantized_param(p):
+                raise NotImplementedError(
+                    f"--use-distributed-optimizer without --use-megatron-fsdp: parameter {name} is a "
+                    f"{'DTensor' if _is_dtensor(p) else 'quantized (FP8/FP4) tensor'}; use --use-megatron-fsdp"
+                )
+            if not p.is_contiguous():
+                raise ValueError(f"DistributedOptimizer: parameter {name} is not contiguous")
+        dtypes = {p.dtype for p in self.all_params}
+        self.reduce_dtype = (torch.float32 if grad_reduce_in_fp32 or len(dtypes) != 1 else next(iter(dtypes)))
+        self.param_dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+        self.check_for_nan_in_grad = check_for_nan_in_grad
+        self.device = self.all_params[0].device if self.all_params else torch.device("cpu")
+
+        # flat layout and this rank's range
+        self.offsets: Dict[torch.nn.Parameter, int] = {}
+        total = 0
+        for p in self.all_params:
+            self.offsets[p] = total
+            total += p.numel()
+        self.numel = total
+        self.shard_numel = max(1, math.ceil(total / self.dp_size))
+        lo, hi = self.dp_rank * self.shard_numel, (self.dp_rank + 1) * self.shard_numel
+        self.slices: List[_Slice] = []
+        shard_groups, main_params = [], []
+        for g in groups:
+            mains = []
+            for p in g["params"]:
+                o = self.offsets[p]
+                a, b = max(o, lo), min(o + p.numel(), hi)
+                if a >= b:
+                    continue
+                s = _Slice(p, a - o, b - o, a - lo)
+                self.slices.append(s)
+                main = torch.nn.Parameter(p.detach().reshape(-1)[s.start : s.stop].float().clone())
+                mains.append(main)
+            main_params.extend(mains)
+            shard_groups.append({**g, "params": mains})
+        optimizer = make_optimizer(shard_groups)
+        self._step_count = 0
+        super().__init__(optimizer, config, [s.model_param for s in self.slices], param_to_name, main_params,
+                         grad_scaler=grad_scaler)
+
+    # ---- gradients ---------------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.all_params + self.main_params:
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad = None
+
+    @torch.no_grad()
+    def _copy_model_grads_to_main(self) -> None:
+        """Reduce-scatter the flattened model grads (mean over DP) and hand each owned slice to its main param."""
+        padded = self.shard_numel * self.dp_size
+        flat = torch.zeros(padded, dtype=self.reduce_dtype, device=self.device)
+        for p in self.all_params:
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None:
+                o = self.offsets[p]
+                flat[o : o + p.numel()].copy_(g.reshape(-1))
+        if self.dp_size > 1:
+            shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            _reduce_scatter(shard, flat, self.group, self.dp_rank)
+            shard.div_(self.dp_size)
+        else:
+            shard = flat
+        if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
+            raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+        for s, main in zip(self.slices, self.main_params):
+            main.grad = shard[s.shard_offset : s.shard_offset + s.stop - s.start].float().clone()
+
+    def _dp_sum(self, value: float, dtype=torch.float64) -> float:
+        t = torch.tensor([value], dtype=dtype)
+        if self.dp_size > 1:
+            t = t.to(parallel_state.collective_device(self.group))
+            dist.all_reduce(t, group=self.group)
+        return t.item()
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """Global L2 norm: the squares of the owned slices summed over the DP group."""
+        local = sum(float(torch.sum(g.double() ** 2)) for g in self._grads())
+        total = self._dp_sum(local)
+        return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm = self.get_grad_norm()
+        if clip_grad > 0 and math.isfinite(norm):
+            coef = clip_grad / (norm + 1e-6)
+            if coef < 1.0:
+                for g in self._grads():
+                    g.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> int:
+        return int(self._dp_sum(sum(int((g == 0).sum()) for g in self._grads())))
+
+    @torch.no_grad()
+    def _copy_main_params_to_model(self) -> None:
+        """All-gather the updated slices into every rank's parameters."""
+        shard = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
+        for s, main in zip(self.slices, self.main_params):
+            shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(main.detach())
+        if self.dp_size > 1:
+            full = torch.empty(self.shard_numel * self.dp_size, dtype=self.param_dtype, device=self.device)
+            _all_gather(full, shard, self.group)
+        else:
+            full = shard
+        for p in self.all_params:
+            o = self.offsets[p]
+            p.data.view(-1).copy_(full[o : o + p.numel()])
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        for s, main in zip(self.slices, self.main_params):
+            main.copy_(s.model_param.detach().reshape(-1)[s.start : s.stop])
+
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        result = super().step()
+        if result[0]:
+            self._step_count += 1
+        return result
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def _param_groups_state(self) -> dict:
+        groups = []
+        for g in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": self._step_count})
+        return {"param_groups": groups}
+
+    def _slice_state(self, main) -> Dict[str, torch.Tensor]:
+        st = self.optimizer.state.get(main, {})
+        out = {"fp32_param": main.detach()}
+        out.update({k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0})
+        return out
+
+    def state_dict(self) -> dict:
+        """This rank's part (plain tensors): param groups, the owned slices' state, the grad scaler."""
+        sd = {"optimizer": self._param_groups_state(), "param_state_sharding_type": SHARDING_TYPE,
+              "param_state": {i: {k: v.clone() for k, v in self._slice_state(m).items()}
+                              for i, m in enumerate(self.main_params)}}
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
+        """See the module docstring. The ShardedTensors hold the live state tensors (a load fills them in place)."""
+        self.init_state()
+        param_state = {}
+        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
+            sh = self._param_sharded_tensor(s.model_param, model_sharded_state_dict)
+            param_state[i] = {
+                k: _flat_state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", v, slice(s.start, s.stop))
+                for k, v in self._slice_state(main).items()
+            }
+        sd = {"optimizer": self._param_groups_state(), "param_state": param_state,
+              "param_state_sharding_type": SHARDING_TYPE}
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict()`` / what ``dist_checkpointing.load`` returned for ``sharded_state_dict``; then
+        all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
+        kind = state_dict.get("param_state_sharding_type")
+        if kind != SHARDING_TYPE:
+            raise ValueError(
+                f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (only "
+                f"{SHARDING_TYPE!r}); a checkpoint saved without --use-distributed-optimizer loads without it"
+            )
+        self._load_grad_scaler(state_dict)
+        groups = state_dict["optimizer"]["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"distributed optimizer checkpoint has {len(groups)} param groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}")
+        self.init_state()
+        step = 0
+        for mine, saved in zip(self.optimizer.param_groups, groups):
+            step = int(saved.get("step", 0))
+            mine.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+        self._step_count = step
+        param_state = state_dict["param_state"]
+        for i, main in enumerate(self.main_params):
+            if i not in param_state:
+                raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
+                               f"({self.param_to_name.get(self.slices[i].model_param)})")
+            saved = param_state[i]
+            for k, dest in self._slice_state(main).items():
+                if k not in saved:
+                    raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {k!r}")
+                value = saved[k]
+                if value is not dest:
+                    dest.copy_(value.reshape(dest.shape))
+            st = self.optimizer.state.get(main)
+            if st and "step" in st:
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+        self._copy_main_params_to_model()
+
+
+def _flat_state_sharded_tensor(sh, key: str, data: torch.Tensor, flat: slice):
+    """``sh`` (the parameter's ShardedTensor or ShardedTensorFactory) describing the 1-D ``data`` = the flat slice
+    ``flat`` of an optimizer state tensor shaped like the parameter, under ``key``, DP replica coordinate 0."""
+    from megatron.core.dist_checkpointing import ShardedTensorFactory
+
+    rid = sh.replica_id
+    replica_id = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
+    kwargs = dict(key=key, data=data, flattened_range=flat, replica_id=replica_id)
+    if not isinstance(sh, ShardedTensorFactory):
+        kwargs["dtype"] = data.dtype
+    return dataclasses.replace(sh, **kwargs)

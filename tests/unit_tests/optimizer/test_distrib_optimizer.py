@@ -1,0 +1,184 @@
+"""DistributedOptimizer (``--use-distributed-optimizer`` under DDP), for real on gloo ranks: per-rank state is 1/DP
+of the whole, 5 steps equal the replicated optimizer's (fp32), and a checkpoint saved on 2 ranks loads on 4 and
+on 1 (stacked MoE layout + gated fc1) with equal params and an equal next step."""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed._common import batches, build_gpt, position_ids, tiny_config
+
+GLOBAL_BATCH = 4
+
+
+def _build(cfg, seed, distributed: bool, lr=1e-2):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                  build_gpt(cfg, seed))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=lr, clip_grad=1.0, use_distributed_optimizer=distributed), [ddp])
+    return ddp, opt
+
+
+def _step(ddp, opt, seed, rank, ws):
+    """One step on this rank's part of a fixed global batch; returns the global mean loss."""
+    opt.zero_grad()
+    ddp.zero_grad_buffer()
+    tok, lab = batches(1, GLOBAL_BATCH, seed=seed)[0]
+    m = GLOBAL_BATCH // ws
+    loss = ddp(tok[rank * m:(rank + 1) * m], position_ids(m), labels=lab[rank * m:(rank + 1) * m]).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    ok, norm, _ = opt.step()
+    assert ok and math.isfinite(norm)
+    t = loss.detach().reshape(1).clone()
+    if ws > 1:
+        dist.all_reduce(t)
+    return float(t) / ws
+
+
+def _owned(opt):
+    return sum(m.numel() for m in opt.main_params)
+
+
+# ---- equivalence with the replicated optimizer, state size ----------------------------------------------------
+def _equivalence_body(rank, ws):
+    # no linear biases: the key part of the qkv bias has a zero gradient in exact arithmetic, so its gradient is
+    # rounding noise, which Adam normalises into full-size steps (and a reduce-scatter rounds differently from an
+    # all-reduce): that would compare noise, not the optimizer
+    cfg = tiny_config(moe=False, add_bias_linear=False)
+    a, oa = _build(cfg, 1, distributed=False)
+    b, ob = _build(cfg, 1, distributed=True)
+    assert type(oa) is MegatronOptimizer and isinstance(ob, DistributedOptimizer)
+    whole = sum(p.numel() for p in b.module.parameters())
+    for i in range(5):
+        la, lb = _step(a, oa, i, rank, ws), _step(b, ob, i, rank, ws)
+        assert abs(la - lb) <= 1e-6, (i, la, lb)
+        for (n, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+            assert torch.allclose(p, q, rtol=0, atol=1e-6), (i, n, (p - q).abs().max())
+    # the parameters moved (not a vacuous equality)
+    ref = build_gpt(cfg, 1)
+    assert any(not torch.allclose(p, q) for p, q in zip(ref.parameters(), b.module.parameters()))
+    # per-rank state: fp32 main slices, exp_avg and exp_avg_sq, each 1/ws of the whole (the last rank less padding)
+    owned = _owned(ob)
+    assert whole / ws - ws <= owned <= math.ceil(whole / ws), (owned, whole, ws)
+    state = sum(v.numel() for st in ob.state.values() for k, v in st.items() if k != "step")
+    assert state == 2 * owned
+    full_state = sum(v.numel() for st in oa.state.values() for k, v in st.items() if k != "step")
+    assert full_state == 2 * whole
+    total = torch.tensor([owned])
+    dist.all_reduce(total)
+    assert int(total) == whole  # the slices partition the parameters
+    # the sharded exp_avg equals the replicated optimizer's, slice by slice
+    rep = {n: oa.state[p] for n, p in a.module.named_parameters()}  # fp32: the model params are optimised
+    name_b = {p: n for n, p in b.module.named_parameters()}
+    for s, main in zip(ob.slices, ob.main_params):
+        full = rep[name_b[s.model_param]]["exp_avg"].reshape(-1)[s.start:s.stop]
+        assert torch.allclose(ob.state[main]["exp_avg"], full, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_matches_replicated_optimizer_and_state_is_sharded(ws):
+    run_distributed(_equivalence_body, ws)
+
+
+# ---- checkpoint: save on 2 ranks, load on 4 and on 1 ------------------------------------------------------------
+def _ckpt_cfg():
+    return tiny_config(moe=True, gated_linear_unit=True, add_bias_linear=False)  # no biases: see _equivalence_body
+
+
+def _full_params(ddp):
+    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _save_body(rank, ws, ckpt, out):
+    from megatron.core import dist_checkpointing
+
+    ddp, opt = _build(_ckpt_cfg(), 1, distributed=True)
+    for i in range(3):
+        _step(ddp, opt, i, rank, ws)
+    sd = ddp.sharded_state_dict()
+    osd = opt.sharded_state_dict(sd)
+    assert osd["param_state_sharding_type"] == "fully_sharded_model_space"
+    keys = {t.key for st in osd["param_state"].values() for t in st.values()}
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in keys or any(
+        k.startswith("optimizer.state.exp_avg.decoder.layers.") for k in keys)
+    dist_checkpointing.save({"model": sd, "optimizer": osd}, ckpt)
+    saved = _full_params(ddp)
+    loss = _step(ddp, opt, 3, rank, ws)
+    if rank == 0:
+        torch.save({"saved": saved, "after": _full_params(ddp), "loss": loss}, os.path.join(out, "ref.pt"))
+
+
+def _load_body(rank, ws, ckpt, out):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensorFactory
+
+    ddp, opt = _build(_ckpt_cfg(), 7, distributed=True)  # another init: everything must come from the checkpoint
+    sd = ddp.sharded_state_dict()
+    osd = opt.sharded_state_dict(sd, is_loading=True)
+    factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for st in osd["param_state"].values()
+                                  for t in st.values())])
+    dist.all_reduce(factories)
+    assert int(factories) > 0  # the gated fc1 state goes through its factory (two chunks, flattened)
+    loaded = dist_checkpointing.load({"model": sd, "optimizer": osd}, ckpt)
+    ddp.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)
+    for n, p in ddp.module.named_parameters():
+        assert torch.equal(p, ref["saved"][n]), n
+    whole = sum(p.numel() for p in ddp.module.parameters())
+    assert whole / ws - ws <= _owned(opt) <= math.ceil(whole / ws)
+    assert opt._step_count == 3
+    loss = _step(ddp, opt, 3, rank, ws)
+    assert loss == pytest.approx(ref["loss"], rel=1e-6)
+    for n, p in ddp.module.named_parameters():
+        # an Adam step from the restored state: equal up to reduction-order rounding of the gradients
+        assert torch.allclose(p, ref["after"][n], rtol=0, atol=1e-6), (n, (p - ref["after"][n]).abs().max())
+    moved = max(float((ref["after"][n] - ref["saved"][n]).abs().max()) for n in ref["saved"])
+    assert moved > 1e-4
+
+
+def test_checkpoint_saved_on_2_ranks_loads_on_4_and_1(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    run_distributed(_save_body, 2, ckpt, str(tmp_path))
+    for ws in (4, 1):
+        run_distributed(_load_body, ws, ckpt, str(tmp_path))
+
+
+def test_refuses_ddp_without_the_flag():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = tiny_config(moe=False)
+    plain = DistributedDataParallel(cfg, DistributedDataParallelConfig(), build_gpt(cfg, 0))
+    with pytest.raises(ValueError, match="ddp_config.use_distributed_optimizer=True"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [plain])
+    sharding = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                       build_gpt(cfg, 0))
+    with pytest.raises(ValueError, match="OptimizerConfig.use_distributed_optimizer is False"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-3), [sharding])
+
+
+def _reload_body(rank, ws):
+    """After the model alone is loaded (--no-load-optim / --finetune), reload_model_params refreshes the fp32
+    slices; without it the next step would all-gather the stale slices over the loaded weights."""
+    cfg = tiny_config(moe=False)
+    ddp, opt = _build(cfg, 1, distributed=True, lr=0.0)
+    loaded = build_gpt(cfg, 2)  # stands for the weights a checkpoint load wrote into the model
+    with torch.no_grad():
+        for p, q in zip(ddp.module.parameters(), loaded.parameters()):
+            p.copy_(q)
+    opt.reload_model_params()
+    _step(ddp, opt, 0, rank, ws)  # lr 0: the parameters must stay the loaded ones
+    for (n, p), q in zip(ddp.module.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_reload_model_params_after_a_model_only_load():
+    run_distributed(_reload_body, 2)
