@@ -56,7 +56,8 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     if isinstance(model, torch.nn.Module):
         model = [model]
     for chunk in model:
-        chunk.finish_grad_sync()
+        if hasattr(chunk, "finish_grad_sync"):  # an unwrapped model (one process) has nothing to sync
+            chunk.finish_grad_sync()
     allreduce_sequence_parallel_grads(model)
     if num_tokens is not None:
         total = num_tokens.detach().clone().float().reshape(1)
