@@ -210,10 +210,12 @@ def _add_transformer_engine_args(parser):
 
 def _add_distributed_args(parser):
     g = parser.add_argument_group(title="distributed")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="Tensor-parallel size: heads, query groups, FFN and vocabulary split over this many ranks.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 is supported.")
-    g.add_argument("--sequence-parallel", action="store_true", help="Not supported (needs tensor parallelism).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Split norms/dropout regions on the sequence over the tensor-parallel ranks (needs TP > 1).")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="torch.distributed backend (default nccl with CUDA, gloo without).")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
@@ -483,6 +485,27 @@ def parse_data_path(data_path):
     return [(p, w / total) for p, w in pairs]
 
 
+def _validate_tensor_parallel_model_args(args):
+    """With --tensor-model-parallel-size N: every TP rank holds an equal share of the heads, query groups and FFN
+    (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x N), and with --sequence-parallel of
+    the sequence."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    shares = [("--num-attention-heads", args.num_attention_heads), ("--ffn-hidden-size", args.ffn_hidden_size)]
+    if args.group_query_attention:
+        shares.append(("--num-query-groups", args.num_query_groups))
+    if args.num_experts is not None and args.moe_ffn_hidden_size is not None:
+        shares.append(("--moe-ffn-hidden-size", args.moe_ffn_hidden_size))
+    if args.sequence_parallel:
+        shares.append(("--seq-length", args.seq_length))
+    for flag, value in shares:
+        if value % tp != 0:
+            _fail(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if args.num_experts is not None and args.sequence_parallel:
+        _fail("--num-experts (MoE) with --sequence-parallel is not supported yet: drop --sequence-parallel")
+
+
 def validate_args(args, defaults={}):
     """Fill derived defaults and exit with a message naming the flags on bad combinations."""
     for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
@@ -490,17 +513,19 @@ def validate_args(args, defaults={}):
             setattr(args, key, value)
 
     # ---- parallelism ------------------------------------------------------------------------------------
-    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+    for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
                         ("--context-parallel-size", args.context_parallel_size),
                         ("--expert-model-parallel-size", args.expert_model_parallel_size)):
         if value != 1:
-            _fail(f"{flag}={value} is not supported: this fork has data parallelism only (use 1)")
-    if args.sequence_parallel:
-        _fail("--sequence-parallel needs tensor parallelism, which this fork does not have")
+            _fail(f"{flag}={value} is not supported: this fork has data and tensor parallelism only (use 1)")
     if args.world_size <= 0:
         _fail(f"WORLD_SIZE={args.world_size} must be positive")
-    args.data_parallel_size = args.world_size
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or args.world_size % tp != 0:
+        _fail(f"--tensor-model-parallel-size ({tp}) must be a positive divisor of WORLD_SIZE ({args.world_size})")
+    if args.sequence_parallel and tp == 1:
+        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    args.data_parallel_size = args.world_size // tp
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -527,6 +552,7 @@ def validate_args(args, defaults={}):
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups != 0:
         _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
               f"({args.num_query_groups})")
+    _validate_tensor_parallel_model_args(args)
     _validate_tokenizer_args(args)
     if args.transformer_impl is None:
         from megatron.core.extensions.transformer_engine import HAVE_TE
@@ -705,6 +731,8 @@ def core_transformer_config_from_args(args, config_class=None):
         rotary_percent=args.rotary_percent,
         init_method_std=args.init_method_std,
         use_cpu_initialization=bool(args.use_cpu_initialization),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=bool(args.sequence_parallel),
         params_dtype=args.params_dtype,
         fp16=args.fp16,
         bf16=args.bf16,

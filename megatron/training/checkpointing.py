@@ -106,26 +106,40 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
 
 # ---- RNG --------------------------------------------------------------------------------------------------
 def get_rng_state():
-    """This rank's RNG states as upstream's ``rng_state`` ShardedObject (written by DP rank 0 only)."""
+    """This rank's RNG states as upstream's ``rng_state`` ShardedObject: one per tensor-parallel rank (shape
+    ``(1, tp)``, offset ``(0, tp_rank)``), written by DP rank 0 only; with the model-parallel tracker's states."""
     from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": {},
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
-    return ShardedObject("rng_state", [state], (1, 1), (0, 0), replica_id=parallel_state.get_data_parallel_rank())
+    tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_tensor_model_parallel_rank())
+    return ShardedObject("rng_state", [state], (1, tp), (0, tp_rank), replica_id=parallel_state.get_data_parallel_rank())
 
 
 def set_rng_state(rng_state) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     state = rng_state[0] if isinstance(rng_state, (list, tuple)) else rng_state
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
     if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if state.get("rng_tracker_states"):
+        get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _checkpoint_tensor_parallel_size(checkpoint_dir) -> int:
+    """The --tensor-model-parallel-size a checkpoint was saved with (its args; 1 when absent)."""
+    ckpt_args = dist_checkpointing.load_common_state_dict(checkpoint_dir).get("args")
+    return int(getattr(ckpt_args, "tensor_model_parallel_size", 1) or 1)
 
 
 # ---- state dict ---------------------------------------------------------------------------------------------
@@ -403,6 +417,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
 
     load_optim = optimizer is not None and not (args.no_load_optim or args.finetune or release)
     load_rng = not (args.no_load_rng or args.finetune or release)
+    if load_rng and _checkpoint_tensor_parallel_size(checkpoint_dir) != args.tensor_model_parallel_size:
+        # as upstream: per-TP-rank RNG states do not carry over to another TP size
+        print_rank_0(f"WARNING: checkpoint saved with another --tensor-model-parallel-size than "
+                     f"{args.tensor_model_parallel_size}: its RNG state is not loaded")
+        load_rng = False
     chunks = _chunks(model)
     state_dict = generate_state_dict(
         args, model, optimizer if load_optim else None, opt_param_scheduler if load_optim else None,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.arguments import (
     core_transformer_config_from_args,
@@ -320,8 +321,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
                 loss = loss * loss_scale.to(loss.device).reshape(())
             loss.backward()
         reported.append(value.detach().float().reshape(()))
-    if hasattr(chunk, "finish_grad_sync"):
-        chunk.finish_grad_sync()
+    finalize_model_grads(model)  # DP grad sync, then sequence-parallel grads summed over TP
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)

@@ -7,8 +7,47 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+@torch.no_grad()
+def allreduce_sequence_parallel_grads(model: List[torch.nn.Module]) -> None:
+    """Sum over the tensor-parallel group the gradients of parameters marked ``sequence_parallel`` (norms, row-linear
+    biases: each TP rank saw only its ``s / tp`` tokens), as upstream's ``_allreduce_non_tensor_model_parallel_grads``.
+    Megatron-FSDP (DTensor) gradients: their local DP shards, laid out alike on every TP rank, are summed."""
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = []
+    for chunk in model:
+        if not getattr(getattr(chunk, "config", None), "sequence_parallel", False):
+            continue
+        for p in _unwrap(chunk).parameters():
+            if p.requires_grad and getattr(p, "sequence_parallel", False):
+                g = getattr(p, "main_grad", None)
+                if g is None:
+                    g = p.grad
+                if g is None:  # every TP rank has the same parameters: take part with zeros
+                    p.grad = g = torch.zeros_like(p)
+                grads.append(g.to_local() if hasattr(g, "to_local") else g)
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+
+
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None, **unused):
-    """Finish the data-parallel gradient reduction of every model chunk (``finish_grad_sync``).
+    """Finish the data-parallel gradient reduction of every model chunk (``finish_grad_sync``: over the data-parallel
+    group only, tensor-parallel ranks hold different pieces), then sum the sequence-parallel parameters' gradients
+    over the tensor-parallel group.
 
     ``num_tokens`` (per-token loss mode, upstream's ``--calculate-per-token-loss``): this rank's token count for a
     SUMMED loss. It is summed over the data-parallel group and the (rank-averaged) gradients are multiplied by
@@ -17,7 +56,9 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     if isinstance(model, torch.nn.Module):
         model = [model]
     for chunk in model:
-        chunk.finish_grad_sync()
+        if hasattr(chunk, "finish_grad_sync"):  # an unwrapped model (one process) has nothing to sync
+            chunk.finish_grad_sync()
+    allreduce_sequence_parallel_grads(model)
     if num_tokens is not None:
         total = num_tokens.detach().clone().float().reshape(1)
         group = parallel_state.get_data_parallel_group()

@@ -105,17 +105,25 @@ def _rng_untouched():
         yield
 
 
-def _common_kwargs(config, init_method, bias, skip_bias_add):
+def _common_kwargs(config, init_method, bias, skip_bias_add, parallel_mode=None, is_expert=False):
+    """TE constructor arguments; ``parallel_mode`` 'column' | 'row' (None: not split). Under tensor parallelism
+    (size > 1) TE gets the (expert) tensor-parallel group, its size, ``sequence_parallel`` and the model-parallel RNG
+    tracker (its deferred init of split weights forks it, as upstream)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.utils import tp_group_info
+
+    tp_group, tp_size, _ = tp_group_info(is_expert)
+    tracker = get_cuda_rng_tracker()
     return dict(
-        sequence_parallel=False,
+        sequence_parallel=bool(config.sequence_parallel) and tp_size > 1,
         fuse_wgrad_accumulation=False,
-        tp_group=None,
-        tp_size=1,
-        get_rng_state_tracker=None,
+        tp_group=tp_group if tp_size > 1 else None,
+        tp_size=tp_size,
+        get_rng_state_tracker=get_cuda_rng_tracker if (tp_size > 1 and tracker.is_initialized()) else None,
         init_method=init_method if config.perform_initialization else (lambda w: None),
         bias=bias,
         return_bias=skip_bias_add,
-        parallel_mode=None,
+        parallel_mode=parallel_mode if tp_size > 1 else None,
         params_dtype=config.params_dtype,
         device=_te_device(),
     )
@@ -124,13 +132,27 @@ def _common_kwargs(config, init_method, bias, skip_bias_add):
 class _TEWrapperMixin:
     """Return ``(output, bias or None)`` like the local layers; tag parameters like the local layers."""
 
+    # TP axis of each split parameter in checkpoints (upstream's TE layers: column weight/bias 0, row weight 1)
+    _tp_axis_map = {}
+
     def _tag(self, is_expert):
+        from megatron.core.tensor_parallel.utils import tp_group_info
+
         self.is_expert = is_expert
+        self.tp_group, self.tp_size, self.tp_rank = tp_group_info(is_expert)
         set_param_attrs(self.parameters(recurse=False), allreduce=not is_expert)
         for name in ("layer_norm_weight", "layer_norm_bias"):
             p = getattr(self, name, None)
             if isinstance(p, torch.nn.Parameter):
-                p.sequence_parallel = False
+                p.sequence_parallel = bool(self.config.sequence_parallel) and self.tp_size > 1
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """The state dict with the split parameters TP-sharded on their axis (``_tp_axis_map``), the rest (norms,
+        a row bias, ``_extra_state``) replicated, as upstream's TE layers."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self._tp_axis_map,
+                                                   sharded_offsets, tp_group=self.tp_group)
 
     def reset_parameters(self, defer_init=False):
         """TE's own reset (its ``init_method``, global RNG, re-quantisation of fp8/fp4 primary weights). TE wraps
@@ -185,22 +207,29 @@ if HAVE_TE:  # pragma: no cover - runs only where TE is installed (GPU tests)
     class TELinear(_TEWrapperMixin, _te.TELinear):
         """``te.Linear`` with ``(output, bias)`` returns; base of the column/row variants (TP size 1)."""
 
+        _parallel_mode = None
+
         def __init__(self, input_size, output_size, *, config, init_method, bias=True, skip_bias_add=False,
                      is_expert=False, **unused):
             with _rng_untouched(), te_quantized_init_context(config):
-                super().__init__(input_size, output_size, **_common_kwargs(config, init_method, bias, skip_bias_add))
+                super().__init__(input_size, output_size, **_common_kwargs(config, init_method, bias, skip_bias_add,
+                                                                           self._parallel_mode, is_expert))
             self.config = config
             self.te_return_bias = skip_bias_add
             self._tag(is_expert)
 
     class TEColumnParallelLinear(TELinear):
-        pass
+        _parallel_mode = "column"
+        _tp_axis_map = {"weight": 0, "bias": 0}
 
     class TERowParallelLinear(TELinear):
-        pass
+        _parallel_mode = "row"
+        _tp_axis_map = {"weight": 1}
 
     class TELayerNormColumnParallelLinear(_TEWrapperMixin, _te.TELayerNormLinear):
         """``te.LayerNormLinear``: the layer's pre-norm fused into the following linear (QKV or fc1)."""
+
+        _tp_axis_map = {"weight": 0, "bias": 0}
 
         def __init__(self, input_size, output_size, *, config, init_method, bias=True, skip_bias_add=False,
                      is_expert=False, **unused):
@@ -212,7 +241,7 @@ if HAVE_TE:  # pragma: no cover - runs only where TE is installed (GPU tests)
                     normalization=config.normalization,
                     return_layernorm_output=False,
                     zero_centered_gamma=False,
-                    **_common_kwargs(config, init_method, bias, skip_bias_add),
+                    **_common_kwargs(config, init_method, bias, skip_bias_add, "column", is_expert),
                 )
             self.config = config
             self.te_return_bias = skip_bias_add

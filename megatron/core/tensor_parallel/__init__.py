@@ -1,11 +1,46 @@
-"""Tensor-parallel layer names of upstream megatron-core, at tensor parallel size 1."""
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed, set_random_seed
+"""Tensor parallelism: split layers, the communication mappings, vocab-parallel cross entropy, the RNG tracker."""
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import (
+    CudaRNGStatesTracker,
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+    model_parallel_cuda_manual_seed,
+    set_random_seed,
+)
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_tensor_model_parallel_attributes",
+    "vocab_parallel_cross_entropy",
+    "copy_to_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "CudaRNGStatesTracker",
+    "get_cuda_rng_tracker",
+    "get_expert_parallel_rng_tracker_name",
     "model_parallel_cuda_manual_seed",
     "set_random_seed",
 ]

@@ -1,14 +1,19 @@
 """Causal self-attention: fused QKV projection, optional RoPE, ``F.scaled_dot_product_attention``, output proj.
 
-Hidden states are ``[s, b, h]`` as upstream. The QKV weight layout is upstream's: per query group,
-``[q heads of the group, k, v]`` each ``kv_channels`` wide.
+Hidden states are ``[s, b, h]`` as upstream (``[s / tp, b, h]`` with sequence parallelism: the QKV projection
+all-gathers them, the output projection reduce-scatters back). The QKV weight layout is upstream's: per query
+group, ``[q heads of the group, k, v]`` each ``kv_channels`` wide, so the column-parallel split gives each tensor-parallel
+rank ``num_query_groups / tp`` whole groups and their heads.
 """
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.random import model_parallel_rng_context
+from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
 
@@ -46,12 +51,14 @@ class SelfAttention(MegatronModule):
     def __init__(self, config, layer_number: int = 1, fuse_input_layernorm: bool = False):
         super().__init__(config)
         self.layer_number = layer_number
-        self.num_heads = config.num_attention_heads
-        self.num_query_groups = config.num_query_groups
+        tp = config.tensor_model_parallel_size
         self.head_dim = config.kv_channels
-        self.query_projection_size = self.num_heads * self.head_dim
-        self.kv_projection_size = self.num_query_groups * self.head_dim
+        self.query_projection_size = config.num_attention_heads * self.head_dim
+        self.kv_projection_size = config.num_query_groups * self.head_dim
         qkv_size = self.query_projection_size + 2 * self.kv_projection_size
+        # this rank's heads and query groups (TransformerConfig checked the divisibility with a message)
+        self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads over tensor-parallel ranks")
+        self.num_query_groups = divide(config.num_query_groups, tp, "num_query_groups over tensor-parallel ranks")
         init = init_method_normal(config.init_method_std)
         out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
         self.linear_qkv = build_linear(
@@ -77,6 +84,7 @@ class SelfAttention(MegatronModule):
         where attention is NOT allowed (upstream convention). Returns ``(output [s, b, h], bias or None)``."""
         s, b, _ = hidden_states.shape
         qkv, _ = self.linear_qkv(hidden_states)
+        s = qkv.shape[0]  # the full sequence (sequence parallelism gathered it)
         per_group = self.num_heads // self.num_query_groups
         qkv = qkv.view(s, b, self.num_query_groups, per_group + 2, self.head_dim)
         q, k, v = torch.split(qkv, [per_group, 1, 1], dim=3)
@@ -92,9 +100,13 @@ class SelfAttention(MegatronModule):
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        if attention_mask is None:
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.query_projection_size)
+        # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
+        # upstream's core attention)
+        rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
+        with rng if rng is not None else contextlib.nullcontext():
+            if attention_mask is None:
+                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            else:
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(ctx)

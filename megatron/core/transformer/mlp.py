@@ -9,46 +9,57 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
 
 
-def apply_swiglu_sharded_factory(original, sharded_offsets=()):
-    """A ShardedTensorFactory writing a gated-linear-unit ``linear_fc1`` weight (or bias) as upstream does: its two
-    halves (``W`` and ``V`` of ``act(x W) * (x V)``) are separate chunks along the output axis (global axis
-    ``len(sharded_offsets)``) of the same global tensor. ``original`` is the plain ShardedTensor of the whole
-    parameter (a regular grid for a replicated tensor, explicit offsets for a Megatron-FSDP row shard, which is cut
-    where it crosses the boundary between the halves). Loading concatenates the loaded pieces back (``merge_fn``
-    receives the list ``build_fn`` built)."""
+def apply_swiglu_sharded_factory(original, sharded_offsets=(), tp_rank: int = 0, tp_size: int = 1):
+    """A ShardedTensorFactory writing a gated-linear-unit ``linear_fc1`` weight (or bias) as upstream does: the global
+    tensor is ``[W; V]`` (``act(x W) * (x V)``) along the output axis (global axis ``len(sharded_offsets)``); a TP
+    rank's local ``[W_r; V_r]`` is two chunks of it, ``W_r`` at fragment ``tp_rank`` and ``V_r`` at ``tp_size +
+    tp_rank`` of ``2 * tp_size`` (upstream's swiglu factory). ``original`` is the plain ShardedTensor of this rank's
+    parameter (TP fragment ``(tp_rank, tp_size)`` on that axis; explicit offsets for a Megatron-FSDP row shard of it,
+    which is cut where it crosses the boundary between its halves). Loading concatenates the loaded pieces back
+    (``merge_fn`` receives the list ``build_fn`` built)."""
     from megatron.core.dist_checkpointing import ShardedTensor, ShardedTensorFactory
 
     axis = len(tuple(sharded_offsets))
     if original.prepend_axis_num != axis:
         raise ValueError(f"{original.key}: {original.prepend_axis_num} prepended axes, sharded_offsets has {axis}")
     start, global_rows = original.global_offset[axis], original.global_shape[axis]
-    if global_rows % 2:
-        raise ValueError(f"{original.key}: gated linear unit fc1 has an odd number of rows {global_rows}")
-    half = global_rows // 2
-    regular = original.has_regular_grid and start == 0 and original.local_shape[0] == global_rows
+    if global_rows % (2 * tp_size):
+        raise ValueError(f"{original.key}: gated linear unit fc1 has {global_rows} rows, not divisible by 2 x "
+                         f"tensor-parallel size {tp_size}")
+    tp_rows = global_rows // tp_size  # rows of this TP rank's [W_r; V_r]
+    local_start = start - tp_rank * tp_rows  # where the shard starts inside [W_r; V_r]
+    half, tp_half = global_rows // 2, tp_rows // 2
+    regular = original.has_regular_grid and local_start == 0 and original.local_shape[0] == tp_rows
 
     @torch.no_grad()
     def build_fn(key, t, replica_id, flattened_range):
         if flattened_range is not None:
             return _flat_halves(key, t.detach(), flattened_range, replica_id)
         t = t.detach()  # the pieces are views of the live parameter's storage, loaded in place, outside autograd
-        if regular:  # upstream's chunks exactly: the two halves of a 2-piece grid on the output axis
+        if regular:  # upstream's chunks exactly: W_r and V_r in a 2 * tp grid on the output axis
             w, v = torch.chunk(t, 2, dim=0)
             return [
-                ShardedTensor.from_rank_offsets(key, piece, *sharded_offsets, (axis, i, 2), replica_id=replica_id,
-                                                prepend_axis_num=axis)
-                for i, piece in enumerate((w, v))
+                ShardedTensor.from_rank_offsets(key, piece, *sharded_offsets, (axis, idx, 2 * tp_size),
+                                                replica_id=replica_id, prepend_axis_num=axis)
+                for idx, piece in ((tp_rank, w), (tp_size + tp_rank, v))
             ]
         rows = t.shape[0]
-        bounds = [(max(lo, start), min(hi, start + rows)) for lo, hi in ((0, half), (half, global_rows))]
-        bounds = [(a, b) for a, b in bounds if b > a] or [(min(start, global_rows),) * 2]  # an empty shard
+        lo, hi = local_start, local_start + rows
+        pieces = []  # (row range in t, global first row)
+        if min(hi, tp_half) > lo:
+            pieces.append((0, min(hi, tp_half) - lo, tp_rank * tp_half + lo))
+        if hi > max(lo, tp_half):
+            a = max(lo, tp_half)
+            pieces.append((a - lo, hi - lo, half + tp_rank * tp_half + (a - tp_half)))
+        if not pieces:  # an empty shard
+            pieces = [(0, 0, min(tp_rank * tp_half + lo, global_rows))]
         return [
             ShardedTensor.from_global_offsets(
-                key, t[a - start : b - start], original.global_shape,
-                original.global_offset[:axis] + (a,) + original.global_offset[axis + 1 :],
+                key, t[a:b], original.global_shape,
+                original.global_offset[:axis] + (g,) + original.global_offset[axis + 1 :],
                 replica_id=replica_id, prepend_axis_num=axis,
             )
-            for a, b in bounds
+            for a, b, g in pieces
         ]
 
     def _flat_halves(key, t, fr, replica_id):
@@ -107,7 +118,9 @@ class MLP(MegatronModule):
             for name in ("weight", "bias"):
                 key = f"{prefix}linear_fc1.{name}"
                 if key in out:
-                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets)
+                    fc1 = self.linear_fc1
+                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, getattr(fc1, "tp_rank", 0),
+                                                            getattr(fc1, "tp_size", 1))
         return out
 
     def forward(self, hidden_states: torch.Tensor):

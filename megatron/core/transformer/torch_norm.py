@@ -1,4 +1,7 @@
-"""LayerNorm / RMSNorm in plain torch, with the init contract (``reset_parameters``) and parameter attributes."""
+"""LayerNorm / RMSNorm in plain torch, with the init contract (``reset_parameters``) and parameter attributes.
+
+With sequence parallelism a norm sees only this rank's ``s / tp`` tokens: its parameters are marked
+``sequence_parallel=True`` and ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group."""
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +18,8 @@ class _NormBase(torch.nn.Module):
         self.hidden_size = hidden_size
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
-        set_param_attrs((self.weight,), sequence_parallel=False, allreduce=True)
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        set_param_attrs((self.weight,), sequence_parallel=self.sequence_parallel, allreduce=True)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
@@ -25,7 +29,7 @@ class LayerNorm(_NormBase):
     def __init__(self, config, hidden_size: int, eps: float = None):
         super().__init__(config, hidden_size, eps)
         self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
-        set_param_attrs((self.bias,), sequence_parallel=False, allreduce=True)
+        set_param_attrs((self.bias,), sequence_parallel=self.sequence_parallel, allreduce=True)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

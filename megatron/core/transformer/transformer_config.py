@@ -60,7 +60,7 @@ class TransformerConfig:
     # ---- implementation -------------------------------------------------------------------------------------
     transformer_impl: str = "local"  # 'local' | 'transformer_engine'
 
-    # ---- parallelism (this fork: data parallel only; kept for API compatibility) ------------------------------
+    # ---- parallelism (tensor parallel and sequence parallel; the others must stay 1) ----------------------------
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
@@ -151,7 +151,8 @@ class TransformerConfig:
             raise ValueError("fp4_param (--fp4-param-gather) needs fp4 (--fp4-format)")
         if (self.fp8 is not None or self.fp4 is not None) and self.transformer_impl != "transformer_engine":
             raise ValueError("fp8/fp4 training needs --transformer-impl transformer_engine")
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        self._check_tensor_parallel()
+        for name in ("pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) != 1:
                 raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
         for name in ("context_parallel_size",):
@@ -167,8 +168,6 @@ class TransformerConfig:
             raise ValueError("qk_layernorm (--qk-layernorm) is not supported")
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
-        if self.sequence_parallel:
-            raise ValueError("sequence_parallel (--sequence-parallel) needs tensor parallelism, not supported here")
         if self.num_moe_experts is not None:
             if self.num_moe_experts <= 0:
                 raise ValueError(f"num_moe_experts must be positive (--num-experts), got {self.num_moe_experts}")
@@ -207,3 +206,30 @@ class TransformerConfig:
             )
         if self.moe_router_bias_update_rate < 0:
             raise ValueError("moe_router_bias_update_rate (--moe-router-bias-update-rate) must be >= 0")
+
+    def _check_tensor_parallel(self) -> None:
+        """Tensor parallel size: heads, query groups and FFN width split evenly; sequence parallelism needs it."""
+        tp = self.tensor_model_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_model_parallel_size must be a positive int (--tensor-model-parallel-size), got {tp!r}")
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel (--sequence-parallel) needs tensor_model_parallel_size > 1 "
+                             "(--tensor-model-parallel-size)")
+        if tp == 1:
+            return
+        for name, flag in (("num_attention_heads", "--num-attention-heads"), ("num_query_groups", "--num-query-groups"),
+                           ("ffn_hidden_size", "--ffn-hidden-size")):
+            value = getattr(self, name)
+            if value % tp != 0:
+                raise ValueError(f"{name} ({value}, {flag}) must be divisible by tensor_model_parallel_size ({tp}, "
+                                 "--tensor-model-parallel-size): each tensor-parallel rank holds an equal share")
+        if self.num_moe_experts is not None:
+            # experts are split over the expert tensor-parallel group (the TP group by default) by their own linears;
+            # with sequence parallelism each rank would route different tokens through them: not handled yet
+            if self.sequence_parallel:
+                raise ValueError(f"MoE layers (num_moe_experts={self.num_moe_experts}, --num-experts) are not supported "
+                                 "with sequence_parallel (--sequence-parallel) yet")
+            moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
+            if moe_ffn % tp != 0:
+                raise ValueError(f"moe_ffn_hidden_size ({moe_ffn}, --moe-ffn-hidden-size) must be divisible by "
+                                 f"tensor_model_parallel_size ({tp}, --tensor-model-parallel-size)")

@@ -6,7 +6,10 @@ import torch.nn.functional as F
 
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.utils import tp_group_info
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.utils import init_method_normal, init_weights
@@ -16,7 +19,9 @@ class GPTModel(MegatronModule):
     """Decoder-only transformer language model.
 
     ``forward(input_ids [b, s], position_ids [b|1, s], attention_mask=None, labels=None)`` returns the per-token
-    cross-entropy loss ``[b, s]`` (float32) when ``labels`` is given, else logits ``[b, s, vocab]``.
+    cross-entropy loss ``[b, s]`` (float32) when ``labels`` is given, else logits ``[b, s, vocab]`` (with tensor
+    parallelism and ``parallel_output=True``, upstream's default, this rank's vocab slice ``[b, s, vocab / tp]``;
+    ``parallel_output=False`` gathers the full vocab). The loss is computed on the vocab-parallel logits.
     The constructor ends with ``init_weights(self)`` (skipped when the parameters are on the meta device).
     """
 
@@ -31,6 +36,7 @@ class GPTModel(MegatronModule):
         post_process: bool = True,
         rotary_percent: Optional[float] = None,
         rotary_base: Optional[int] = None,
+        parallel_output: bool = True,
         **unused,
     ):
         super().__init__(config)
@@ -47,6 +53,7 @@ class GPTModel(MegatronModule):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        self.parallel_output = parallel_output
 
         self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
         if position_embedding_type == "rope":
@@ -99,18 +106,23 @@ class GPTModel(MegatronModule):
         hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            rotary = self.rotary_pos_emb(hidden.shape[0], device=hidden.device)
+            rotary = self.rotary_pos_emb(input_ids.shape[1], device=hidden.device)  # the full sequence
         hidden = self.decoder(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v]
-        logits = logits.transpose(0, 1)  # [b, s, v]
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
+        logits = logits.transpose(0, 1)  # [b, s, v / tp]
         if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits)
             return logits.contiguous()
         return self.compute_language_model_loss(labels, logits)
 
     @staticmethod
     def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy ``[b, s]`` in float32; ``logits`` ``[b, s, v]``."""
+        """Per-token cross entropy ``[b, s]`` in float32; ``logits`` ``[b, s, v / tp]`` (vocab-parallel; plain
+        ``F.cross_entropy`` without tensor parallelism)."""
         b, s, v = logits.shape
+        if tp_group_info()[1] > 1:
+            return vocab_parallel_cross_entropy(logits, labels)
         loss = F.cross_entropy(logits.float().reshape(b * s, v), labels.reshape(b * s), reduction="none")
         return loss.view(b, s)

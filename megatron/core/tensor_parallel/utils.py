@@ -1,0 +1,53 @@
+"""Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges."""
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def divide(numerator: int, denominator: int, what: str = "") -> int:
+    """``numerator // denominator``; raise naming ``what`` when it does not divide exactly."""
+    if denominator <= 0 or numerator % denominator != 0:
+        label = f"{what}: " if what else ""
+        raise ValueError(f"{label}{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def tp_group_info(is_expert: bool = False, tp_group=None) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    """``(group, size, rank)`` of the tensor-parallel group a layer uses: ``tp_group`` when given, else the expert
+    tensor-parallel group for experts and the tensor-parallel group otherwise; ``(None, 1, 0)`` before
+    ``parallel_state.initialize_model_parallel`` (a single-process model)."""
+    if tp_group is None:
+        if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+            return None, 1, 0
+        tp_group = (parallel_state.get_expert_tensor_parallel_group() if is_expert
+                    else parallel_state.get_tensor_model_parallel_group())
+        if tp_group is None:
+            return None, 1, 0
+    return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def check_tp_size(config, size: int, what: str) -> None:
+    """The layer's group must have ``config.tensor_model_parallel_size`` ranks (the flag and the groups agree)."""
+    want = getattr(config, "tensor_model_parallel_size", 1)
+    if size != want:
+        raise ValueError(
+            f"{what}: config.tensor_model_parallel_size={want} (--tensor-model-parallel-size) but the tensor-parallel "
+            f"group has {size} rank(s); call parallel_state.initialize_model_parallel(tensor_model_parallel_size={want}) "
+            "before building the model"
+        )
+
+
+def vocab_range(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
+    """``[first, last)`` of the vocabulary rows held by ``rank`` (the vocab must divide evenly, as upstream)."""
+    per = divide(global_vocab_size, world_size, "vocab size over tensor-parallel ranks (pad it: "
+                 "--make-vocab-size-divisible-by)")
+    return rank * per, (rank + 1) * per
+
+
+def split_along_dim(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    """This rank's contiguous piece of ``t`` along ``dim`` (``size`` equal pieces)."""
+    n = divide(t.shape[dim], size, f"dimension {dim} of a {tuple(t.shape)} tensor over {size} tensor-parallel ranks")
+    return t.narrow(dim, rank * n, n).contiguous()

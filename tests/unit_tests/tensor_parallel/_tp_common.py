@@ -1,0 +1,67 @@
+"""Helpers of the tensor-parallel tests: tiny GPT configs, slicing a TP=1 model's tensors into a TP rank's pieces."""
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+VOCAB = 64
+SEQ = 8
+
+CONFIGS = {
+    # GQA, SwiGLU, RMSNorm, RoPE, no biases, untied output layer
+    "gqa_swiglu": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                       normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                       position="rope", tied=False),
+    # MHA, GeLU, LayerNorm, biases, learned positions, tied embeddings
+    "mha_tied": dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, position="learned_absolute",
+                     tied=True),
+}
+
+
+def make_config(name: str, tp: int = 1, sp: bool = False, **kw) -> TransformerConfig:
+    base = {k: v for k, v in CONFIGS[name].items() if k not in ("position", "tied")}
+    base.update(init_method_std=0.05, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+                sequence_parallel=sp)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def build(name: str, cfg: TransformerConfig, seed: int = 7, meta: bool = False) -> GPTModel:
+    torch.manual_seed(seed)
+    kwargs = dict(share_embeddings_and_output_weights=CONFIGS[name]["tied"],
+                  position_embedding_type=CONFIGS[name]["position"], parallel_output=False)
+    if meta:
+        with torch.device("meta"):
+            return GPTModel(cfg, VOCAB, SEQ, **kwargs)
+    return GPTModel(cfg, VOCAB, SEQ, **kwargs)
+
+
+def tp_piece(full: torch.Tensor, param, name: str, gated: bool, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's piece of a TP=1 tensor, as the TP layer ``param`` holds it (a gated fc1 is [W_r; V_r])."""
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return full
+    dim = param.partition_dim
+    if gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return torch.cat([h.chunk(size, dim=0)[rank] for h in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def load_from_tp1(model: GPTModel, ref: GPTModel) -> None:
+    """Copy the TP=1 model ``ref``'s weights into the TP model (this rank's pieces)."""
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(tp_piece(ref_params[n], p, n, model.config.gated_linear_unit, rank, size))
+
+
+def batch(b: int = 2, seed: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (b, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def position_ids(b: int) -> torch.Tensor:
+    return torch.arange(SEQ).unsqueeze(0).expand(b, SEQ)
