@@ -196,15 +196,21 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         os.makedirs(checkpoint_dir, exist_ok=True)
     _barrier()
 
-    ok, error = True, None
+    ok, error, request = True, None, None
+    async_save = bool(getattr(args, "async_save", False))
+    if async_save:
+        maybe_finalize_async_save(blocking=True)  # the previous save completes (and advances the tracker) first
+    start = time.time()
+    strategy = _save_strategy(args)
     try:
         rng_state = None if args.no_save_rng else get_rng_state()
         state_dict = generate_state_dict(
             args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
-        dist_checkpointing.save(state_dict, checkpoint_dir, sharded_strategy=_save_strategy(args))
-    except Exception as e:  # decide together whether the save completed
+        request = dist_checkpointing.save(state_dict, checkpoint_dir, sharded_strategy=strategy,
+                                          async_sharded_save=async_save)
+    except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         ok, error = False, e
     if _dist():
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=parallel_state.collective_device())
@@ -218,10 +224,52 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             f"saving checkpoint {checkpoint_dir} failed ({where}); "
             f"{get_checkpoint_tracker_filename(save_dir)} was not advanced"
         ) from error
+    if request is None:
+        _finalize_save(save_dir, iteration)
+        return
+    request.add_finalize_fn(lambda: _finalize_save(save_dir, iteration, scheduled_at=start))
+    _schedule_async_save(request, iteration, save_dir, start, strategy)
+
+
+def _finalize_save(save_dir: str, iteration: int, scheduled_at: Optional[float] = None) -> None:
+    """The end of a save, after every rank wrote its part: the one place that advances the tracker."""
     if _rank() == 0:
         _write_tracker(save_dir, iteration)
     _barrier()
-    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
+    how = "" if scheduled_at is None else f" (asynchronous: finished {time.time() - scheduled_at:.2f} s after it was scheduled)"
+    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}{how}")
+
+
+# ---- asynchronous save (--async-save) ---------------------------------------------------------------------------
+_async_queue = None
+
+
+def _schedule_async_save(request, iteration: int, save_dir: str, start: float, strategy) -> None:
+    """Take the CPU copy now and write in the background (``--async-save``); the tracker advances in
+    ``maybe_finalize_async_save`` once every rank finished."""
+    global _async_queue
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, resolve_async_strategy
+
+    args = get_args()
+    if _async_queue is None:
+        resolve_async_strategy(getattr(args, "async_strategy", "nvrx"))
+        _async_queue = AsyncCallsQueue(persistent=bool(getattr(args, "use_persistent_ckpt_worker", False)))
+    _async_queue.schedule_async_request(request)
+    staged = getattr(getattr(strategy, "base_strategy", strategy), "last_staged_bytes", None)
+    print_rank_0(f"  scheduled asynchronous checkpoint save of iteration {iteration:7d} to {save_dir}: training "
+                 f"blocked {time.time() - start:.3f} s, {staged} bytes staged to CPU on rank 0")
+
+
+def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
+    """Finalize (advance the tracker of) the asynchronous saves that finished on every rank; ``blocking``: wait for
+    all of them; ``terminate``: then stop the background worker. Collective: call on every rank."""
+    global _async_queue
+    if _async_queue is None:
+        return
+    _async_queue.maybe_finalize_async_calls(blocking=blocking)
+    if terminate:
+        _async_queue.close()
+        _async_queue = None
 
 
 def _find_checkpoint(load_dir: str, args) -> Optional[Tuple[int, bool, str]]:
