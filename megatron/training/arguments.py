@@ -159,6 +159,14 @@ def _add_checkpointing_args(parser):
                    help="Spread the writing of replicated tensors over the data-parallel ranks (the default).")
     g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save",
                    default=True, help="Every rank writes its replicated tensors' first copy (no spreading).")
+    # -- asynchronous save (upstream's flags) --
+    g.add_argument("--async-save", action="store_true", default=None,
+                   help="Write torch_dist checkpoints in the background (PyTorch DCP async_save from a CPU copy "
+                        "taken when the save is scheduled); the tracker advances when every rank finished.")
+    g.add_argument("--async-strategy", default="nvrx", choices=["nvrx", "mcore"],
+                   help="Async save backend; this fork always uses its built-in one (mcore), said once in the log.")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="With --async-save: one long-lived background worker instead of one per save.")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="Spread the reading of replicated tensors over the data-parallel ranks.")
     g.add_argument("--stream-ckpt-dequant", action="store_true",

@@ -19,7 +19,6 @@ checkpoint and the model's tensor keys/shapes against the run before any tensor 
 import os
 import random
 import shutil
-import sys
 import time
 import warnings
 from typing import Optional, Tuple
@@ -221,6 +220,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         raise CheckpointError(f"--ckpt-format {args.ckpt_format}: only torch_dist is supported")
     checkpoint_dir = get_checkpoint_name(save_dir, iteration)
     partial_dir = safety.partial_name(checkpoint_dir)
+    async_save = bool(getattr(args, "async_save", False))
+    if async_save:  # the previous save completes (is published, advances the tracker) before this one starts
+        maybe_finalize_async_save(blocking=True)
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
     safety.check_save_dir(save_dir)  # a no-op lock-wise when this job already holds it
     error = None
@@ -234,15 +236,18 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             error = f"saving checkpoint {checkpoint_dir} failed: {safety.describe_save_failure(e, partial_dir)}"
     safety.raise_collectively(error)
 
-    error, cause = None, None
+    error, cause, request = None, None, None
+    start = time.time()
+    strategy = _save_strategy(args)
     try:
         rng_state = None if args.no_save_rng else get_rng_state()
         state_dict = generate_state_dict(
             args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
-        dist_checkpointing.save(state_dict, partial_dir, sharded_strategy=_save_strategy(args))
-    except Exception as e:  # decide together whether the save completed
+        request = dist_checkpointing.save(state_dict, partial_dir, sharded_strategy=strategy,
+                                          async_sharded_save=async_save)
+    except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         error, cause = e, safety.describe_save_failure(e, partial_dir)
     tracker = get_checkpoint_tracker_filename(save_dir)
     try:
@@ -252,6 +257,19 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             shutil.rmtree(partial_dir, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {checkpoint_dir} failed: {e}; {tracker} was not advanced "
                               f"(it still names the previous checkpoint)") from error
+    if request is None:
+        _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir)
+        return
+    request.add_finalize_fn(
+        lambda: _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, scheduled_at=start)
+    )
+    _schedule_async_save(request, iteration, save_dir, start, strategy)
+
+
+def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_dir: str,
+                   scheduled_at: Optional[float] = None) -> None:
+    """The end of a save, after every rank wrote its part (collective): the one place that publishes the partial
+    directory as ``iter_N`` and advances the tracker."""
     error = None
     if _rank() == 0:
         try:
@@ -261,7 +279,40 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             error = (f"saving checkpoint {checkpoint_dir} failed while publishing it: "
                      f"{safety.describe_save_failure(e, save_dir)}")
     safety.raise_collectively(error)
-    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
+    how = "" if scheduled_at is None else f" (asynchronous: finished {time.time() - scheduled_at:.2f} s after it was scheduled)"
+    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}{how}")
+
+
+# ---- asynchronous save (--async-save) ---------------------------------------------------------------------------
+_async_queue = None
+
+
+def _schedule_async_save(request, iteration: int, save_dir: str, start: float, strategy) -> None:
+    """Take the CPU copy now and write in the background (``--async-save``); the partial directory is published and
+    the tracker advanced in ``maybe_finalize_async_save`` once every rank finished."""
+    global _async_queue
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, resolve_async_strategy
+
+    args = get_args()
+    if _async_queue is None:
+        resolve_async_strategy(getattr(args, "async_strategy", "nvrx"))
+        _async_queue = AsyncCallsQueue(persistent=bool(getattr(args, "use_persistent_ckpt_worker", False)))
+    _async_queue.schedule_async_request(request)
+    staged = getattr(getattr(strategy, "base_strategy", strategy), "last_staged_bytes", None)
+    print_rank_0(f"  scheduled asynchronous checkpoint save of iteration {iteration:7d} to {save_dir}: training "
+                 f"blocked {time.time() - start:.3f} s, {staged} bytes staged to CPU on rank 0")
+
+
+def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
+    """Finalize (publish, advance the tracker of) the asynchronous saves that finished on every rank; ``blocking``:
+    wait for all of them; ``terminate``: then stop the background worker. Collective: call on every rank."""
+    global _async_queue
+    if _async_queue is None:
+        return
+    _async_queue.maybe_finalize_async_calls(blocking=blocking)
+    if terminate:
+        _async_queue.close()
+        _async_queue = None
 
 
 def _find_checkpoint(load_dir: str, args) -> Optional[Tuple[int, bool, str]]:

@@ -25,7 +25,7 @@ from megatron.training.arguments import (
     optimizer_config_from_args,
 )
 from megatron.training.checkpoint_safety import check_save_dir
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import load_checkpoint, maybe_finalize_async_save, save_checkpoint
 from megatron.training.global_vars import get_args, get_tensorboard_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.utils import (
@@ -418,6 +418,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             interval_losses, t0, iters = [], time.time(), 0
             skipped, nan_iters = 0, 0
         t_extra = time.time()  # evaluation and saving are not counted in the iteration time
+        if args.async_save:  # advance the tracker of background saves that finished on every rank
+            maybe_finalize_async_save(blocking=False)
         if valid_dataset is not None and args.eval_iters > 0 and args.eval_interval and iteration % args.eval_interval == 0:
             v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
             result.valid_losses[iteration] = v
@@ -441,7 +443,8 @@ def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler) -> N
     args = get_args()
     start = time.time()
     save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
-    _report_checkpoint_io("save", args.save, time.time() - start, iteration)
+    if not args.async_save:  # an asynchronous save reports when it is scheduled and when it is finalized
+        _report_checkpoint_io("save", args.save, time.time() - start, iteration)
 
 
 def evaluate_and_print(forward_step_func, dataset, model, iteration: int, name: str) -> float:
@@ -491,6 +494,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
                                     result, on_iteration_end)
     if args.save and iteration > start_iteration and saved_at != iteration:
         timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+    if args.async_save:  # at exit: wait for the background saves and advance the tracker
+        maybe_finalize_async_save(blocking=True, terminate=True)
     # As upstream: the validation and test sets are evaluated at the end (with --eval-iters > 0).
     if args.eval_iters > 0 and valid_ds is not None:
         result.final_valid_loss = evaluate_and_print(forward_step_func, valid_ds, model, iteration, "validation")

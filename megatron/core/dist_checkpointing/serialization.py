@@ -146,7 +146,7 @@ def save(
     verify_integrity: bool = False,
     common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
-) -> None:
+) -> Optional["AsyncRequest"]:  # noqa: F821
     """Save ``sharded_state_dict`` to ``checkpoint_dir`` (collective over all ranks); upstream 0.19's parameters and
     order, this fork's extras keyword-only.
 
@@ -156,17 +156,15 @@ def save(
     exactly one main replica; consistent global shapes and dtypes) and every rank's common state is compared with
     rank 0's (the one saved; upstream's warning on a difference, after
     ``preprocess_common_before_consistancy_check``). ``content_metadata`` is stored in the common state (see
-    ``load_content_metadata``). ``async_sharded_save=True`` is refused (not supported by this fork).
+    ``load_content_metadata``). ``async_sharded_save=True`` returns an ``AsyncRequest`` (see
+    ``strategies/async_utils.py``) to schedule with an ``AsyncCallsQueue``: the tensors are copied to CPU when it is
+    scheduled and written in the background; ``metadata.json`` (and ``integrity.json``) are written by its finalize
+    functions, after every rank finished writing, so until then the directory is not a loadable checkpoint.
 
     Keyword-only extras: ``verify_integrity`` writes upstream's ``integrity.json`` (SHA-256 of every file) last;
     ``common_strategy`` writes the legacy layout (``common.pt``) instead of upstream 0.19's; ``process_group``
     (default WORLD) is the group of the validation collectives (the DCP write itself always spans WORLD).
     """
-    if async_sharded_save:
-        raise CheckpointingException(
-            "save(async_sharded_save=True) is not supported by this megatron-core fork (asynchronous save is not "
-            "implemented yet); call save without it"
-        )
     if sharded_strategy is not None and not isinstance(sharded_strategy, (SaveShardedStrategy, tuple)):
         raise CheckpointingException(
             f"save: sharded_strategy must be a SaveShardedStrategy or a (backend, version) tuple, got "
@@ -216,13 +214,25 @@ def save(
         sharded_part = _map_objects(sharded_part, sharded_part, lambda _, obj: _wrapped(obj))
         sharded_part = {"sharded": sharded_part, "common": _wrapped(_common_state_object(common_state_dict))}
         config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
+
+    def finalize():
+        _barrier()
+        if _rank() == 0:
+            save_config(config, checkpoint_dir)
+            if verify_integrity:
+                save_integrity_manifest(checkpoint_dir)
+        _barrier()
+
+    if async_sharded_save:
+        if not hasattr(sharded_strategy, "async_save"):
+            raise CheckpointingException(
+                f"save(async_sharded_save=True): {type(sharded_strategy).__name__} cannot save asynchronously"
+            )
+        request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+        request.add_finalize_fn(finalize)
+        return request
     sharded_strategy.save(sharded_part, checkpoint_dir)
-    _barrier()
-    if _rank() == 0:
-        save_config(config, checkpoint_dir)
-        if verify_integrity:
-            save_integrity_manifest(checkpoint_dir)
-    _barrier()
+    finalize()
 
 
 def _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_state_dict, checkpoint_dir: Path):

@@ -1,4 +1,4 @@
-"""Drop-in API parity with upstream megatron-core 0.19 ``dist_checkpointing`` (issue 13, without async save).
+"""Drop-in API parity with upstream megatron-core 0.19 ``dist_checkpointing`` (issue 13; async save: test_async_save.py).
 
 Each point is called the way upstream's callers do (positionally and by keyword), for real on 1, 2 and 4 gloo ranks,
 and its result checked: parameter order and defaults of save/load/load_sharded_metadata, load(..., process_group),
@@ -140,8 +140,11 @@ def _save_load_positional(rank, world, tmp_path):
         dist_checkpointing.load(sd, d, True)
     with pytest.raises(CheckpointingException, match=r"sharded_strategy.*bool"):
         dist_checkpointing.save(sd, _ckpt_dir(tmp_path, "never", rank), True)
-    with pytest.raises(CheckpointingException, match="async_sharded_save=True.*not supported by this"):
-        dist_checkpointing.save(sd, os.path.join(str(tmp_path), "never"), None, True, True)
+    # async_sharded_save (5th positional) returns upstream's AsyncRequest; nothing is written until it is scheduled
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    request = dist_checkpointing.save(sd, os.path.join(str(tmp_path), "never"), None, True, True)
+    assert isinstance(request, AsyncRequest) and len(request.finalize_fns) == 1
     assert not os.listdir(os.path.join(str(tmp_path), "never"))
     # load_sharded_metadata(dir, sharded_strategy) positionally
     md = dist_checkpointing.load_sharded_metadata(d, TorchDistLoadShardedStrategy())

@@ -257,8 +257,27 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
             )
         self.fs = _ChecksummingFileSystem(ALGORITHMS[self.algorithm])
 
+    def __getstate__(self):
+        """Picklable (DCP's process-based async save sends the writer to its checkpoint process): the checksumming
+        file system is rebuilt from ``algorithm`` on the other side."""
+        state = dict(self.__dict__)
+        state.pop("fs", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.fs = _ChecksummingFileSystem(ALGORITHMS[self.algorithm])
+
     def write_data(self, plan, planner) -> Future:
         results = super().write_data(plan, planner).wait()
+        # torch's extra writer threads die silently on an error (their items just have no result): refuse that
+        written = {wr.index for wr in results}
+        lost = [item.index for item in plan.items if item.index not in written]
+        if lost:
+            raise CheckpointingException(
+                f"writing checkpoint {self.path} failed: {len(lost)} item(s) were not written "
+                f"(first: {_describe_index(lost[0])}); see the writer thread's error above"
+            )
         for wr in results:
             self._annotate(wr.storage_data)
         fut: Future = Future()

@@ -16,6 +16,7 @@ checkpoint into flattened destinations.
 import io
 import logging
 import os
+import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from .quantized_load import (
 logger = logging.getLogger(__name__)
 
 MCORE_DATA_ORIG_SHAPE = "nd_reformulated_orig_global_shape"
+DEFAULT_ASYNC_CHECKPOINTER_TYPE = os.environ.get("MCORE_ASYNC_CKPT_CHECKPOINTER", "process")
 
 
 def _rank() -> int:
@@ -450,6 +452,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             )
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
+        # async_save: DCP's checkpoint process ("process") or a DCP thread of this process ("thread")
+        self.async_checkpointer_type = DEFAULT_ASYNC_CHECKPOINTER_TYPE
+        self.last_staged_bytes: Optional[int] = None
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
 
@@ -457,7 +462,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def _to_pyt_state_dict(self, sharded_state_dict: ShardedStateDict):
+    def _to_pyt_state_dict(self, sharded_state_dict: ShardedStateDict, stage: Optional[Callable] = None):
+        """(DCP state dict, mcore_data). ``stage`` (async save): maps {index: tensor} of every tensor this rank
+        writes to {index: CPU copy}; the DCP state dict is then built from the copies."""
         tensors: Dict[str, List[ShardedTensor]] = defaultdict(list)
         pyt_state_dict: Dict[str, Any] = {}
         for _, item in nested_items_iter(sharded_state_dict):
@@ -475,6 +482,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 pyt_state_dict[item.unique_key] = _object_to_bytes(item.data, item.unique_key)
         mcore_data: Dict[str, dict] = {}
         seen_boxes = set()
+        built = []
         for key, sh_tens in tensors.items():
             flat = {t.flattened_range is not None and len(t.global_shape) > 1 for t in sh_tens}
             if len(flat) > 1:
@@ -494,16 +502,60 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 pieces.append(piece)
             if flat == {True}:
                 mcore_data[key] = {MCORE_DATA_ORIG_SHAPE: tuple(sh_tens[0].global_shape)}
-            pyt_state_dict[key] = _make_torch_sharded_tensor(
-                key, dcp_shape, sh_tens[0].dtype, pieces, sh_tens[0].without_data()
-            )
+            built.append((key, dcp_shape, sh_tens[0], pieces))
+        if stage is not None:
+            plain = {(i, j): dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor
+                     for i, (_, _, _, pieces) in enumerate(built) for j, p in enumerate(pieces)}
+            staged = stage(plain)
+            for i, (_, _, _, pieces) in enumerate(built):
+                for j, p in enumerate(pieces):
+                    p.tensor = staged[(i, j)]
+        for key, dcp_shape, some, pieces in built:
+            pyt_state_dict[key] = _make_torch_sharded_tensor(key, dcp_shape, some.dtype, pieces, some.without_data())
         return pyt_state_dict, mcore_data
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]):
         checkpoint_dir = Path(checkpoint_dir)
+        pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir)
+        _run_dcp(dcp_save, "save", checkpoint_dir, None, pyt_state_dict, storage_writer=writer, planner=planner)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]):
+        """An ``AsyncRequest`` (collective: plan checks now). Its ``preload_fn`` (run when the request is
+        scheduled) copies the tensors this rank writes to CPU through DCP's stager; its ``async_fn`` writes the copy
+        with ``torch.distributed.checkpoint.async_save`` (``async_checkpointer_type``: "process" or "thread").
+        ``.metadata`` is written by the background write; ``metadata.json`` by the caller's finalize step."""
+        from .async_utils import AsyncRequest, async_process_group, check_checkpointer_type, dcp_async_write
+        from .async_utils import stage_tensors
+
+        checkpoint_dir = Path(checkpoint_dir)
+        kind = check_checkpointer_type(self.async_checkpointer_type)
+        group = async_process_group()  # collective on first use: created here, on every rank's main thread
+        self.last_staged_bytes = None
+
+        def preload():
+            def stage(tensors):
+                staged, self.last_staged_bytes = stage_tensors(tensors, kind)
+                return staged
+
+            start = time.time()
+            pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir, stage=stage)
+            logger.info(
+                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to CPU on rank {_rank()} "
+                f"in {time.time() - start:.3f} s"
+            )
+            return (pyt_state_dict, writer, planner)
+
+        def write(checkpoint_dir, staged):
+            pyt_state_dict, writer, planner = staged
+            dcp_async_write(checkpoint_dir, pyt_state_dict, writer, planner, kind, group)
+
+        return AsyncRequest(write, (checkpoint_dir, None), [], preload_fn=preload)
+
+    def _prepare_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage=None):
+        """(DCP state dict, planner, writer) for a save of ``sharded_state_dict`` (collective)."""
         error, pyt_state_dict, mcore_data = None, None, {}
         try:
-            pyt_state_dict, mcore_data = self._to_pyt_state_dict(sharded_state_dict)
+            pyt_state_dict, mcore_data = self._to_pyt_state_dict(sharded_state_dict, stage=stage)
         except CheckpointingException as e:
             error = str(e)
         raise_collectively(error, "save")
@@ -521,7 +573,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
         writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
-        _run_dcp(dcp_save, "save", checkpoint_dir, None, pyt_state_dict, storage_writer=writer, planner=planner)
+        return pyt_state_dict, planner, writer
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
