@@ -150,11 +150,26 @@ class MegatronOptimizer:
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]
 
+    def _expert_parallel_grads(self) -> List[torch.Tensor]:
+        """Gradients of expert parameters (``allreduce=False``) that differ across expert-parallel ranks (EP > 1)."""
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return []
+        return [p.grad for mp, p in zip(self.model_params, self.get_parameters())
+                if not getattr(mp, "allreduce", True) and p.grad is not None and not _is_dtensor(p.grad)]
+
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """Global L2 norm of the gradients (DTensor grads: over all shards)."""
+        """Global L2 norm of the gradients (DTensor grads: over all shards; with expert parallelism, the experts'
+        squared norms are summed over the expert-model-parallel group)."""
         grads = self._grads()
         parts = []
+        expert = self._expert_parallel_grads()
+        if expert:
+            ids = {id(g) for g in expert}
+            grads = [g for g in grads if id(g) not in ids]
+            sq = torch.nn.utils.get_total_norm(expert, 2.0).double().reshape(1) ** 2
+            dist.all_reduce(sq, group=parallel_state.get_expert_model_parallel_group())
+            parts.append(float(sq.sqrt().item()))
         for group in ([g for g in grads if _is_dtensor(g)], [g for g in grads if not _is_dtensor(g)]):
             if group:
                 n = torch.nn.utils.get_total_norm(group, 2.0)
@@ -169,7 +184,7 @@ class MegatronOptimizer:
         if not params:
             return 0.0
         kinds = {_is_dtensor(p.grad) for p in params}
-        if len(kinds) == 1:
+        if len(kinds) == 1 and not self._expert_parallel_grads():
             max_norm = clip_grad if clip_grad > 0 else float("inf")
             n = torch.nn.utils.clip_grad_norm_(params, max_norm)
             n = float((n.full_tensor() if _is_dtensor(n) else n).item())
