@@ -264,6 +264,7 @@ class MegatronOptimizer:
             inner, mains = state_dict, None
         inner = dict(inner)
         inner["state"] = {k: dict(v) for k, v in inner.get("state", {}).items()}
+        self._local_param_groups(inner)
         self.optimizer.load_state_dict(inner)
         for p in self.get_parameters():
             st = self.optimizer.state.get(p)
@@ -281,6 +282,29 @@ class MegatronOptimizer:
             for main, v in zip(self.main_params, flat):
                 _local(main).copy_(_local(_as_layout_of(v, main)))
             self._copy_main_params_to_model()
+
+    def _local_param_groups(self, inner: dict) -> None:
+        """In place: the param groups' ``params`` become this optimizer's own (the saving layout may have held other
+        parameters, e.g. another expert-parallel size), states of indices it does not have are dropped, and a
+        common Adam ``step`` stored in the groups (see ``sharded_state_dict``) is put back into each state."""
+        live = self.optimizer.state_dict()["param_groups"]
+        groups = inner.get("param_groups", [])
+        if len(groups) != len(live):
+            raise ValueError(f"optimizer checkpoint has {len(groups)} param groups, this optimizer {len(live)} "
+                             "(weight-decay / lr-mult / expert groups differ)")
+        inner["param_groups"] = []
+        ids = set()
+        for g, lg in zip(groups, live):
+            g = dict(g)
+            step = g.pop("step", None)
+            g["params"] = list(lg["params"])
+            inner["param_groups"].append(g)
+            ids.update(g["params"])
+            for i in g["params"]:
+                st = inner["state"].get(i)
+                if step is not None and st and "step" not in st:
+                    st["step"] = torch.tensor(float(step), dtype=torch.float32)
+        inner["state"] = {k: v for k, v in inner["state"].items() if k in ids and v}
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
         """The optimizer's ``state_dict()`` with each state tensor of the param named ``n`` replaced by a
@@ -301,6 +325,18 @@ class MegatronOptimizer:
                 if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
                     continue
                 st[k] = _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", _local(v))
+        # The saving and loading layouts may hold different parameters (expert parallelism): as upstream, the param
+        # lists stay local and one common Adam step is kept in the groups (per parameter if the steps differ).
+        from megatron.core.dist_checkpointing import LocalNonpersistentObject
+
+        steps = {float(st["step"]) for st in sd["state"].values() if "step" in st}
+        for g in sd["param_groups"]:
+            g["params"] = LocalNonpersistentObject(list(g["params"]))
+            if len(steps) == 1:
+                g["step"] = next(iter(steps))
+        if len(steps) == 1:
+            for st in sd["state"].values():
+                st.pop("step", None)
         if self.main_params is None:
             return sd
         mains = [
