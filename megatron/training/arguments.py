@@ -543,6 +543,8 @@ def validate_args(args, defaults={}):
         if ep < 1 or args.num_experts % ep or args.world_size % ep:
             _fail(f"--expert-model-parallel-size ({ep}) must be >= 1 and divide --num-experts ({args.num_experts}) "
                   f"and the world size ({args.world_size})")
+        if ep > 1 and args.use_megatron_fsdp:
+            _fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet (use DDP)")
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")

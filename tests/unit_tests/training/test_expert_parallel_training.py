@@ -32,3 +32,20 @@ def _body(rank, world_size, ckpt):
 
 def test_pretrain_gpt_ep2_saves_and_resumes_at_ep1(tmp_path):
     run_distributed(_body, 2, str(tmp_path / "ckpt"))
+
+
+def test_expert_parallel_flags():
+    import pytest
+
+    from tests.unit_tests.training.test_arguments import _args
+
+    args = _args("--num-experts", 4, "--expert-model-parallel-size", 2, "--moe-token-dispatcher-type", "alltoall",
+                 world_size=2)
+    assert (args.expert_model_parallel_size, args.moe_token_dispatcher_type) == (2, "alltoall")
+    for extra, words in (((("--num-experts", 3, "--expert-model-parallel-size", 2)), ["--expert-model-parallel-size",
+                                                                                      "--num-experts (3)"]),
+                         (("--num-experts", 4, "--expert-model-parallel-size", 2, "--use-megatron-fsdp"),
+                          ["--use-megatron-fsdp", "--expert-model-parallel-size"])):
+        with pytest.raises(SystemExit) as exc:
+            _args(*extra, world_size=2)
+        assert all(w in str(exc.value) for w in words), str(exc.value)
