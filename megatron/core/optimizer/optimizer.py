@@ -286,7 +286,7 @@ class MegatronOptimizer:
     def _local_param_groups(self, inner: dict) -> None:
         """In place: the param groups' ``params`` become this optimizer's own (the saving layout may have held other
         parameters, e.g. another expert-parallel size), states of indices it does not have are dropped, and a
-        common Adam ``step`` stored in the groups (see ``sharded_state_dict``) is put back into each state."""
+        common Adam ``step`` stored in the groups (see ``sharded_state_dict``) replaces each state's ``step``."""
         live = self.optimizer.state_dict()["param_groups"]
         groups = inner.get("param_groups", [])
         if len(groups) != len(live):
@@ -302,7 +302,7 @@ class MegatronOptimizer:
             ids.update(g["params"])
             for i in g["params"]:
                 st = inner["state"].get(i)
-                if step is not None and st and "step" not in st:
+                if step is not None and st:
                     st["step"] = torch.tensor(float(step), dtype=torch.float32)
         inner["state"] = {k: v for k, v in inner["state"].items() if k in ids and v}
 
@@ -326,7 +326,8 @@ class MegatronOptimizer:
                     continue
                 st[k] = _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", _local(v))
         # The saving and loading layouts may hold different parameters (expert parallelism): as upstream, the param
-        # lists stay local and one common Adam step is kept in the groups (per parameter if the steps differ).
+        # lists stay local, and the common Adam step is also kept in the groups (loading prefers it to the
+        # per-index steps, whose indices belong to the saving layout).
         from megatron.core.dist_checkpointing import LocalNonpersistentObject
 
         steps = {float(st["step"]) for st in sd["state"].values() if "step" in st}
@@ -334,9 +335,6 @@ class MegatronOptimizer:
             g["params"] = LocalNonpersistentObject(list(g["params"]))
             if len(steps) == 1:
                 g["step"] = next(iter(steps))
-        if len(steps) == 1:
-            for st in sd["state"].values():
-                st.pop("step", None)
         if self.main_params is None:
             return sd
         mains = [
