@@ -8,7 +8,6 @@ naming the flags) on incompatible combinations.
 import argparse
 import difflib
 import os
-import sys
 import warnings
 
 import torch
@@ -71,7 +70,11 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="Aux-loss-free load balancing with a per-expert selection bias.")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="Expert-bias update rate.")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Expert model parallel size: experts are split over this many ranks (must divide "
+                        "--num-experts and the world size).")
+    g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
+                   help="How tokens reach the ranks of their experts under expert parallelism.")
 
 
 def _add_regularization_args(parser):
@@ -522,10 +525,9 @@ def validate_args(args, defaults={}):
 
     # ---- parallelism ------------------------------------------------------------------------------------
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                        ("--context-parallel-size", args.context_parallel_size),
-                        ("--expert-model-parallel-size", args.expert_model_parallel_size)):
+                        ("--context-parallel-size", args.context_parallel_size)):
         if value != 1:
-            _fail(f"{flag}={value} is not supported: this fork has data and tensor parallelism only (use 1)")
+            _fail(f"{flag}={value} is not supported: this fork has data, tensor and expert parallelism only (use 1)")
     if args.world_size <= 0:
         _fail(f"WORLD_SIZE={args.world_size} must be positive")
     tp = args.tensor_model_parallel_size
@@ -584,7 +586,18 @@ def validate_args(args, defaults={}):
             _fail(f"--moe-router-topk ({args.moe_router_topk}) must be in [1, --num-experts={args.num_experts}]")
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
+        ep = args.expert_model_parallel_size
+        if ep < 1 or args.num_experts % ep or args.world_size % ep:
+            _fail(f"--expert-model-parallel-size ({ep}) must be >= 1 and divide --num-experts ({args.num_experts}) "
+                  f"and the world size ({args.world_size})")
+        if ep > 1 and args.use_megatron_fsdp:
+            _fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet (use DDP)")
+        if ep > 1 and args.tensor_model_parallel_size > 1:
+            _fail("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 is not supported yet "
+                  "(expert tensor parallelism): use one of them")
     else:
+        if args.expert_model_parallel_size != 1:
+            _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
         if args.moe_router_enable_expert_bias:
             _fail("--moe-router-enable-expert-bias needs --num-experts (it is a MoE router option)")
         if args.moe_ffn_hidden_size is not None:
@@ -765,6 +778,8 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_layer_freq=args.moe_layer_freq,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
     )
     if args.swiglu:
         import torch.nn.functional as F

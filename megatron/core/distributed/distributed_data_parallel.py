@@ -3,7 +3,9 @@
 Gradients accumulate in ``param.grad`` during the backward passes of a step (no hooks, so gradient accumulation
 over micro-batches needs nothing); ``finish_grad_sync()`` (called by ``finalize_model_grads``) averages them over
 the data-parallel group in flat buckets, one collective per dtype. Parameters whose gradient is ``None`` on this
-rank take part with zeros, so ranks never disagree on collective sizes.
+rank take part with zeros, so ranks never disagree on collective sizes. Expert parameters (``allreduce=False``, held
+by one expert-parallel rank) are summed over the expert-data-parallel group instead and divided by the data-parallel
+size, as upstream (each expert's gradient already sums the contributions of the tokens of every EP rank).
 """
 import contextlib
 from typing import Dict, Optional
@@ -44,6 +46,9 @@ class DistributedDataParallel(MegatronModule):
         self.ddp_config = ddp_config
         self.module = module
         self.process_group = process_group if process_group is not None else parallel_state.get_data_parallel_group()
+        self.expert_process_group = (
+            self.process_group if process_group is not None else parallel_state.get_expert_data_parallel_group()
+        )
         self.old_to_new_params: Dict = {}
         if has_meta_tensors(module):
             self.old_to_new_params = materialize_meta_module(module, _default_device(), maps=param_keyed_maps)
@@ -92,8 +97,9 @@ class DistributedDataParallel(MegatronModule):
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """Average ``param.grad`` over the data-parallel group (fp32 when ``grad_reduce_in_fp32``). With
-        ``use_distributed_optimizer`` nothing happens here: the DistributedOptimizer reduce-scatters the grads."""
+        """Average ``param.grad`` over the data-parallel group (fp32 when ``grad_reduce_in_fp32``); expert
+        parameters: sum over the expert-data-parallel group / data-parallel size. With ``use_distributed_optimizer``
+        nothing happens here: the DistributedOptimizer reduce-scatters the grads."""
         ws = self._world_size()
         if not self._sync_enabled or ws == 1 or self.ddp_config.use_distributed_optimizer:
             return
@@ -101,13 +107,15 @@ class DistributedDataParallel(MegatronModule):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        buckets: Dict[torch.dtype, list] = {}
+        buckets: Dict[tuple, list] = {}
         for p in params:
             dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else p.grad.dtype
-            buckets.setdefault((dtype, p.grad.device), []).append(p)
-        for (dtype, _), ps in buckets.items():
+            buckets.setdefault((not getattr(p, "allreduce", True), dtype, p.grad.device), []).append(p)
+        for (is_expert, dtype, _), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in ps])
-            dist.all_reduce(flat, group=self.process_group)
+            group = self.expert_process_group if is_expert else self.process_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
             flat.div_(ws)
             offset = 0
             for p in ps:
@@ -132,6 +140,7 @@ class DistributedDataParallel(MegatronModule):
         """Make every rank's parameters and buffers equal to data-parallel rank 0's."""
         if self._world_size() == 1:
             return
-        src = dist.get_global_rank(self.process_group, 0)
         for t in list(self.module.parameters()) + list(self.module.buffers()):
-            dist.broadcast(t.data, src=src, group=self.process_group)
+            group = self.process_group if getattr(t, "allreduce", True) else self.expert_process_group
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)

@@ -168,11 +168,26 @@ class MegatronOptimizer:
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]
 
+    def _expert_parallel_grads(self) -> List[torch.Tensor]:
+        """Gradients of expert parameters (``allreduce=False``) that differ across expert-parallel ranks (EP > 1)."""
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return []
+        return [p.grad for mp, p in zip(self.model_params, self.get_parameters())
+                if not getattr(mp, "allreduce", True) and p.grad is not None and not _is_dtensor(p.grad)]
+
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """Global L2 norm of the gradients (DTensor grads: over all shards)."""
+        """Global L2 norm of the gradients (DTensor grads: over all shards; with expert parallelism, the experts'
+        squared norms are summed over the expert-model-parallel group)."""
         grads = self._grads()
         parts = []
+        expert = self._expert_parallel_grads()
+        if expert:
+            ids = {id(g) for g in expert}
+            grads = [g for g in grads if id(g) not in ids]
+            sq = torch.nn.utils.get_total_norm(expert, 2.0).double().reshape(1) ** 2
+            dist.all_reduce(sq, group=parallel_state.get_expert_model_parallel_group())
+            parts.append(float(sq.sqrt().item()))
         for group in ([g for g in grads if _is_dtensor(g)], [g for g in grads if not _is_dtensor(g)]):
             if group:
                 n = torch.nn.utils.get_total_norm(group, 2.0)
@@ -187,7 +202,7 @@ class MegatronOptimizer:
         if not params:
             return 0.0
         kinds = {_is_dtensor(p.grad) for p in params}
-        if len(kinds) == 1:
+        if len(kinds) == 1 and not self._expert_parallel_grads():
             max_norm = clip_grad if clip_grad > 0 else float("inf")
             n = torch.nn.utils.clip_grad_norm_(params, max_norm)
             n = float((n.full_tensor() if _is_dtensor(n) else n).item())
@@ -301,6 +316,7 @@ class MegatronOptimizer:
             inner, mains = state_dict, None
         inner = dict(inner)
         inner["state"] = {k: dict(v) for k, v in inner.get("state", {}).items()}
+        self._local_param_groups(inner)
         self.optimizer.load_state_dict(inner)
         for p in self.get_parameters():
             st = self.optimizer.state.get(p)
@@ -318,6 +334,29 @@ class MegatronOptimizer:
             for main, v in zip(self.main_params, flat):
                 _local(main).copy_(_local(_as_layout_of(v, main)))
             self._copy_main_params_to_model()
+
+    def _local_param_groups(self, inner: dict) -> None:
+        """In place: the param groups' ``params`` become this optimizer's own (the saving layout may have held other
+        parameters, e.g. another expert-parallel size), states of indices it does not have are dropped, and a
+        common Adam ``step`` stored in the groups (see ``sharded_state_dict``) replaces each state's ``step``."""
+        live = self.optimizer.state_dict()["param_groups"]
+        groups = inner.get("param_groups", [])
+        if len(groups) != len(live):
+            raise ValueError(f"optimizer checkpoint has {len(groups)} param groups, this optimizer {len(live)} "
+                             "(weight-decay / lr-mult / expert groups differ)")
+        inner["param_groups"] = []
+        ids = set()
+        for g, lg in zip(groups, live):
+            g = dict(g)
+            step = g.pop("step", None)
+            g["params"] = list(lg["params"])
+            inner["param_groups"].append(g)
+            ids.update(g["params"])
+            for i in g["params"]:
+                st = inner["state"].get(i)
+                if step is not None and st:
+                    st["step"] = torch.tensor(float(step), dtype=torch.float32)
+        inner["state"] = {k: v for k, v in inner["state"].items() if k in ids and v}
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
         """The optimizer's ``state_dict()`` with each state tensor of the param named ``n`` replaced by a
@@ -338,6 +377,16 @@ class MegatronOptimizer:
                 if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
                     continue
                 st[k] = _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", _local(v))
+        # The saving and loading layouts may hold different parameters (expert parallelism): as upstream, the param
+        # lists stay local, and the common Adam step is also kept in the groups (loading prefers it to the
+        # per-index steps, whose indices belong to the saving layout).
+        from megatron.core.dist_checkpointing import LocalNonpersistentObject
+
+        steps = {float(st["step"]) for st in sd["state"].values() if "step" in st}
+        for g in sd["param_groups"]:
+            g["params"] = LocalNonpersistentObject(list(g["params"]))
+            if len(steps) == 1:
+                g["step"] = next(iter(steps))
         if self.main_params is None:
             return sd
         mains = [

@@ -152,7 +152,17 @@ class TransformerConfig:
         if (self.fp8 is not None or self.fp4 is not None) and self.transformer_impl != "transformer_engine":
             raise ValueError("fp8/fp4 training needs --transformer-impl transformer_engine")
         self._check_tensor_parallel()
-        for name in ("pipeline_model_parallel_size", "expert_model_parallel_size"):
+        if self.expert_model_parallel_size < 1 or (
+            self.expert_model_parallel_size > 1
+            and (self.num_moe_experts is None or self.num_moe_experts % self.expert_model_parallel_size)
+        ):
+            raise ValueError(f"expert_model_parallel_size={self.expert_model_parallel_size} "
+                             "(--expert-model-parallel-size) must be >= 1 and divide num_moe_experts "
+                             f"({self.num_moe_experts}, --num-experts)")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            raise ValueError("moe_token_dispatcher_type (--moe-token-dispatcher-type) must be 'allgather' or "
+                             f"'alltoall', got {self.moe_token_dispatcher_type!r}")
+        for name in ("pipeline_model_parallel_size",):
             if getattr(self, name) != 1:
                 raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
         for name in ("context_parallel_size",):

@@ -82,6 +82,11 @@ class FullyShardedDataParallel(MegatronModule):
         self.process_group = process_group if process_group is not None else parallel_state.get_data_parallel_group()
         if self.process_group is None or not dist.is_initialized():
             raise RuntimeError("FullyShardedDataParallel (--use-megatron-fsdp) needs torch.distributed initialised")
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            # experts differ across EP ranks: they would need their own FSDP units over the expert-data-parallel
+            # group; sharding them over the data-parallel group would mix different experts' gradients
+            raise NotImplementedError("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported "
+                                      "yet: use DDP (without --use-megatron-fsdp) for expert parallelism")
         self.device = torch.device(device) if device is not None else _default_device()
         self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         if fsdp_unit_modules is None:

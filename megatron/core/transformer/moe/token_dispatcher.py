@@ -1,0 +1,157 @@
+"""Token dispatchers: send each routed token to the rank holding its expert and bring the outputs back.
+
+Experts are split over the expert-model-parallel (EP) group: EP rank ``r`` holds the global experts
+``[r * L, (r + 1) * L)`` (``L`` local experts). Both dispatchers return, on every rank, the tokens routed to its local
+experts sorted by local expert (``tokens_per_expert`` of length ``L``), and combine the expert outputs weighted by the
+router probs (in float32) back into the local tokens' order. Upstream's method names (``dispatch_preprocess``,
+``token_dispatch``, ``dispatch_postprocess``, ``combine_preprocess``, ``token_combine``, ``combine_postprocess``) and
+the two-call API (``token_permutation`` / ``token_unpermutation``) are provided.
+
+- ``MoEAllGatherTokenDispatcher`` (``--moe-token-dispatcher-type allgather``): all-gather the tokens, probs and
+  routing map over the EP group (ranks may hold different token counts), keep the columns of the local
+  experts, permute; combine: unpermute into the gathered token rows and reduce-scatter (sum) back to each rank's
+  tokens.
+- ``MoEAlltoAllTokenDispatcher`` (``alltoall``): permute the local tokens by expert, all-gather the per-expert counts
+  over EP, all-to-all the tokens (``input_splits``: tokens for each EP rank, ``output_splits``: tokens from each),
+  regroup the received chunks from (source rank, local expert) to (local expert, source rank) order; combine
+  reverses every step and unpermutes with the local probs.
+"""
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import (
+    all_to_all,
+    gather_along_first_dim,
+    permute,
+    reduce_scatter_along_first_dim,
+    sort_chunks_by_idxs,
+    unpermute,
+)
+
+DISPATCHER_TYPES = ("allgather", "alltoall")
+
+
+class MoETokenDispatcher:
+    """Common state: local expert indices and the EP group (None before ``initialize_model_parallel``)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config) -> None:
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        if len(self.local_expert_indices) != num_local_experts:
+            raise ValueError(f"{len(self.local_expert_indices)} local expert indices for {num_local_experts} experts")
+        self.ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
+        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.hidden_shape = None
+
+    # ---- the two-call API --------------------------------------------------------------------------------
+    def token_permutation(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """``hidden_states`` ``[..., h]``, ``probs``/``routing_map`` ``[T, E]`` -> ``(tokens for the local experts
+        sorted by local expert [N, h], tokens_per_expert [L] (CPU int64), their probs [N])``."""
+        hidden_states, probs = self.dispatch_preprocess(hidden_states, routing_map, probs)
+        hidden_states, probs = self.token_dispatch(hidden_states, probs)
+        return self.dispatch_postprocess(hidden_states, probs)
+
+    def token_unpermutation(self, expert_output: torch.Tensor) -> torch.Tensor:
+        """Expert outputs (the order ``token_permutation`` returned) -> the weighted sum per token, shaped like the
+        ``hidden_states`` given to ``token_permutation``."""
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(expert_output)))
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.view(self.hidden_shape)
+
+
+class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.hidden_shape = hidden_states.shape
+        self.routing_map = routing_map
+        return hidden_states.reshape(-1, self.hidden_shape[-1]), probs
+
+    def token_dispatch(self, hidden_states, probs):
+        # Over the EP group only: the expert linears do their own tensor-parallel communication (expert TP = TP
+        # with EP 1; EP > 1 with TP > 1 is refused), unlike upstream's dispatcher-side TP x EP gather.
+        group = self.ep_group
+        self.sizes = [hidden_states.shape[0]]
+        if group is not None and dist.get_world_size(group) > 1:  # ranks may hold different token counts
+            n = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
+            gathered = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, n, group=group)
+            self.sizes = [int(t.item()) for t in gathered]
+            with torch.no_grad():
+                self.routing_map = gather_along_first_dim(group, self.routing_map.to(torch.uint8), self.sizes).bool()
+        return gather_along_first_dim(group, hidden_states, self.sizes), gather_along_first_dim(group, probs, self.sizes)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        self.gathered_shape = hidden_states.shape
+        local_map = self.routing_map[:, lo:hi]
+        tokens_per_expert = local_map.sum(dim=0).long().cpu()
+        permuted, self.local_probs, self.sorted_indices = permute(hidden_states, local_map, probs[:, lo:hi])
+        return permuted, tokens_per_expert, self.local_probs
+
+    def combine_preprocess(self, hidden_states):
+        return unpermute(hidden_states, self.sorted_indices, self.gathered_shape, self.local_probs)
+
+    def token_combine(self, hidden_states):
+        return reduce_scatter_along_first_dim(self.ep_group, hidden_states, self.sizes)
+
+
+class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        ep, local = self.ep_size, self.num_local_experts
+        with torch.no_grad():
+            counts = routing_map.sum(dim=0).long()  # [E]: this rank's tokens per (global) expert
+            if ep > 1:
+                self.input_splits = counts.reshape(ep, local).sum(dim=1).tolist()
+                gathered = [torch.empty_like(counts) for _ in range(ep)]
+                dist.all_gather(gathered, counts, group=self.ep_group)
+                lo = self.local_expert_indices[0]
+                per_local = torch.stack(gathered)[:, lo : lo + local].cpu()  # [ep source rank, local expert]
+                self.output_splits = per_local.sum(dim=1).tolist()
+            else:
+                per_local = counts.reshape(1, local).cpu()
+            self.per_rank_per_local = per_local
+            self.tokens_per_expert = per_local.sum(dim=0)
+        permuted, self.local_probs, self.sorted_indices = permute(hidden_states, routing_map, probs)
+        return permuted, self.local_probs
+
+    def token_dispatch(self, hidden_states, probs):
+        if self.ep_size > 1:
+            hidden_states = all_to_all(self.ep_group, hidden_states, self.output_splits, self.input_splits)
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        if self.ep_size > 1 and self.num_local_experts > 1:  # (source rank, expert) -> (expert, source rank)
+            order = torch.arange(self.per_rank_per_local.numel()).reshape(self.ep_size, -1).t().reshape(-1)
+            hidden_states = sort_chunks_by_idxs(hidden_states, self.per_rank_per_local.reshape(-1).tolist(), order)
+        # the probs stay on this rank: they weight the outputs after they come back
+        return hidden_states, self.tokens_per_expert.clone(), None
+
+    def combine_preprocess(self, hidden_states):
+        if self.ep_size > 1 and self.num_local_experts > 1:  # (expert, source rank) -> (source rank, expert)
+            order = torch.arange(self.per_rank_per_local.numel()).reshape(-1, self.ep_size).t().reshape(-1)
+            hidden_states = sort_chunks_by_idxs(hidden_states, self.per_rank_per_local.t().reshape(-1).tolist(),
+                                                order)
+        return hidden_states
+
+    def token_combine(self, hidden_states):
+        if self.ep_size > 1:
+            hidden_states = all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
+        return unpermute(hidden_states, self.sorted_indices, (self.hidden_shape.numel() // self.hidden_shape[-1],
+                                                              self.hidden_shape[-1]), self.local_probs)
+
+
+def build_token_dispatcher(num_local_experts: int, local_expert_indices: List[int], config) -> MoETokenDispatcher:
+    """The dispatcher named by ``config.moe_token_dispatcher_type`` (``--moe-token-dispatcher-type``)."""
+    kind = config.moe_token_dispatcher_type
+    if kind == "allgather":
+        return MoEAllGatherTokenDispatcher(num_local_experts, local_expert_indices, config)
+    if kind == "alltoall":
+        return MoEAlltoAllTokenDispatcher(num_local_experts, local_expert_indices, config)
+    raise ValueError(f"moe_token_dispatcher_type={kind!r} (--moe-token-dispatcher-type) must be one of "
+                     f"{DISPATCHER_TYPES}")
