@@ -38,6 +38,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 from ...fp8_utils import dequantize, is_quantized_tensor
+from ... import dist_utils
 from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
 from ..dict_utils import nested_items_iter
@@ -77,22 +78,7 @@ def _prod(shape) -> int:
 def raise_collectively(error: Optional[str], what: str = "checkpointing", process_group=None) -> None:
     """Raise the same CheckpointingException on every rank of ``process_group`` (default: WORLD) if any of them has
     an error (collective over the group)."""
-    size = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
-    if size == 1:
-        if error is not None:
-            raise CheckpointingException(error)
-        return
-    errors: List[Optional[str]] = [None] * size
-    dist.all_gather_object(errors, error, group=process_group)
-    msgs = []
-    for r, e in enumerate(errors):
-        if e is not None and e not in msgs:
-            msgs.append(e)
-    if msgs:
-        ranks = [r for r, e in enumerate(errors) if e is not None]
-        if len(msgs) == 1:
-            raise CheckpointingException(msgs[0] if len(ranks) == len(errors) else f"{msgs[0]} (ranks {ranks})")
-        raise CheckpointingException(f"{what} failed on ranks {ranks}: " + "; ".join(msgs))
+    dist_utils.raise_collectively(error, CheckpointingException, what, process_group)
 
 
 # ---- torch ShardedTensor <-> MCore ShardedTensor ---------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""The one home of the small torch.distributed helpers every layer uses: is it distributed, rank, world size,
+barrier, the default device, and raising one error on every rank.
+
+Each works without torch.distributed (one process: rank 0 of 1, barrier a no-op). Groups default to WORLD.
+"""
+from typing import List, Optional, Type
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """True when torch.distributed is available and initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    if get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when CUDA is available, else the CPU: where real tensors go by default (pass it
+    explicitly to factory functions; it stays real under ``with torch.device('meta')``)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def raise_collectively(
+    error: Optional[str],
+    exc_type: Type[Exception] = RuntimeError,
+    what: str = "operation",
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Collective over ``group``: if any rank has an ``error`` (a message, None for none), raise ``exc_type`` with the
+    same message on every rank (the ranks named when not all failed; the distinct messages joined when they
+    differ). Without torch.distributed: raise ``error`` if there is one."""
+    size = get_world_size(group)
+    if size == 1:
+        if error is not None:
+            raise exc_type(error)
+        return
+    errors: List[Optional[str]] = [None] * size
+    dist.all_gather_object(errors, error, group=group)
+    msgs = []
+    for e in errors:
+        if e is not None and e not in msgs:
+            msgs.append(e)
+    if not msgs:
+        return
+    ranks = [r for r, e in enumerate(errors) if e is not None]
+    if len(msgs) == 1:
+        raise exc_type(msgs[0] if len(ranks) == len(errors) else f"{msgs[0]} (ranks {ranks})")
+    raise exc_type(f"{what} failed on ranks {ranks}: " + "; ".join(msgs))
