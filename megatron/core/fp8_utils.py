@@ -253,6 +253,10 @@ def chunk_row_multiple(t) -> Optional[int]:
     kind = quantization_kind(t)
     if kind not in _TE_ROW_MULTIPLE:
         return None
+    if kind == TENSORWISE and not hasattr(t._quantizer, "scale"):
+        # TE 2.20's Float8CurrentScalingQuantizer keeps no ``scale`` (H200 run, 2026-12-03: the chunked path raised
+        # AttributeError): such a destination streams whole, through the path measured on the GPU.
+        return None
     if kind == MXFP8 and getattr(t, "_with_gemm_swizzled_scales", False):
         return None  # swizzled scales: a row range is not a slice of the scale buffers
     if kind == BLOCKWISE and not getattr(t, "_is_2D_scaled", True):
