@@ -490,7 +490,9 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 mcore_data[key] = {MCORE_DATA_ORIG_SHAPE: tuple(sh_tens[0].global_shape)}
             built.append((key, dcp_shape, sh_tens[0], pieces))
         if stage is not None:
-            plain = {(i, j): dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor
+            # plain tensors (a Parameter's detach): DCP's stager deep-copies what it is given, and torch 2.11's
+            # stager cannot copy a Parameter (KeyError: <class 'type'>, seen on the H200)
+            plain = {(i, j): dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor.detach()
                      for i, (_, _, _, pieces) in enumerate(built) for j, p in enumerate(pieces)}
             staged = stage(plain)
             for i, (_, _, _, pieces) in enumerate(built):
