@@ -401,7 +401,13 @@ def get_stager(shared_memory: bool):
 def stage_tensors(tensors: Dict[Any, torch.Tensor], checkpointer_type: str) -> Tuple[Dict[Any, torch.Tensor], int]:
     """CPU copies of ``tensors`` through the reusable stager, and the bytes staged (the copied storages)."""
     stager = get_stager(shared_memory=checkpointer_type == "process")
-    staged = stager.stage(tensors)
+    try:
+        staged = stager.stage(tensors)
+    except KeyError as e:  # torch 2.11's stager cannot deep-copy its own input (KeyError: <class 'type'>, H200 run)
+        _log_once(("stager", str(e)), logging.WARNING,
+                  f"DCP's DefaultStager failed ({type(e).__name__}: {e}); staging with plain CPU copies instead "
+                  f"(no buffer reuse)")
+        staged = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
     seen, nbytes = set(), 0
     for t in staged.values():
         s = t.untyped_storage()

@@ -490,14 +490,14 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 mcore_data[key] = {MCORE_DATA_ORIG_SHAPE: tuple(sh_tens[0].global_shape)}
             built.append((key, dcp_shape, sh_tens[0], pieces))
         if stage is not None:
-            # plain tensors (a Parameter's detach): DCP's stager deep-copies what it is given, and torch 2.11's
-            # stager cannot copy a Parameter (KeyError: <class 'type'>, seen on the H200)
-            plain = {(i, j): dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor.detach()
+            # plain tensors under string keys: DCP's stager deep-copies what it is given, and torch 2.11's stager
+            # cannot copy a tuple key or a Parameter (KeyError: <class 'type'>, seen on the H200)
+            plain = {f"{i}.{j}": dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor.detach()
                      for i, (_, _, _, pieces) in enumerate(built) for j, p in enumerate(pieces)}
             staged = stage(plain)
             for i, (_, _, _, pieces) in enumerate(built):
                 for j, p in enumerate(pieces):
-                    p.tensor = staged[(i, j)]
+                    p.tensor = staged[f"{i}.{j}"]
         for key, dcp_shape, some, pieces in built:
             pyt_state_dict[key] = _make_torch_sharded_tensor(key, dcp_shape, some.dtype, pieces, some.without_data())
         return pyt_state_dict, mcore_data
