@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron.core import fp8_utils
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.strategies import quantized_load
 from megatron.core.dist_checkpointing.strategies.quantized_load import (
     CheckpointingException,
@@ -89,7 +90,7 @@ class _Spy:
         def upfront(sharded_state_dict):
             spy.upfront_calls += 1
             quantized = [
-                v for v in quantized_load._nested_values(sharded_state_dict)
+                v for v in nested_values(sharded_state_dict)
                 if isinstance(v, ShardedTensor) and fp8_utils.is_quantized_tensor(v.data)
             ]
             fn = spy._orig_upfront(sharded_state_dict)

@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from ... import fp8_utils
 
 from ..core import CheckpointingException
+from ..dict_utils import nested_values
+from ..mapping import ShardedTensor
 
 
 logger = logging.getLogger(__name__)
@@ -58,27 +60,6 @@ aten = torch.ops.aten
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
-def _nested_values(obj) -> Iterable[Any]:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _nested_values(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _nested_values(v)
-    else:
-        yield obj
-
-
-def _is_sharded_tensor(obj) -> bool:
-    try:
-        from ..mapping import ShardedTensor
-    except ImportError:  # pragma: no cover
-        ShardedTensor = None
-    if ShardedTensor is not None:
-        return isinstance(obj, ShardedTensor)
-    return hasattr(obj, "key") and hasattr(obj, "global_offset") and hasattr(obj, "data")
-
-
 def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
     """The sub-box of ``t`` at ``offsets`` of size ``lengths`` (a view)."""
     for dim, (off, length) in enumerate(zip(offsets, lengths)):
@@ -153,8 +134,8 @@ def dequantize_upfront(sharded_state_dict) -> Callable[[], None]:
     back as the ShardedTensor's ``data``. Without quantized destinations it changes nothing.
     """
     swapped = []
-    for sh_ten in _nested_values(sharded_state_dict):
-        if _is_sharded_tensor(sh_ten) and fp8_utils.is_quantized_tensor(sh_ten.data):
+    for sh_ten in nested_values(sharded_state_dict):
+        if isinstance(sh_ten, ShardedTensor) and fp8_utils.is_quantized_tensor(sh_ten.data):
             original = sh_ten.data
             sh_ten.data = fp8_utils.dequantize(original)
             swapped.append((sh_ten, original))
