@@ -433,7 +433,7 @@ def dcp_async_write(checkpoint_dir, staged_state_dict, storage_writer, planner, 
 
     from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
-    from .torch import _wrap_dcp_error
+    from .filesystem import wrap_dcp_error
 
     try:
         with warnings.catch_warnings():
@@ -446,7 +446,7 @@ def dcp_async_write(checkpoint_dir, staged_state_dict, storage_writer, planner, 
     except CheckpointingException:
         raise
     except (Exception, TorchCheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise _wrap_dcp_error(e, Path(checkpoint_dir), None, "asynchronous save") from e
+        raise wrap_dcp_error(e, Path(checkpoint_dir), None, "asynchronous save") from e
 
 
 def check_checkpointer_type(checkpointer_type: str) -> str:

@@ -47,5 +47,6 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise CheckpointingException(f"{type(self).__name__} cannot read common backend version {loaded_version}")
 
 
-register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
-register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+def register_default_common_strategies():
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())

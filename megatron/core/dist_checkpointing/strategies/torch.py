@@ -45,7 +45,13 @@ from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
-from .filesystem import ChecksummedFileSystemReader, ChecksummedFileSystemWriter, read_dcp_metadata_file
+from .filesystem import (
+    ChecksummedFileSystemReader,
+    ChecksummedFileSystemWriter,
+    check_data_files,
+    read_dcp_metadata_file,
+    wrap_dcp_error,
+)
 from .quantized_load import (
     DEFAULT_STREAM_CHUNK_MB,
     MiB,
@@ -231,7 +237,7 @@ def read_object_bytes_local(checkpoint_dir: Union[str, Path], unique_keys, metad
     missing = [k for k in unique_keys if not isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)]
     if missing:
         raise CheckpointingException(f"object(s) {missing} not found in checkpoint {checkpoint_dir}")
-    error = _check_data_files(checkpoint_dir, metadata, set(unique_keys))
+    error = check_data_files(checkpoint_dir, metadata, set(unique_keys))
     if error:
         raise CheckpointingException(error)
     state = {k: io.BytesIO() for k in unique_keys}
@@ -340,50 +346,17 @@ def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
         raise CheckpointingException(f"cannot read DCP metadata file {path}: {type(e).__name__}: {e}") from e
 
 
-def _check_data_files(checkpoint_dir: Path, metadata: Metadata, keys=None) -> Optional[str]:
-    """An error naming the first missing or truncated data file referenced by ``metadata`` (for ``keys``)."""
-    needed: Dict[str, int] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if keys is not None and index.fqn not in keys:
-            continue
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for rel, end in sorted(needed.items()):
-        path = Path(checkpoint_dir) / rel
-        if not path.is_file():
-            return f"checkpoint data file {path} is missing"
-        size = path.stat().st_size
-        if size < end:
-            return f"checkpoint data file {path} is truncated: {size} bytes, the metadata needs at least {end}"
-    return None
-
-
-def _wrap_dcp_error(e: BaseException, checkpoint_dir: Path, metadata: Optional[Metadata], action: str):
-    failures = getattr(e, "failures", None) or {}
-    inner = []
-    for rank, failure in sorted(failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, CheckpointingException):
-            return CheckpointingException(str(exc))
-        inner.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-    file_error = _check_data_files(checkpoint_dir, metadata) if metadata is not None else None
-    detail = "; ".join(inner) if inner else f"{type(e).__name__}: {e}"
-    if file_error:
-        return CheckpointingException(f"{action} of {checkpoint_dir} failed: {file_error} ({detail})")
-    return CheckpointingException(f"{action} of {checkpoint_dir} failed: {detail}")
-
-
 def _run_dcp(
     dcp_fn: Callable, action: str, checkpoint_dir: Path, metadata: Optional[Metadata], pyt_state_dict, **kwargs
 ):
     """``dcp_fn`` (DCP save or load) on ``pyt_state_dict``, without torch's ShardedTensor deprecation warnings; a DCP
-    failure is raised as a CheckpointingException (``_wrap_dcp_error``; ``metadata`` None: no data-file check)."""
+    failure is raised as a CheckpointingException (``wrap_dcp_error``; ``metadata`` None: no data-file check)."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
             dcp_fn(pyt_state_dict, **kwargs)
     except TorchCheckpointException as e:
-        raise _wrap_dcp_error(e, checkpoint_dir, metadata, action) from None
+        raise wrap_dcp_error(e, checkpoint_dir, metadata, action) from None
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -681,7 +654,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if o.unique_key not in sdm:
                 return f"sharded object {o.unique_key!r} (key {o.key!r}) not found in checkpoint {checkpoint_dir}"
         keys = {t.key for t in tensors} | {o.unique_key for o in objects}
-        return _check_data_files(checkpoint_dir, metadata, keys)
+        return check_data_files(checkpoint_dir, metadata, keys)
 
     def _load_pieces(self, t: ShardedTensor, md: TensorStorageMetadata, metadata, post: List[Callable]):
         """The pieces that fill ``t`` (in place where possible; else via temporaries and a ``post`` copy)."""
@@ -864,5 +837,3 @@ def register_default_torch_strategies():
         StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1)
     )
 
-
-register_default_torch_strategies()
