@@ -284,6 +284,13 @@ def _load_compare_body(rank, world_size, ckpt, vals, mode):
             assert spy.upfront_calls >= 1 and FakeQuantizedTensor.dequantize_calls == nq
             assert all(p.scratch_bytes_peak == 0 for p in spy.planners)
             assert spy.upfront_bytes == sum(d.numel() * 2 for k, d in dests.items() if not k.startswith("plain"))
+        # the strategy's own statistics agree with the spies
+        stats = strategy.last_load_stats
+        assert stats.streamed is stream and stats.quantized_destinations == nq and stats.seconds > 0
+        if stream:
+            assert stats.scratch_bytes_peak == peak and stats.dequantized_upfront_bytes == 0
+        else:
+            assert stats.scratch_bytes_peak == 0 and stats.dequantized_upfront_bytes == spy.upfront_bytes
         for k, d in dests.items():
             n = vals[k].shape[0] // world_size
             ref = vals[k][rank * n : (rank + 1) * n]

@@ -220,6 +220,11 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir):
         return self.base_strategy.load_sharded_metadata(checkpoint_dir)
 
+    @property
+    def last_load_stats(self):
+        """The wrapped strategy's statistics of its last load (its read of this rank's share)."""
+        return getattr(self.base_strategy, "last_load_stats", None)
+
     def check_backend_compatibility(self, loaded_backend):
         return self.base_strategy.check_backend_compatibility(loaded_backend)
 

@@ -54,6 +54,7 @@ from .filesystem import (
 )
 from .quantized_load import (
     DEFAULT_STREAM_CHUNK_MB,
+    LoadStats,
     MiB,
     QuantizedLoadPlannerMixin,
     dequantize_upfront,
@@ -552,6 +553,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         self.stream_ckpt_dequant_chunk_mb = stream_ckpt_dequant_chunk_mb
         self.cached_global_metadata: Optional[Metadata] = None
+        self.last_load_stats = LoadStats()  # of the last load (see quantized_load.LoadStats)
         self._cached_metadata_for: Optional[Tuple[str, Optional[str]]] = None
 
     def _metadata(self, checkpoint_dir: Path) -> Metadata:
@@ -740,12 +742,18 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             error = str(e)
         dist_utils.raise_collectively(error, CheckpointingException, "load")
 
+        start = time.perf_counter()
         restore = None if self.stream_ckpt_dequant else dequantize_upfront(sharded_state_dict)
+        if restore is not None:
+            self.last_load_stats = LoadStats(
+                quantized_destinations=restore.num_dequantized, dequantized_upfront_bytes=restore.dequantized_bytes
+            )
         try:
             result_of = self._read(tensors, objects, metadata, checkpoint_dir)
         finally:
             if restore is not None:
                 restore()
+        self.last_load_stats.seconds = time.perf_counter() - start
 
         def _result(v):
             return result_of[id(v)] if isinstance(v, (ShardedTensor, ShardedObject)) else v
@@ -807,6 +815,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 error = str(e)
             dist_utils.raise_collectively(error, CheckpointingException, "load")
         self.cached_global_metadata = metadata
+        if self.stream_ckpt_dequant:
+            self.last_load_stats = LoadStats(
+                streamed=True,
+                scratch_bytes_peak=planner.scratch_bytes_peak,
+                quantized_destinations=planner.quantized_destinations_committed,
+                chunked_destinations=planner.chunked_destinations_committed,
+            )
         loaded = getattr(planner, "state_dict", pyt_state_dict)
 
         for fn in post:
