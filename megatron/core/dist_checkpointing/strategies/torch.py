@@ -746,7 +746,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         restore = None if self.stream_ckpt_dequant else dequantize_upfront(sharded_state_dict)
         if restore is not None:
             self.last_load_stats = LoadStats(
-                quantized_destinations=restore.num_dequantized, dequantized_upfront_bytes=restore.dequantized_bytes
+                quantized_destinations=getattr(restore, "num_dequantized", 0),
+                dequantized_upfront_bytes=getattr(restore, "dequantized_bytes", 0),
             )
         try:
             result_of = self._read(tensors, objects, metadata, checkpoint_dir)
