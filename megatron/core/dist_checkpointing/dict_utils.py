@@ -195,3 +195,30 @@ def map_reduce(
     for x in xs:
         groups[key_fn(x)].append(value_fn(x))
     return {k: reduce_fn(v) for k, v in groups.items()}
+
+
+def map_matching_like(x: Any, like: Any, predicate: Callable[[Any], bool], fn: Callable[[Any, Any], Any]) -> Any:
+    """``x`` (nested dicts/lists shaped like ``like``) with ``fn(value, like_leaf)`` applied where ``like`` holds a
+    value for which ``predicate`` is true. Containers along the walk are new; keys/positions of ``x`` that ``like``
+    lacks are kept as they are."""
+    if predicate(like):
+        return fn(x, like)
+    if isinstance(like, dict) and isinstance(x, dict):
+        return {k: map_matching_like(v, like[k], predicate, fn) if k in like else v for k, v in x.items()}
+    if isinstance(like, list) and isinstance(x, list):
+        return [map_matching_like(v, l, predicate, fn) for v, l in zip(x, like)] + x[len(like):]
+    return x
+
+
+def restore_list_types(x: Any, like: Any) -> Any:
+    """Turn the ``{index: value}`` dicts in ``x`` that stand for lists of ``like`` (what ``extract_matching_values``
+    with ``return_lists_as_dicts`` makes) back into lists."""
+    if isinstance(like, list) and isinstance(x, dict) and set(x) == set(range(len(like))):
+        return [restore_list_types(x[i], like[i]) for i in range(len(like))]
+    if isinstance(like, list) and isinstance(x, list):
+        return [restore_list_types(a, b) for a, b in zip(x, like)] + x[len(like):]
+    if isinstance(like, dict) and isinstance(x, dict):
+        return {k: restore_list_types(v, like[k]) if k in like else v for k, v in x.items()}
+    if isinstance(like, list) and isinstance(x, dict):
+        return {k: restore_list_types(v, like[k]) if isinstance(k, int) and k < len(like) else v for k, v in x.items()}
+    return x

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Dict, Optional, Union
 
+from .. import dist_utils
 from .core import CheckpointingException
 
 logger = logging.getLogger(__name__)
@@ -70,11 +71,8 @@ def integrity_errors(checkpoint_dir: Union[str, Path]) -> Optional[str]:
 def verify_integrity_manifest(checkpoint_dir: Union[str, Path]) -> None:
     """Check ``integrity.json`` (collective when torch.distributed is initialised: rank 0 hashes, every rank raises
     the same CheckpointingException on a mismatch)."""
-    from .strategies.torch import raise_collectively  # noqa: the shared collective-error helper
-
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    raise_collectively(integrity_errors(checkpoint_dir) if rank == 0 else None, "integrity verification")
+    rank = dist_utils.get_rank()
+    error = integrity_errors(checkpoint_dir) if rank == 0 else None
+    dist_utils.raise_collectively(error, CheckpointingException, "integrity verification")
     if rank == 0:
         logger.info(f"checkpoint {checkpoint_dir}: integrity manifest verified")

@@ -14,6 +14,7 @@ Everything else is "common" state, saved once (rank 0) to ``common.pt``.
 saved, is the one whose replica_id is 0 (all zeros for a tuple).
 """
 import logging
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -38,13 +39,6 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     if isinstance(replica_id, int):
         return replica_id == 0
     return all(r == 0 for r in replica_id)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 class ShardedBase(ABC):
@@ -236,9 +230,9 @@ class ShardedTensor(ShardedBase):
             fr = self.flattened_range
             if fr.step not in (None, 1) or fr.start is None or fr.stop is None:
                 raise CheckpointingException(f"{self.key}: flattened_range must be slice(start, stop), got {fr}")
-            if not (0 <= fr.start <= fr.stop <= _prod(self.local_shape)):
+            if not (0 <= fr.start <= fr.stop <= math.prod(self.local_shape)):
                 raise CheckpointingException(
-                    f"{self.key}: flattened_range {fr} outside the local shard of {_prod(self.local_shape)} elements"
+                    f"{self.key}: flattened_range {fr} outside the local shard of {math.prod(self.local_shape)} elements"
                 )
         if self.data is None:
             return
@@ -306,7 +300,7 @@ class ShardedTensor(ShardedBase):
         """Number of elements this shard holds (of the flat slice if flattened)."""
         if self.flattened_range is not None:
             return self.flattened_range.stop - self.flattened_range.start
-        return _prod(self.local_shape)
+        return math.prod(self.local_shape)
 
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
@@ -341,7 +335,7 @@ class ShardedTensor(ShardedBase):
             return [replace(self, data=data, **placed)]
         if dim != 0:
             raise CheckpointingException(f"{self.key}: narrow of a flattened shard supports dim 0 only, got {dim}")
-        row = _prod(self.local_shape[1:])
+        row = math.prod(self.local_shape[1:])
         lo = max(self.flattened_range.start, start * row)
         hi = min(self.flattened_range.stop, (start + length) * row)
         if lo >= hi:

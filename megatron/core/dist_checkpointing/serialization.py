@@ -32,9 +32,10 @@ from typing import Callable, Optional, Set, Tuple, Union
 
 import torch.distributed as dist
 
+from .. import dist_utils
 from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
 from .integrity import save_integrity_manifest, verify_integrity_manifest
-from .dict_utils import extract_matching_values, merge
+from .dict_utils import extract_matching_values, map_matching_like, merge, restore_list_types
 from .mapping import ShardedObject, ShardedStateDict, StateDict, apply_factory_merges
 from .strategies.base import (
     LoadCommonStrategy,
@@ -61,19 +62,11 @@ COMMON_STATE_KEY = "common_state"  # upstream 0.19: the common state is this Sha
 
 def _common_state_object(common_state_dict) -> ShardedObject:
     """The common state as upstream 0.19 stores it: one object (``common_state/shard_0_1``) written by rank 0."""
-    return ShardedObject(COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=_rank())
+    return ShardedObject(COMMON_STATE_KEY, common_state_dict, (1,), (0,), replica_id=dist_utils.get_rank())
 
 
-def _map_objects(x, like, fn):
-    """``x`` (a state dict shaped like ``like``) with ``fn(value, sharded_object)`` applied where ``like`` holds a
-    ShardedObject."""
-    if isinstance(like, ShardedObject):
-        return fn(x, like)
-    if isinstance(like, dict) and isinstance(x, dict):
-        return {k: _map_objects(v, like[k], fn) if k in like else v for k, v in x.items()}
-    if isinstance(like, list) and isinstance(x, list):
-        return [_map_objects(v, l, fn) for v, l in zip(x, like)] + x[len(like):]
-    return x
+def _is_object(x) -> bool:
+    return isinstance(x, ShardedObject)
 
 
 def _wrapped(obj: ShardedObject) -> ShardedObject:
@@ -91,38 +84,6 @@ def _unwrapped(checkpoint_dir: Path):
         return value[0]
 
     return fn
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _barrier():
-    if _world_size() > 1:
-        dist.barrier()
-
-
-def _collective_error(error: Optional[str]):
-    from .strategies.torch import raise_collectively
-
-    raise_collectively(error)
-
-
-def _restore_list_types(x, like):
-    """Turn the {index: value} dicts that stand for lists of ``like`` (fully sharded lists) back into lists."""
-    if isinstance(like, list) and isinstance(x, dict) and set(x) == set(range(len(like))):
-        return [_restore_list_types(x[i], like[i]) for i in range(len(like))]
-    if isinstance(like, list) and isinstance(x, list):
-        return [_restore_list_types(a, b) for a, b in zip(x, like)] + x[len(like):]
-    if isinstance(like, dict) and isinstance(x, dict):
-        return {k: _restore_list_types(v, like[k]) if k in like else v for k, v in x.items()}
-    if isinstance(like, list) and isinstance(x, dict):
-        return {k: _restore_list_types(v, like[k]) if isinstance(k, int) and k < len(like) else v for k, v in x.items()}
-    return x
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -173,7 +134,7 @@ def save(
         )
     checkpoint_dir = Path(checkpoint_dir)
     error = None
-    if _rank() == 0:
+    if dist_utils.get_rank() == 0:
         if not checkpoint_dir.is_dir():
             error = f"checkpoint destination directory does not exist: {checkpoint_dir}"
         elif (checkpoint_dir / CONFIG_FNAME).exists():
@@ -183,7 +144,7 @@ def save(
             )
         elif next(checkpoint_dir.iterdir(), None) is not None:
             logger.warning(f"checkpoint destination {checkpoint_dir} is not empty; writing into it")
-    _collective_error(error)
+    dist_utils.raise_collectively(error, CheckpointingException, "checkpointing")
 
     if sharded_strategy is None:
         sharded_strategy = get_default_save_sharded_strategy()
@@ -211,17 +172,17 @@ def save(
             sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
         )
     else:
-        sharded_part = _map_objects(sharded_part, sharded_part, lambda _, obj: _wrapped(obj))
+        sharded_part = map_matching_like(sharded_part, sharded_part, _is_object, lambda _, obj: _wrapped(obj))
         sharded_part = {"sharded": sharded_part, "common": _wrapped(_common_state_object(common_state_dict))}
         config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
 
     def finalize():
-        _barrier()
-        if _rank() == 0:
+        dist_utils.barrier()
+        if dist_utils.get_rank() == 0:
             save_config(config, checkpoint_dir)
             if verify_integrity:
                 save_integrity_manifest(checkpoint_dir)
-        _barrier()
+        dist_utils.barrier()
 
     if async_sharded_save:
         if not hasattr(sharded_strategy, "async_save"):
@@ -246,7 +207,7 @@ def _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_
         common_strategy.save_common(common_state_dict, checkpoint_dir)
     except Exception as e:  # e.g. an unpicklable common value: fail on every rank, before any sharded file
         error = f"saving the common state to {checkpoint_dir} failed: {type(e).__name__}: {e}"
-    _collective_error(error)
+    dist_utils.raise_collectively(error, CheckpointingException, "checkpointing")
     return sharded_part
 
 
@@ -363,7 +324,7 @@ def load(
         strategies = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
     except CheckpointingException as e:
         error = str(e)
-    _collective_error(error)
+    dist_utils.raise_collectively(error, CheckpointingException, "checkpointing")
     sharded_strategy, common_strategy = strategies
     strict = parse_strict_flag(strict)
 
@@ -373,7 +334,7 @@ def load(
             common_state_dict = common_strategy.load_common(checkpoint_dir)
         except CheckpointingException as e:
             error = str(e)
-        _collective_error(error)
+        dist_utils.raise_collectively(error, CheckpointingException, "checkpointing")
 
     sharded_part, nonpersistent, with_factories, built = _load_preprocess(sharded_state_dict)
 
@@ -386,7 +347,7 @@ def load(
             )
         except CheckpointingException as e:
             error = str(e)
-        _collective_error(error)
+        dist_utils.raise_collectively(error, CheckpointingException, "checkpointing")
     sharded_part, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
         sharded_part,
         strict,
@@ -397,14 +358,16 @@ def load(
 
     if common_strategy is None:  # upstream 0.19's layout: objects wrapped, the common state one of them
         request = {"sharded": sharded_part, "common": _common_state_object(None)}
-        loaded = _map_objects(sharded_strategy.load(request, checkpoint_dir), request, _unwrapped(checkpoint_dir))
+        loaded = map_matching_like(
+            sharded_strategy.load(request, checkpoint_dir), request, _is_object, _unwrapped(checkpoint_dir)
+        )
         loaded, common_state_dict = loaded["sharded"], loaded["common"]
     else:
         if not sharded_strategy.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
             merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
         loaded = sharded_strategy.load(sharded_part, checkpoint_dir)  # collective: called even with nothing to load
-    loaded = _restore_list_types(loaded, built)  # before merges: merge_fn gets what build_fn built (e.g. a list)
+    loaded = restore_list_types(loaded, built)  # before merges: merge_fn gets what build_fn built (e.g. a list)
     loaded = apply_factory_merges(loaded, with_factories)
     merge(common_state_dict, loaded)
     if nonpersistent:

@@ -4,6 +4,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import dist_utils
 from .core import CheckpointingException
 from .dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from .mapping import (
@@ -61,8 +62,6 @@ def save_preprocess(
     "Rank R common state dict differs from rank 0 ..." warning; ``preprocess_common_before_consistancy_check``
     (which must not modify its argument) may first drop keys that are expected to differ.
     """
-    from .strategies.torch import raise_collectively
-
     sharded_state_dict = _copy_containers(sharded_state_dict)
     apply_factories(sharded_state_dict)
     sharded_part, _, common_state_dict = _split(sharded_state_dict)
@@ -72,7 +71,7 @@ def save_preprocess(
             sh.validate_metadata_integrity()
     except CheckpointingException as e:
         error = str(e)
-    raise_collectively(error, "save", process_group=process_group)
+    dist_utils.raise_collectively(error, CheckpointingException, "save", process_group)
     if validate_access_integrity:
         to_compare = common_state_dict
         if preprocess_common_before_consistancy_check is not None:

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch.distributed as dist
 
+from .. import dist_utils
 from .core import CheckpointingException, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -77,13 +78,6 @@ def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandlin
     )
 
 
-def _world(process_group=None) -> Tuple[int, int]:
-    """(rank, size) in ``process_group`` (default: WORLD); (0, 1) without torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(process_group), dist.get_world_size(process_group)
-    return 0, 1
-
-
 def _group_src(process_group=None) -> int:
     """The global rank of ``process_group``'s rank 0 (the source of its broadcasts)."""
     return 0 if process_group is None else dist.get_global_rank(process_group, 0)
@@ -99,7 +93,7 @@ def determine_global_metadata(
     """(this rank's metadata, every rank's metadata): data-less ShardedTensors/ShardedObjects, gathered over
     ``process_group`` (default: WORLD; collective over it)."""
     local = local_sharded_metadata(sharded_state_dict)
-    _, ws = _world(process_group)
+    ws = dist_utils.get_world_size(process_group)
     if ws == 1:
         return local, [local]
     gathered: List[Optional[List[ShardedBase]]] = [None] * ws
@@ -262,7 +256,7 @@ _NOT_COMPARABLE = "<common state of rank 0 is not picklable>"
 def _validate_common_state_dict(common_state_dict, process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Log (warning, upstream's text) on every rank whose common state differs from rank 0's (only rank 0's is
     saved). Collective over ``process_group`` (default: WORLD); nothing without torch.distributed."""
-    rank, ws = _world(process_group)
+    rank, ws = dist_utils.get_rank(process_group), dist_utils.get_world_size(process_group)
     if ws == 1:
         return
     box = [None]
@@ -297,7 +291,7 @@ def validate_sharding_integrity(
     state with rank 0's and logs upstream's "Rank R common state dict differs from rank 0 ..." warning."""
     if common_state_dict is not None:
         _validate_common_state_dict(common_state_dict, process_group)
-    rank, ws = _world(process_group)
+    rank, ws = dist_utils.get_rank(process_group), dist_utils.get_world_size(process_group)
     errors = sharding_integrity_errors(global_metadata) if rank == 0 else None
     if ws > 1:
         box = [errors]
@@ -378,7 +372,7 @@ def validate_integrity_and_strict_load(
     """
     missing_keys: Set[str] = set()
     unexpected_keys: Set[str] = set()
-    _, ws = _world(process_group)
+    ws = dist_utils.get_world_size(process_group)
     if local_metadata is None and (validate_access_integrity or StrictHandling.requires_explicit_ckpt_mismatch_check(strict)):
         local_metadata = local_sharded_metadata(sharded_state_dict)
     need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
@@ -410,9 +404,7 @@ def validate_integrity_and_strict_load(
                 maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error=True)
             except CheckpointingException as e:
                 error = str(e)
-            from .strategies.torch import raise_collectively
-
-            raise_collectively(error, "strict load", process_group=process_group)
+            dist_utils.raise_collectively(error, CheckpointingException, "strict load", process_group)
         else:
             if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
                 maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error=False)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -158,7 +159,7 @@ class _CountingLoad(TorchDistLoadShardedStrategy):
         self.asked = []
 
     def load(self, sharded_state_dict, checkpoint_dir):
-        for v in fp._nested_values(sharded_state_dict):
+        for v in nested_values(sharded_state_dict):
             if isinstance(v, ShardedTensor):
                 self.asked.append((fp._shard_id(v), id(v.data)))
         return super().load(sharded_state_dict, checkpoint_dir)
@@ -217,7 +218,7 @@ def _roundtrip_body(rank, world, tmp_path):
             if how == "fp":
                 # every distinct shard was handed to the wrapped strategy by exactly one rank ...
                 asked = Counter(sid for per_rank in all_asked for sid, _ in per_rank)
-                requested = {fp._shard_id(v) for v in fp._nested_values(_ssd(src, rank, world))
+                requested = {fp._shard_id(v) for v in nested_values(_ssd(src, rank, world))
                              if isinstance(v, ShardedTensor)}
                 all_requested = set().union(*_all_gather(requested))
                 assert set(asked) == all_requested and set(asked.values()) == {1}, asked

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron.core import fp8_utils
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.strategies import quantized_load
 from megatron.core.dist_checkpointing.strategies.quantized_load import (
     CheckpointingException,
@@ -89,7 +90,7 @@ class _Spy:
         def upfront(sharded_state_dict):
             spy.upfront_calls += 1
             quantized = [
-                v for v in quantized_load._nested_values(sharded_state_dict)
+                v for v in nested_values(sharded_state_dict)
                 if isinstance(v, ShardedTensor) and fp8_utils.is_quantized_tensor(v.data)
             ]
             fn = spy._orig_upfront(sharded_state_dict)
@@ -283,6 +284,13 @@ def _load_compare_body(rank, world_size, ckpt, vals, mode):
             assert spy.upfront_calls >= 1 and FakeQuantizedTensor.dequantize_calls == nq
             assert all(p.scratch_bytes_peak == 0 for p in spy.planners)
             assert spy.upfront_bytes == sum(d.numel() * 2 for k, d in dests.items() if not k.startswith("plain"))
+        # the strategy's own statistics agree with the spies
+        stats = strategy.last_load_stats
+        assert stats.streamed is stream and stats.quantized_destinations == nq and stats.seconds > 0
+        if stream:
+            assert stats.scratch_bytes_peak == peak and stats.dequantized_upfront_bytes == 0
+        else:
+            assert stats.scratch_bytes_peak == 0 and stats.dequantized_upfront_bytes == spy.upfront_bytes
         for k, d in dests.items():
             n = vals[k].shape[0] // world_size
             ref = vals[k][rank * n : (rank + 1) * n]

@@ -9,3 +9,15 @@ from .base import (  # noqa: F401
     default_strategies,
     get_default_strategy,
 )
+from .common import register_default_common_strategies
+from .torch import register_default_torch_strategies
+
+
+def register_default_strategies() -> None:
+    """Fill ``base.default_strategies`` with the built-in strategies (done once, here: the registry in ``base``
+    imports no concrete strategy, so there is no import circle base <-> common/torch)."""
+    register_default_common_strategies()
+    register_default_torch_strategies()
+
+
+register_default_strategies()

@@ -45,6 +45,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ... import dist_utils
 from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,6 @@ def _log_once(key, level: int, message: str) -> None:
     if key not in _said_once:
         _said_once.add(key)
         logger.log(level, message)
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 # ---- the request ---------------------------------------------------------------------------------------------------
@@ -102,7 +99,7 @@ class AsyncRequest(NamedTuple):
         args = self._resolved_args()
         if self.async_fn is not None:
             self.async_fn(*args, **self.async_fn_kwargs)
-        if _dist():
+        if dist_utils.is_distributed():
             dist.barrier()
         for fn in self.finalize_fns:
             fn()
@@ -169,7 +166,7 @@ class AsyncCaller(ABC):
         if call is not None and blocking:
             call.done.wait()
         is_alive = int(call is not None and not call.done.is_set())
-        done = not is_alive if (no_dist or not _dist()) else self.sync_all_async_calls(is_alive)
+        done = not is_alive if (no_dist or not dist_utils.is_distributed()) else self.sync_all_async_calls(is_alive)
         if done:
             self.last_call = self._pop_current()
         return done
@@ -323,16 +320,14 @@ class AsyncCallsQueue:
             error = None
             if call is not None and call.error is not None:
                 error = f"asynchronous checkpoint save {idx} failed: {type(call.error).__name__}: {call.error}"
-            if no_dist or not _dist():
+            if no_dist or not dist_utils.is_distributed():
                 if error:
                     raise CheckpointingException(error) from call.error
             else:
-                from .torch import raise_collectively
-
-                raise_collectively(error, "asynchronous checkpoint save")
+                dist_utils.raise_collectively(error, CheckpointingException, "asynchronous checkpoint save")
             for fn in request.finalize_fns:
                 fn()
-            if not no_dist and _dist():
+            if not no_dist and dist_utils.is_distributed():
                 from ...parallel_state import collective_device
 
                 t = torch.tensor([idx], dtype=torch.int64, device=collective_device())
@@ -367,7 +362,7 @@ def async_process_group():
     """A gloo group over WORLD for the background writes (collective on first use, then cached while the default
     group lives): the training's groups (NCCL on GPU) are never used from the background."""
     global _ckpt_group
-    if not _dist():
+    if not dist_utils.is_distributed():
         return None
     default = dist.distributed_c10d._get_default_group()
     if _ckpt_group is None or _ckpt_group[0] is not default:
@@ -444,20 +439,20 @@ def dcp_async_write(checkpoint_dir, staged_state_dict, storage_writer, planner, 
 
     from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
-    from .torch import _wrap_dcp_error
+    from .filesystem import wrap_dcp_error
 
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
             future = async_save(
                 staged_state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group,
-                async_checkpointer_type=kind, async_stager=_NoStaging(), no_dist=not _dist(),
+                async_checkpointer_type=kind, async_stager=_NoStaging(), no_dist=not dist_utils.is_distributed(),
             )
             (future.upload_completion if hasattr(future, "upload_completion") else future).result()
     except CheckpointingException:
         raise
     except (Exception, TorchCheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise _wrap_dcp_error(e, Path(checkpoint_dir), None, "asynchronous save") from e
+        raise wrap_dcp_error(e, Path(checkpoint_dir), None, "asynchronous save") from e
 
 
 def check_checkpointer_type(checkpointer_type: str) -> str:

@@ -17,18 +17,13 @@ class StrategyAction(Enum):
     SAVE_SHARDED = "save_sharded"
 
 
-# default_strategies[action.value][(backend, version)] -> strategy instance
+# default_strategies[action.value][(backend, version)] -> strategy instance; filled by the package __init__
+# (``register_default_strategies``), so this module imports no concrete strategy
 default_strategies: DefaultDict[str, Dict[Tuple[str, int], Any]] = defaultdict(dict)
-
-
-def _ensure_registered():
-    # The concrete strategies register themselves on import.
-    from . import common, torch  # noqa: F401
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int):
     """(A copy of) the registered strategy for ``action`` and ``(backend, version)``; CheckpointingException if none."""
-    _ensure_registered()
     try:
         # a shallow copy: callers may set attributes (e.g. stream_ckpt_dequant) without changing the default
         return copy.copy(default_strategies[action.value][(backend, version)])

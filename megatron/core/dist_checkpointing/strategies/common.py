@@ -4,8 +4,7 @@ from pathlib import Path
 from typing import Union
 
 import torch
-import torch.distributed as dist
-
+from ... import dist_utils
 from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
 from ..mapping import StateDict
@@ -16,16 +15,12 @@ COMMON_STATE_FNAME = "common.pt"
 logger = logging.getLogger(__name__)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     def __init__(self, backend: str = "torch", version: int = 1):
         super().__init__(backend, version)
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]):
-        if _rank() == 0:
+        if dist_utils.get_rank() == 0:
             path = Path(checkpoint_dir) / COMMON_STATE_FNAME
             tmp = path.with_name(COMMON_STATE_FNAME + ".tmp")
             try:
@@ -52,5 +47,6 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise CheckpointingException(f"{type(self).__name__} cannot read common backend version {loaded_version}")
 
 
-register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
-register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+def register_default_common_strategies():
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())

@@ -429,3 +429,39 @@ def report_unverified(metadata: Metadata, where: str) -> Tuple[int, int]:
             f"checkpoint {where}: {missing} of {len(storage)} items have no checksum and are loaded unverified",
         )
     return missing, len(storage)
+
+
+# ---- data-file checks and DCP errors (torch_dist load/save, async writes) ------------------------------------------
+def check_data_files(checkpoint_dir: Path, metadata: Metadata, keys=None) -> Optional[str]:
+    """An error naming the first missing or truncated data file referenced by ``metadata`` (for ``keys``)."""
+    needed: Dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if keys is not None and index.fqn not in keys:
+            continue
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        path = Path(checkpoint_dir) / rel
+        if not path.is_file():
+            return f"checkpoint data file {path} is missing"
+        size = path.stat().st_size
+        if size < end:
+            return f"checkpoint data file {path} is truncated: {size} bytes, the metadata needs at least {end}"
+    return None
+
+
+def wrap_dcp_error(e: BaseException, checkpoint_dir: Path, metadata: Optional[Metadata], action: str):
+    """A DCP failure (``CheckpointException`` with per-rank ``failures``) as one CheckpointingException naming the
+    action, the directory and, when ``metadata`` is given, the first missing or truncated data file."""
+    failures = getattr(e, "failures", None) or {}
+    inner = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, CheckpointingException):
+            return CheckpointingException(str(exc))
+        inner.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    file_error = check_data_files(checkpoint_dir, metadata) if metadata is not None else None
+    detail = "; ".join(inner) if inner else f"{type(e).__name__}: {e}"
+    if file_error:
+        return CheckpointingException(f"{action} of {checkpoint_dir} failed: {file_error} ({detail})")
+    return CheckpointingException(f"{action} of {checkpoint_dir} failed: {detail}")

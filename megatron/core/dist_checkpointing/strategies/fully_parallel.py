@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ...parallel_state import collective_device
 from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_outplace, nested_values
 from ..exchange_utils import (  # noqa: F401 (distribute_shards_to_ranks: re-exported, its old home)
     ShardDistribution,
     _shard_size,
@@ -44,7 +45,7 @@ from ..exchange_utils import (  # noqa: F401 (distribute_shards_to_ranks: re-exp
     distribute_shards_to_ranks,
     exchange_by_distribution,
 )
-from ..mapping import ShardedObject, ShardedTensor
+from ..mapping import ShardedObject, ShardedTensor, is_main_replica
 from ..utils import _sharded_tensor_shard_id, _ShardId
 from .base import LoadShardedStrategy, SaveShardedStrategy
 
@@ -57,36 +58,6 @@ EXCHANGE_ALGOS = ("broadcast",)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-def _is_main_replica(replica_id) -> bool:
-    if isinstance(replica_id, int):
-        return replica_id == 0
-    return all(r == 0 for r in replica_id)
-
-
-def _map_leaves(obj, fn: Callable[[Any], Any]):
-    """A copy of nested dicts/lists with ``fn`` applied to every leaf (containers are new, leaves are fn's)."""
-    if isinstance(obj, dict):
-        return {k: _map_leaves(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_map_leaves(v, fn) for v in obj]
-    return fn(obj)
-
-
-def _nested_values(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _nested_values(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _nested_values(v)
-    else:
-        yield obj
-
-
-def _group_rank_size(group) -> Tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _fingerprint(items) -> bytes:
     return hashlib.sha1(repr(items).encode()).digest()
 
@@ -99,7 +70,7 @@ def _any_rank_true(flag: bool, group) -> bool:
 
 def _local_fingerprint(sharded_tensors) -> bytes:
     """What the distribution depends on, on this rank (to reuse a cached distribution when nothing changed)."""
-    return _fingerprint([(_shard_id(t), str(t.dtype), _is_main_replica(t.replica_id)) for t in sharded_tensors])
+    return _fingerprint([(_shard_id(t), str(t.dtype), is_main_replica(t.replica_id)) for t in sharded_tensors])
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -145,7 +116,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         """Collective over the group: upstream's ShardDistribution (``main_rank_for_shard``: the group rank that
         saves each shard the group saves), reused when cached and no rank's shards changed."""
         group = self.parallelization_group
-        local = [v for v in _nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        local = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
         fp = _local_fingerprint(local)
         if self.do_cache_distribution and self.cached_distribution is not None:
             if not _any_rank_true(fp != self._cached_fingerprint, group):
@@ -183,7 +154,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
                 seen_here.add(sid)
             return new
 
-        return _map_leaves(sharded_state_dict, rewrite)
+        return dict_list_map_outplace(rewrite, sharded_state_dict)
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
@@ -249,6 +220,11 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir):
         return self.base_strategy.load_sharded_metadata(checkpoint_dir)
 
+    @property
+    def last_load_stats(self):
+        """The wrapped strategy's statistics of its last load (its read of this rank's share)."""
+        return getattr(self.base_strategy, "last_load_stats", None)
+
     def check_backend_compatibility(self, loaded_backend):
         return self.base_strategy.check_backend_compatibility(loaded_backend)
 
@@ -277,7 +253,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         collectively itself; this covers failures on some ranks only, so the exchange never waits for a dead rank)."""
         if not _any_rank_true(exc is not None, group):
             return
-        _, size = _group_rank_size(group)
+        size = dist.get_world_size(group)
         errors = [None] * size
         dist.all_gather_object(errors, None if exc is None else f"{type(exc).__name__}: {exc}", group=group)
         if exc is not None and all(e is not None for e in errors):
@@ -292,7 +268,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         my_rank = dist.get_rank(group)
 
-        leaves = list(_nested_values(sharded_state_dict))
+        leaves = list(nested_values(sharded_state_dict))
         sharded_tensors = [v for v in leaves if isinstance(v, ShardedTensor)]
         by_id: Dict[ShardId, List[ShardedTensor]] = {}
         for t in sharded_tensors:
@@ -364,7 +340,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                 return loaded_objects[id(v)]
             return v
 
-        return _map_leaves(sharded_state_dict, result)
+        return dict_list_map_outplace(result, sharded_state_dict)
 
 
 def _same_memory(a, b) -> bool:

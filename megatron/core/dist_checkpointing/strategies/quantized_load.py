@@ -38,6 +38,7 @@ All knowledge of quantized tensors is in ``megatron.core.fp8_utils``; plain dest
 """
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -46,6 +47,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from ... import fp8_utils
 
 from ..core import CheckpointingException
+from ..dict_utils import nested_values
+from ..mapping import ShardedTensor
 
 
 logger = logging.getLogger(__name__)
@@ -58,27 +61,6 @@ aten = torch.ops.aten
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
-def _nested_values(obj) -> Iterable[Any]:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _nested_values(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _nested_values(v)
-    else:
-        yield obj
-
-
-def _is_sharded_tensor(obj) -> bool:
-    try:
-        from ..mapping import ShardedTensor
-    except ImportError:  # pragma: no cover
-        ShardedTensor = None
-    if ShardedTensor is not None:
-        return isinstance(obj, ShardedTensor)
-    return hasattr(obj, "key") and hasattr(obj, "global_offset") and hasattr(obj, "data")
-
-
 def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
     """The sub-box of ``t`` at ``offsets`` of size ``lengths`` (a view)."""
     for dim, (off, length) in enumerate(zip(offsets, lengths)):
@@ -143,6 +125,24 @@ def quantized_base(ten):
     return getattr(ten, _BASE_ATTR, None) if isinstance(ten, torch.Tensor) else None
 
 
+@dataclass
+class LoadStats:
+    """What one ``TorchDistLoadShardedStrategy.load`` did with quantized destinations (``strategy.last_load_stats``).
+
+    ``streamed``: the streaming path was used. ``scratch_bytes_peak``: most high-precision scratch bytes alive at
+    once on the streaming path (0 on the upfront path, whose transient is ``dequantized_upfront_bytes``: every
+    quantized destination at once). ``quantized_destinations``: destinations quantized back (streaming) or
+    dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk. ``seconds``: wall time of the
+    read (the DCP load and the copies after it) on this rank."""
+
+    streamed: bool = False
+    scratch_bytes_peak: int = 0
+    quantized_destinations: int = 0
+    chunked_destinations: int = 0
+    dequantized_upfront_bytes: int = 0
+    seconds: float = 0.0
+
+
 # ---- legacy upfront path ---------------------------------------------------------------------------------------
 def dequantize_upfront(sharded_state_dict) -> Callable[[], None]:
     """Legacy path hook, called by TorchDistLoadShardedStrategy.load before the read when not streaming.
@@ -153,11 +153,13 @@ def dequantize_upfront(sharded_state_dict) -> Callable[[], None]:
     back as the ShardedTensor's ``data``. Without quantized destinations it changes nothing.
     """
     swapped = []
-    for sh_ten in _nested_values(sharded_state_dict):
-        if _is_sharded_tensor(sh_ten) and fp8_utils.is_quantized_tensor(sh_ten.data):
+    upfront_bytes = 0
+    for sh_ten in nested_values(sharded_state_dict):
+        if isinstance(sh_ten, ShardedTensor) and fp8_utils.is_quantized_tensor(sh_ten.data):
             original = sh_ten.data
             sh_ten.data = fp8_utils.dequantize(original)
             swapped.append((sh_ten, original))
+            upfront_bytes += _nbytes(sh_ten.data)
 
     def requantize() -> None:
         for sh_ten, original in swapped:
@@ -169,6 +171,7 @@ def dequantize_upfront(sharded_state_dict) -> Callable[[], None]:
         swapped.clear()
 
     requantize.num_dequantized = len(swapped)
+    requantize.dequantized_bytes = upfront_bytes
     return requantize
 
 

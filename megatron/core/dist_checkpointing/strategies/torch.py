@@ -15,6 +15,7 @@ checkpoint into flattened destinations.
 """
 import io
 import logging
+import math
 import os
 import time
 import warnings
@@ -41,16 +42,23 @@ from ...fp8_utils import dequantize, is_quantized_tensor
 from ... import dist_utils
 from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
-from ..dict_utils import nested_items_iter
+from ..dict_utils import dict_list_map_outplace, nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
-from .filesystem import ChecksummedFileSystemReader, ChecksummedFileSystemWriter, read_dcp_metadata_file
+from .filesystem import (
+    ChecksummedFileSystemReader,
+    ChecksummedFileSystemWriter,
+    check_data_files,
+    read_dcp_metadata_file,
+    wrap_dcp_error,
+)
 from .quantized_load import (
     DEFAULT_STREAM_CHUNK_MB,
+    LoadStats,
     MiB,
     QuantizedLoadPlannerMixin,
     dequantize_upfront,
-    quantized_base,
+    strip_prepended_axes,
     view_keeping_base,
 )
 
@@ -60,24 +68,9 @@ MCORE_DATA_ORIG_SHAPE = "nd_reformulated_orig_global_shape"
 DEFAULT_ASYNC_CHECKPOINTER_TYPE = os.environ.get("MCORE_ASYNC_CKPT_CHECKPOINTER", "process")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def raise_collectively(error: Optional[str], what: str = "checkpointing", process_group=None) -> None:
-    """Raise the same CheckpointingException on every rank of ``process_group`` (default: WORLD) if any of them has
-    an error (collective over the group)."""
+    """``dist_utils.raise_collectively`` with CheckpointingException (kept for callers outside dist_checkpointing;
+    inside it, call ``dist_utils.raise_collectively`` directly)."""
     dist_utils.raise_collectively(error, CheckpointingException, what, process_group)
 
 
@@ -150,7 +143,7 @@ def _save_piece(sh_ten: ShardedTensor) -> Tuple[Tuple[int, ...], _Piece]:
     idx = _chunk_index(sh_ten)
     n = len(frags)
     shape = (1,) * n + (length,)
-    return frags + (_prod(sh_ten.local_shape),), _Piece(idx + (fr.start,), shape, data.view(shape), n)
+    return frags + (math.prod(sh_ten.local_shape),), _Piece(idx + (fr.start,), shape, data.view(shape), n)
 
 
 def _make_torch_sharded_tensor(key: str, global_shape, dtype, pieces: List[_Piece], mcore_sh_ten=None):
@@ -159,7 +152,7 @@ def _make_torch_sharded_tensor(key: str, global_shape, dtype, pieces: List[_Piec
     DCP only uses the local shards and the global size/properties; the global shard list given to torch is one box
     covering the whole tensor (a valid non-overlapping cover, which torch requires; the real layout of other ranks
     is not needed for save/load planning)."""
-    rank = _rank()
+    rank = dist_utils.get_rank()
     local_shards = []
     for p in pieces:
         device = p.tensor.device if isinstance(p.tensor, torch.Tensor) else torch.device("cpu")
@@ -177,7 +170,7 @@ def _make_torch_sharded_tensor(key: str, global_shape, dtype, pieces: List[_Piec
     pyt = ShardedTensorBase._init_from_local_shards_and_global_metadata(
         local_shards, metadata, sharding_spec=EnumerableShardingSpec([full])
     )
-    if dist.is_available() and dist.is_initialized():
+    if dist_utils.is_distributed():
         pyt._prepare_init(process_group=None, init_rrefs=False)
     else:
         pyt._init_rrefs, pyt._sharded_tensor_id, pyt._process_group, pyt._remote_shards = False, None, None, {}
@@ -204,20 +197,7 @@ def _unwrap_pyt_sharded_tensor(sh_ten: TorchShardedTensor) -> List[torch.Tensor]
             n = len(ten.shape) - 1 if mcore.flattened_range is not None else mcore.prepend_axis_num
         else:
             n = 0
-        if n:
-            shape = tuple(ten.shape)
-            if len(shape) < n:
-                raise CheckpointingException(
-                    f"{key}: local shard of shape {shape} has fewer than the {n} prepended axes to strip"
-                )
-            for axis in range(n):
-                if shape[axis] != 1:
-                    raise CheckpointingException(
-                        f"{key}: prepended axis {axis} of local shard of shape {shape} has size {shape[axis]}, not 1"
-                    )
-            base = quantized_base(ten)  # a quantized destination: hand back the original, not a view of it
-            ten = base if base is not None and base.shape == ten.shape[n:] else ten.view(ten.shape[n:])
-        ret.append(ten)
+        ret.append(strip_prepended_axes(ten, n, key))
     return ret
 
 
@@ -258,7 +238,7 @@ def read_object_bytes_local(checkpoint_dir: Union[str, Path], unique_keys, metad
     missing = [k for k in unique_keys if not isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)]
     if missing:
         raise CheckpointingException(f"object(s) {missing} not found in checkpoint {checkpoint_dir}")
-    error = _check_data_files(checkpoint_dir, metadata, set(unique_keys))
+    error = check_data_files(checkpoint_dir, metadata, set(unique_keys))
     if error:
         raise CheckpointingException(error)
     state = {k: io.BytesIO() for k in unique_keys}
@@ -367,50 +347,17 @@ def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
         raise CheckpointingException(f"cannot read DCP metadata file {path}: {type(e).__name__}: {e}") from e
 
 
-def _check_data_files(checkpoint_dir: Path, metadata: Metadata, keys=None) -> Optional[str]:
-    """An error naming the first missing or truncated data file referenced by ``metadata`` (for ``keys``)."""
-    needed: Dict[str, int] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if keys is not None and index.fqn not in keys:
-            continue
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for rel, end in sorted(needed.items()):
-        path = Path(checkpoint_dir) / rel
-        if not path.is_file():
-            return f"checkpoint data file {path} is missing"
-        size = path.stat().st_size
-        if size < end:
-            return f"checkpoint data file {path} is truncated: {size} bytes, the metadata needs at least {end}"
-    return None
-
-
-def _wrap_dcp_error(e: BaseException, checkpoint_dir: Path, metadata: Optional[Metadata], action: str):
-    failures = getattr(e, "failures", None) or {}
-    inner = []
-    for rank, failure in sorted(failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, CheckpointingException):
-            return CheckpointingException(str(exc))
-        inner.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-    file_error = _check_data_files(checkpoint_dir, metadata) if metadata is not None else None
-    detail = "; ".join(inner) if inner else f"{type(e).__name__}: {e}"
-    if file_error:
-        return CheckpointingException(f"{action} of {checkpoint_dir} failed: {file_error} ({detail})")
-    return CheckpointingException(f"{action} of {checkpoint_dir} failed: {detail}")
-
-
 def _run_dcp(
     dcp_fn: Callable, action: str, checkpoint_dir: Path, metadata: Optional[Metadata], pyt_state_dict, **kwargs
 ):
     """``dcp_fn`` (DCP save or load) on ``pyt_state_dict``, without torch's ShardedTensor deprecation warnings; a DCP
-    failure is raised as a CheckpointingException (``_wrap_dcp_error``; ``metadata`` None: no data-file check)."""
+    failure is raised as a CheckpointingException (``wrap_dcp_error``; ``metadata`` None: no data-file check)."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
             dcp_fn(pyt_state_dict, **kwargs)
     except TorchCheckpointException as e:
-        raise _wrap_dcp_error(e, checkpoint_dir, metadata, action) from None
+        raise wrap_dcp_error(e, checkpoint_dir, metadata, action) from None
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
@@ -478,7 +425,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 shape, piece = _save_piece(t)
                 if dcp_shape is not None and shape != dcp_shape:
                     raise CheckpointingException(
-                        f"{key}: shards on rank {_rank()} disagree on the global shape ({dcp_shape} vs {shape})"
+                        f"{key}: shards on rank {dist_utils.get_rank()} disagree on the global shape "
+                        f"({dcp_shape} vs {shape})"
                     )
                 dcp_shape = shape
                 box = (key, piece.offset, piece.shape)
@@ -528,7 +476,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             start = time.time()
             pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir, stage=stage)
             logger.info(
-                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to CPU on rank {_rank()} "
+                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to CPU on rank "
+                f"{dist_utils.get_rank()} "
                 f"in {time.time() - start:.3f} s"
             )
             return (pyt_state_dict, writer, planner)
@@ -546,10 +495,11 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             pyt_state_dict, mcore_data = self._to_pyt_state_dict(sharded_state_dict, stage=stage)
         except CheckpointingException as e:
             error = str(e)
-        raise_collectively(error, "save")
+        dist_utils.raise_collectively(error, CheckpointingException, "save")
         # Every rank contributes the mcore_data of its keys; the coordinator stores the union.
-        if _world_size() > 1:
-            gathered: List[Optional[dict]] = [None] * _world_size()
+        world_size = dist_utils.get_world_size()
+        if world_size > 1:
+            gathered: List[Optional[dict]] = [None] * world_size
             dist.all_gather_object(gathered, mcore_data)
         else:
             gathered = [mcore_data]
@@ -605,6 +555,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         self.stream_ckpt_dequant_chunk_mb = stream_ckpt_dequant_chunk_mb
         self.cached_global_metadata: Optional[Metadata] = None
+        self.last_load_stats = LoadStats()  # of the last load (see quantized_load.LoadStats)
         self._cached_metadata_for: Optional[Tuple[str, Optional[str]]] = None
 
     def _metadata(self, checkpoint_dir: Path) -> Metadata:
@@ -661,7 +612,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (rank 0 rewrites
         ``.metadata`` atomically; the data files are left as they are)."""
         checkpoint_dir = Path(checkpoint_dir)
-        if _rank() == 0:
+        if dist_utils.get_rank() == 0:
             metadata = read_dcp_metadata(checkpoint_dir)
             metadata.state_dict_metadata = {
                 k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
@@ -679,15 +630,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             with open(tmp, "wb") as f:
                 pickle.dump(metadata, f)
             os.replace(tmp, checkpoint_dir / ".metadata")
-        if _world_size() > 1:
-            dist.barrier()
+        dist_utils.barrier()
 
     # -- load --
     def _precheck(self, tensors: List[ShardedTensor], objects: List[ShardedObject], metadata, checkpoint_dir):
         sdm = metadata.state_dict_metadata
         for t in tensors:
             md = sdm.get(t.key)
-            if md is None and t.numel() == 0 and _prod(t.global_shape) == 0:
+            if md is None and t.numel() == 0 and math.prod(t.global_shape) == 0:
                 continue  # an empty global tensor has nothing on disk and nothing to read
             if md is None:
                 return f"key {t.key!r} not found in checkpoint {checkpoint_dir}"
@@ -708,7 +658,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if o.unique_key not in sdm:
                 return f"sharded object {o.unique_key!r} (key {o.key!r}) not found in checkpoint {checkpoint_dir}"
         keys = {t.key for t in tensors} | {o.unique_key for o in objects}
-        return _check_data_files(checkpoint_dir, metadata, keys)
+        return check_data_files(checkpoint_dir, metadata, keys)
 
     def _load_pieces(self, t: ShardedTensor, md: TensorStorageMetadata, metadata, post: List[Callable]):
         """The pieces that fill ``t`` (in place where possible; else via temporaries and a ``post`` copy)."""
@@ -718,7 +668,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             n = t.prepend_axis_num
             shape = (1,) * n + t.local_shape
             return [_Piece(t.global_offset, shape, view_keeping_base(t.data, shape) if n else t.data, n)]
-        fr = t.flattened_range if t.flattened_range is not None else slice(0, _prod(t.local_shape))
+        fr = t.flattened_range if t.flattened_range is not None else slice(0, math.prod(t.local_shape))
         length = fr.stop - fr.start
         if len(t.global_shape) == 1:
             return [_Piece((t.global_offset[0] + fr.start,), (length,), t.data, 0)]
@@ -739,7 +689,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         ckpt_frags = dcp_shape[:-1]
         my_frags = _grid(t) if t.flattened_range is not None else None
-        if ckpt_frags == my_frags and dcp_shape[-1] == _prod(t.local_shape):
+        if ckpt_frags == my_frags and dcp_shape[-1] == math.prod(t.local_shape):
             idx = _chunk_index(t)
             shape = (1,) * len(idx) + (length,)
             return [_Piece(idx + (fr.start,), shape, t.data.view(shape), len(idx))]
@@ -752,7 +702,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 )
             chunk.append(g // f)
         chunk = tuple(chunk)
-        if _prod(chunk) != dcp_shape[-1]:
+        if math.prod(chunk) != dcp_shape[-1]:
             raise CheckpointingException(
                 f"{t.key}: checkpoint chunks of {dcp_shape[-1]} elements do not match grid {ckpt_frags} of "
                 f"global shape {t.global_shape}"
@@ -767,7 +717,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             inter = _box_intersection(lo, box_shape, c_off, chunk)
             if inter is None:
                 continue
-            tmp = torch.empty((1,) * len(cidx) + (_prod(chunk),), dtype=t.dtype, device=t.data.device)
+            tmp = torch.empty((1,) * len(cidx) + (math.prod(chunk),), dtype=t.dtype, device=t.data.device)
             pieces.append(_Piece(tuple(cidx) + (0,), tuple(tmp.shape), tmp, len(cidx), direct=False))
             parts.append((tmp, c_off, inter))
 
@@ -792,19 +742,26 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             error = self._precheck(tensors, objects, metadata, checkpoint_dir)
         except CheckpointingException as e:
             error = str(e)
-        raise_collectively(error, "load")
+        dist_utils.raise_collectively(error, CheckpointingException, "load")
 
+        start = time.perf_counter()
         restore = None if self.stream_ckpt_dequant else dequantize_upfront(sharded_state_dict)
+        if restore is not None:
+            self.last_load_stats = LoadStats(
+                quantized_destinations=getattr(restore, "num_dequantized", 0),
+                dequantized_upfront_bytes=getattr(restore, "dequantized_bytes", 0),
+            )
         try:
             result_of = self._read(tensors, objects, metadata, checkpoint_dir)
         finally:
             if restore is not None:
                 restore()
+        self.last_load_stats.seconds = time.perf_counter() - start
 
-        def _result(path, v):
+        def _result(v):
             return result_of[id(v)] if isinstance(v, (ShardedTensor, ShardedObject)) else v
 
-        return _rebuild(sharded_state_dict, _result)
+        return dict_list_map_outplace(_result, sharded_state_dict)
 
     def _read(self, tensors, objects, metadata: Metadata, checkpoint_dir: Path) -> Dict[int, Any]:
         sdm = metadata.state_dict_metadata
@@ -826,7 +783,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 by_key[t.key].append((t, self._load_pieces(t, sdm[t.key], metadata, post)))
         except CheckpointingException as e:
             error = str(e)
-        raise_collectively(error, "load")
+        dist_utils.raise_collectively(error, CheckpointingException, "load")
 
         pyt_state_dict: Dict[str, Any] = {}
         allow_mismatch = {}
@@ -859,8 +816,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 planner.finish_quantized_load()
             except CheckpointingException as e:
                 error = str(e)
-            raise_collectively(error, "load")
+            dist_utils.raise_collectively(error, CheckpointingException, "load")
         self.cached_global_metadata = metadata
+        if self.stream_ckpt_dequant:
+            self.last_load_stats = LoadStats(
+                streamed=True,
+                scratch_bytes_peak=planner.scratch_bytes_peak,
+                quantized_destinations=planner.quantized_destinations_committed,
+                chunked_destinations=planner.chunked_destinations_committed,
+            )
         loaded = getattr(planner, "state_dict", pyt_state_dict)
 
         for fn in post:
@@ -885,19 +849,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return result_of
 
 
-def _rebuild(x, fn, path=()):
-    if isinstance(x, dict):
-        return {k: _rebuild(v, fn, path + (k,)) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_rebuild(v, fn, path + (i,)) for i, v in enumerate(x)]
-    return fn(path, x)
-
-
 def register_default_torch_strategies():
     register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
     register_default_strategy(
         StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1)
     )
 
-
-register_default_torch_strategies()
