@@ -12,6 +12,9 @@ import warnings
 
 import torch
 
+from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
+from megatron.training.utils import get_rank_safe
+
 # Rank-0-once guard of the param-gather / checkpoint-load warning (reset by tests).
 _PARAM_GATHER_WARNED = False
 
@@ -359,8 +362,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     if unknown and not ignore_unknown_args:
         lines = unknown_flag_messages(unknown, parser) or [f"unrecognized arguments: {' '.join(unknown)}"]
         parser.exit(2, "".join(f"{parser.prog}: error: {line}\n" for line in lines))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        parsed.rank, parsed.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if is_distributed():
+        parsed.rank, parsed.world_size = get_rank(), get_world_size()
     else:
         parsed.rank = int(os.getenv("RANK", "0"))
         parsed.world_size = int(os.getenv("WORLD_SIZE", "1"))
@@ -374,12 +377,6 @@ def _fail(message: str):
     raise SystemExit(f"megatron argument error: {message}")
 
 
-def _rank0() -> bool:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.getenv("RANK", "0")) == 0
-
-
 def warn_param_gather_load(args) -> bool:
     """Warn (rank 0, once per process) when quantized param-gather is used with ``--load`` but without
     ``--stream-ckpt-dequant``. Returns whether it warned now."""
@@ -388,7 +385,7 @@ def warn_param_gather_load(args) -> bool:
         return False
     flags = [f for f, on in (("--fp8-param-gather", args.fp8_param_gather),
                              ("--fp4-param-gather", args.fp4_param_gather)) if on]
-    if not flags or not _rank0():
+    if not flags or get_rank_safe() != 0:
         return False
     _PARAM_GATHER_WARNED = True
     warnings.warn(PARAM_GATHER_LOAD_WARNING.format(flag=" / ".join(flags)), UserWarning, stacklevel=2)

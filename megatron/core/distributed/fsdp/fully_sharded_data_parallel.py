@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import default_device
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import (
     copy_param_attributes,
@@ -35,12 +36,6 @@ from megatron.core.distributed.fsdp.meta_init import (
 )
 from megatron.core.fp8_utils import is_quantized_tensor
 from megatron.core.transformer.module import MegatronModule
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -87,7 +82,7 @@ class FullyShardedDataParallel(MegatronModule):
             # group; sharding them over the data-parallel group would mix different experts' gradients
             raise NotImplementedError("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported "
                                       "yet: use DDP (without --use-megatron-fsdp) for expert parallelism")
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         if fsdp_unit_modules is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer

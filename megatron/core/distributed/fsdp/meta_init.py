@@ -16,6 +16,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from megatron.core.dist_utils import default_device
+
 __all__ = [
     "copy_param_attributes",
     "materialize_meta_tensors",
@@ -132,7 +134,7 @@ def materialize_meta_module(module: torch.nn.Module, device=None, init: bool = T
     (dicts keyed by params, lists of params, torch optimizers, MegatronOptimizers) is remapped to the new
     Parameters. Returns ``{old Parameter: new Parameter}``. Raises if a meta tensor is left over."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = default_device()
     old_to_new = materialize_module_tree(module, device, init=init)
     left = meta_tensor_names(module)
     if left:
