@@ -749,6 +749,7 @@ def core_transformer_config_from_args(args, config_class=None):
         rotary_percent=args.rotary_percent,
         init_method_std=args.init_method_std,
         use_cpu_initialization=bool(args.use_cpu_initialization),
+        init_model_with_meta_device=bool(args.init_model_with_meta_device),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=bool(args.sequence_parallel),
         params_dtype=args.params_dtype,
@@ -827,7 +828,6 @@ def ddp_config_from_args(args):
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         fp8_param_gather=args.fp8_param_gather,
         use_megatron_fsdp=args.use_megatron_fsdp,
-        init_model_with_meta_device=args.init_model_with_meta_device,
     )
     return _build(DistributedDataParallelConfig, kw)
 

@@ -77,7 +77,7 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     args = get_args()
     config = core_transformer_config_from_args(args)
     device = default_device()
-    if args.init_model_with_meta_device:
+    if config.init_model_with_meta_device:
         with torch.device("meta"):
             model = model_provider_func(pre_process=True, post_process=True)
     elif device.type == "cuda" and not args.use_cpu_initialization:

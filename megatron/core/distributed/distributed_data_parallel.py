@@ -45,7 +45,7 @@ class DistributedDataParallel(MegatronModule):
             self.process_group if process_group is not None else parallel_state.get_expert_data_parallel_group()
         )
         self.old_to_new_params: Dict = {}
-        if has_meta_tensors(module):
+        if getattr(config, "init_model_with_meta_device", False) or has_meta_tensors(module):
             self.old_to_new_params = materialize_meta_module(module, default_device(), maps=param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         self._sync_enabled = True

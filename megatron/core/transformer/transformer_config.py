@@ -82,6 +82,8 @@ class TransformerConfig:
     fp8_wgrad: bool = True
     fp8_interval: int = 1
     init_model_with_meta_device: bool = False
+    """The model is built under ``torch.device('meta')`` (``--init-model-with-meta-device``); the DDP / FSDP
+    wrapper materialises it (any meta tensor triggers that too). The one home of this flag."""
 
     # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     recompute_granularity: Optional[str] = None
