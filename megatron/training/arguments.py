@@ -599,8 +599,6 @@ def validate_args(args, defaults={}):
             _fail("--moe-router-enable-expert-bias needs --num-experts (it is a MoE router option)")
         if args.moe_ffn_hidden_size is not None:
             _fail("--moe-ffn-hidden-size needs --num-experts")
-    if args.moe_router_bias_update_rate < 0:
-        _fail(f"--moe-router-bias-update-rate must be >= 0 (got {args.moe_router_bias_update_rate})")
 
     # ---- batch sizes ------------------------------------------------------------------------------------
     if args.micro_batch_size is None or args.micro_batch_size <= 0:
@@ -650,8 +648,6 @@ def validate_args(args, defaults={}):
         _fail(f"--eval-iters must be >= 0 (got {args.eval_iters})")
 
     # ---- precision ----------------------------------------------------------------------------------------
-    if args.fp16 and args.bf16:
-        _fail("--fp16 and --bf16 are mutually exclusive")
     if args.loss_scale is not None and not args.fp16:
         _fail("--loss-scale is the static fp16 loss scale: it needs --fp16 (bf16 and fp32 need no loss scaling)")
     if args.loss_scale is not None and not args.loss_scale > 0:
@@ -671,14 +667,8 @@ def validate_args(args, defaults={}):
     if args.fp16 and (args.fp8 is not None or args.fp4 is not None):
         _fail("--fp16 with --fp8-format / --fp4-format is not supported: use --bf16 as the high precision")
     args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
-    if args.fp8 is not None and args.fp4 is not None:
-        _fail("--fp8-format and --fp4-format are mutually exclusive (choose one quantized format)")
-    if args.fp8_param_gather and args.fp8 is None:
-        _fail("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
-    if args.fp4_param_gather and args.fp4 is None:
-        _fail("--fp4-param-gather needs --fp4-format (e2m1)")
-    if (args.fp8 is not None or args.fp4 is not None) and args.transformer_impl != "transformer_engine":
-        _fail("--fp8-format / --fp4-format need --transformer-impl transformer_engine")
+    # fp16/bf16, fp8/fp4 and their param-gather and --transformer-impl combinations: the configs' own checks
+    # (_validate_configs, below)
 
     # ---- distributed / FSDP -------------------------------------------------------------------------------
     if args.init_model_with_meta_device and not args.use_megatron_fsdp:
@@ -717,6 +707,7 @@ def validate_args(args, defaults={}):
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")
+    _validate_configs(args)
     warn_param_gather_load(args)
 
     args.consumed_train_samples = 0
@@ -783,10 +774,7 @@ def core_transformer_config_from_args(args, config_class=None):
         import torch.nn.functional as F
 
         kw["activation_func"] = F.silu
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(config_class)}
-    return config_class(**{k: v for k, v in kw.items() if k in names})
+    return _build(config_class, kw)
 
 
 def optimizer_config_from_args(args):
@@ -814,6 +802,17 @@ def optimizer_config_from_args(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     return _build(OptimizerConfig, kw)
+
+
+def _validate_configs(args) -> None:
+    """The config dataclasses are the single source of their checks: build them from the flags once, and turn a
+    check's error (its message names the field and the flag) into the argument error."""
+    try:
+        core_transformer_config_from_args(args)
+        optimizer_config_from_args(args)
+        ddp_config_from_args(args)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def ddp_config_from_args(args):
