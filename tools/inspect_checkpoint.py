@@ -13,6 +13,7 @@ with the project's allowlist); an object that needs anything else is reported as
 import argparse
 import io
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -101,9 +102,7 @@ def inspect_checkpoint(path: str, all_args: bool = False) -> dict:
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             dtype = md.properties.dtype
-            numel = 1
-            for d in md.size:
-                numel *= d
+            numel = math.prod(md.size)
             info["tensors"][key] = {"shape": list(md.size), "dtype": str(dtype).replace("torch.", ""),
                                     "numel": numel, "bytes": numel * torch.empty((), dtype=dtype).element_size(),
                                     "chunks": len(md.chunks)}

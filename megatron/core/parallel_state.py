@@ -18,14 +18,14 @@ without context parallelism while the context size is 1, or the expert-tensor an
 """
 import contextlib
 import math
-import operator
 import warnings
 from datetime import timedelta
-from functools import reduce
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron.core import dist_utils
 
 _KINDS = ("tp", "cp", "ep", "dp", "pp", "gtp_remat")
 
@@ -349,7 +349,7 @@ def destroy_model_parallel() -> None:
 
 # ---------------------------------------------------------------------------------------------- lookups
 def _me() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist_utils.get_rank()
 
 
 def _ranks(name: str) -> List[int]:
@@ -359,7 +359,7 @@ def _ranks(name: str) -> List[int]:
             raise AssertionError(f"{_DESCRIPTIONS[name]} is not initialized")
         return _RANKS[name]
     if name in _WORLD_BEFORE_INIT:
-        return list(range(dist.get_world_size() if dist.is_initialized() else 1))
+        return list(range(dist_utils.get_world_size()))
     return [_me()]
 
 
@@ -699,10 +699,10 @@ class GlobalMemoryBuffer:
         self.buffer = {}
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context: Optional[Callable] = None) -> torch.Tensor:
-        numel = reduce(operator.mul, tensor_shape, 1)
+        numel = math.prod(tensor_shape)
         current = self.buffer.get((name, dtype))
         if current is None or current.numel() < numel:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            device = dist_utils.default_device()
             with (mem_alloc_context or contextlib.nullcontext)():
                 current = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=device)
         return current[:numel].view(*tensor_shape)

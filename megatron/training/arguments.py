@@ -12,6 +12,9 @@ import warnings
 
 import torch
 
+from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
+from megatron.training.utils import get_rank_safe
+
 # Rank-0-once guard of the param-gather / checkpoint-load warning (reset by tests).
 _PARAM_GATHER_WARNED = False
 
@@ -359,8 +362,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     if unknown and not ignore_unknown_args:
         lines = unknown_flag_messages(unknown, parser) or [f"unrecognized arguments: {' '.join(unknown)}"]
         parser.exit(2, "".join(f"{parser.prog}: error: {line}\n" for line in lines))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        parsed.rank, parsed.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if is_distributed():
+        parsed.rank, parsed.world_size = get_rank(), get_world_size()
     else:
         parsed.rank = int(os.getenv("RANK", "0"))
         parsed.world_size = int(os.getenv("WORLD_SIZE", "1"))
@@ -374,12 +377,6 @@ def _fail(message: str):
     raise SystemExit(f"megatron argument error: {message}")
 
 
-def _rank0() -> bool:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.getenv("RANK", "0")) == 0
-
-
 def warn_param_gather_load(args) -> bool:
     """Warn (rank 0, once per process) when quantized param-gather is used with ``--load`` but without
     ``--stream-ckpt-dequant``. Returns whether it warned now."""
@@ -388,7 +385,7 @@ def warn_param_gather_load(args) -> bool:
         return False
     flags = [f for f, on in (("--fp8-param-gather", args.fp8_param_gather),
                              ("--fp4-param-gather", args.fp4_param_gather)) if on]
-    if not flags or not _rank0():
+    if not flags or get_rank_safe() != 0:
         return False
     _PARAM_GATHER_WARNED = True
     warnings.warn(PARAM_GATHER_LOAD_WARNING.format(flag=" / ".join(flags)), UserWarning, stacklevel=2)
@@ -602,8 +599,6 @@ def validate_args(args, defaults={}):
             _fail("--moe-router-enable-expert-bias needs --num-experts (it is a MoE router option)")
         if args.moe_ffn_hidden_size is not None:
             _fail("--moe-ffn-hidden-size needs --num-experts")
-    if args.moe_router_bias_update_rate < 0:
-        _fail(f"--moe-router-bias-update-rate must be >= 0 (got {args.moe_router_bias_update_rate})")
 
     # ---- batch sizes ------------------------------------------------------------------------------------
     if args.micro_batch_size is None or args.micro_batch_size <= 0:
@@ -653,8 +648,6 @@ def validate_args(args, defaults={}):
         _fail(f"--eval-iters must be >= 0 (got {args.eval_iters})")
 
     # ---- precision ----------------------------------------------------------------------------------------
-    if args.fp16 and args.bf16:
-        _fail("--fp16 and --bf16 are mutually exclusive")
     if args.loss_scale is not None and not args.fp16:
         _fail("--loss-scale is the static fp16 loss scale: it needs --fp16 (bf16 and fp32 need no loss scaling)")
     if args.loss_scale is not None and not args.loss_scale > 0:
@@ -674,14 +667,8 @@ def validate_args(args, defaults={}):
     if args.fp16 and (args.fp8 is not None or args.fp4 is not None):
         _fail("--fp16 with --fp8-format / --fp4-format is not supported: use --bf16 as the high precision")
     args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
-    if args.fp8 is not None and args.fp4 is not None:
-        _fail("--fp8-format and --fp4-format are mutually exclusive (choose one quantized format)")
-    if args.fp8_param_gather and args.fp8 is None:
-        _fail("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
-    if args.fp4_param_gather and args.fp4 is None:
-        _fail("--fp4-param-gather needs --fp4-format (e2m1)")
-    if (args.fp8 is not None or args.fp4 is not None) and args.transformer_impl != "transformer_engine":
-        _fail("--fp8-format / --fp4-format need --transformer-impl transformer_engine")
+    # fp16/bf16, fp8/fp4 and their param-gather and --transformer-impl combinations: the configs' own checks
+    # (_validate_configs, below)
 
     # ---- distributed / FSDP -------------------------------------------------------------------------------
     if args.init_model_with_meta_device and not args.use_megatron_fsdp:
@@ -720,6 +707,7 @@ def validate_args(args, defaults={}):
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")
+    _validate_configs(args)
     warn_param_gather_load(args)
 
     args.consumed_train_samples = 0
@@ -752,6 +740,7 @@ def core_transformer_config_from_args(args, config_class=None):
         rotary_percent=args.rotary_percent,
         init_method_std=args.init_method_std,
         use_cpu_initialization=bool(args.use_cpu_initialization),
+        init_model_with_meta_device=bool(args.init_model_with_meta_device),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=bool(args.sequence_parallel),
         params_dtype=args.params_dtype,
@@ -785,10 +774,7 @@ def core_transformer_config_from_args(args, config_class=None):
         import torch.nn.functional as F
 
         kw["activation_func"] = F.silu
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(config_class)}
-    return config_class(**{k: v for k, v in kw.items() if k in names})
+    return _build(config_class, kw)
 
 
 def optimizer_config_from_args(args):
@@ -818,6 +804,17 @@ def optimizer_config_from_args(args):
     return _build(OptimizerConfig, kw)
 
 
+def _validate_configs(args) -> None:
+    """The config dataclasses are the single source of their checks: build them from the flags once, and turn a
+    check's error (its message names the field and the flag) into the argument error."""
+    try:
+        core_transformer_config_from_args(args)
+        optimizer_config_from_args(args)
+        ddp_config_from_args(args)
+    except ValueError as e:
+        _fail(str(e))
+
+
 def ddp_config_from_args(args):
     """``DistributedDataParallelConfig`` from args (fields it does not have are left out)."""
     from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -830,7 +827,6 @@ def ddp_config_from_args(args):
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         fp8_param_gather=args.fp8_param_gather,
         use_megatron_fsdp=args.use_megatron_fsdp,
-        init_model_with_meta_device=args.init_model_with_meta_device,
     )
     return _build(DistributedDataParallelConfig, kw)
 

@@ -32,6 +32,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core import dist_utils
+
 LOCK_FILENAME = "megatron_save.lock"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
@@ -43,29 +45,15 @@ class CheckpointError(RuntimeError):
     file, flag or argument."""
 
 
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
 def raise_collectively(error: Optional[str]) -> None:
     """Raise the same CheckpointError on every rank if any rank has an error (collective when distributed)."""
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.strategies.torch import raise_collectively as _core_raise
-
-    try:
-        _core_raise(error, "checkpoint")
-    except CheckpointingException as e:
-        raise CheckpointError(str(e)) from None
+    dist_utils.raise_collectively(error, CheckpointError, "checkpoint")
 
 
 def broadcast_error_from_rank0(error: Optional[str]) -> None:
     """Raise rank 0's error (a string or None computed on rank 0 only) on every rank."""
-    if _dist() and dist.get_world_size() > 1:
-        box = [error if _rank() == 0 else None]
+    if dist_utils.get_world_size() > 1:
+        box = [error if dist_utils.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
@@ -243,7 +231,7 @@ def check_save_dir(save_dir: str, flag: str = "--save") -> None:
     """Before training: ``save_dir`` exists (created), is writable (a probe file is written, synced, removed) and
     this job holds its lock. Collective: every rank raises the same CheckpointError naming ``flag`` otherwise."""
     error = None
-    if _rank() == 0:
+    if dist_utils.get_rank() == 0:
         probe = os.path.join(save_dir, f".write_probe.{os.getpid()}")
         try:
             os.makedirs(save_dir, exist_ok=True)

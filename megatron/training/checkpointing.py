@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_utils import barrier, get_rank, get_world_size, is_distributed
 from megatron.training import checkpoint_safety as safety
 from megatron.training.checkpoint_safety import CheckpointError  # noqa: F401  (its public home for callers)
 from megatron.training.global_vars import get_args
@@ -36,19 +37,6 @@ from megatron.training.utils import print_rank_0, unwrap_model
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 _TRACKER_MAX_BYTES = 4096
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
 
 
 def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
@@ -84,7 +72,7 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
         raise CheckpointError(f"checkpoint tracker {tracker_filename}: expected an iteration or 'release', got {text!r}")
     if iteration < 0:
         raise CheckpointError(f"checkpoint tracker {tracker_filename}: negative iteration {iteration}")
-    if _dist():  # every rank must agree on what it read
+    if is_distributed():  # every rank must agree on what it read
         t = torch.tensor([iteration, -iteration], dtype=torch.long, device=parallel_state.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if int(t[0]) != iteration or int(-t[1]) != iteration:
@@ -178,7 +166,7 @@ def _parallelization_group():
     """The data-parallel group for the fully-parallel wrappers; None (= WORLD) when it spans every rank, as it
     always does in this DP-only fork."""
     group = parallel_state.get_data_parallel_group()
-    if group is None or not _dist() or dist.get_world_size(group) == dist.get_world_size():
+    if group is None or get_world_size(group) == get_world_size():
         return None
     return group
 
@@ -226,7 +214,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
     safety.check_save_dir(save_dir)  # a no-op lock-wise when this job already holds it
     error = None
-    if _rank() == 0:
+    if get_rank() == 0:
         try:
             removed = safety.remove_leftovers(save_dir)
             if removed:
@@ -253,7 +241,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     try:
         safety.raise_collectively(cause)  # every rank has stopped writing once this returns or raises
     except CheckpointError as e:
-        if _rank() == 0:
+        if get_rank() == 0:
             shutil.rmtree(partial_dir, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {checkpoint_dir} failed: {e}; {tracker} was not advanced "
                               f"(it still names the previous checkpoint)") from error
@@ -271,7 +259,7 @@ def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_d
     """The end of a save, after every rank wrote its part (collective): the one place that publishes the partial
     directory as ``iter_N`` and advances the tracker."""
     error = None
-    if _rank() == 0:
+    if get_rank() == 0:
         try:
             safety.publish(partial_dir, checkpoint_dir)
             _write_tracker(save_dir, iteration)
@@ -381,8 +369,8 @@ def _requested_model_shapes(sharded_model_sds: dict) -> dict:
                 shapes[v.key] = tuple(v.global_shape)
 
     visit(nested_values(sharded_model_sds))
-    if _dist() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
+    if get_world_size() > 1:
+        gathered = [None] * get_world_size()
         dist.all_gather_object(gathered, shapes)
         for d in gathered:
             shapes.update(d)
@@ -397,7 +385,7 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
     ``--dist-ckpt-strictness log_*`` or ``strict=False``: warnings; ``ignore_all``: not checked)."""
     requested = _requested_model_shapes(sharded_model_sds)
     error = None
-    if _rank() == 0:
+    if get_rank() == 0:
         from megatron.core.dist_checkpointing.core import CheckpointingException
 
         try:
@@ -538,6 +526,6 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         iteration = int(loaded.get("iteration", iteration))
         args.consumed_train_samples = int(getattr(ckpt_args, "consumed_train_samples", 0))
         args.consumed_valid_samples = int(getattr(ckpt_args, "consumed_valid_samples", 0))
-    _barrier()
+    barrier()
     print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
     return iteration, int(loaded.get("num_floating_point_operations_so_far", 0) or 0)

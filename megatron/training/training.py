@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import default_device
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.arguments import (
@@ -68,12 +69,6 @@ class TrainingResult:
     opt_param_scheduler: object = None
 
 
-def get_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # ---- model / optimizer --------------------------------------------------------------------------------------
 def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True):
     """Build the model (under ``torch.device('meta')`` with ``--init-model-with-meta-device``), then wrap it in
@@ -81,8 +76,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     ``DistributedDataParallel``. Returns a list with one model chunk."""
     args = get_args()
     config = core_transformer_config_from_args(args)
-    device = get_device()
-    if args.init_model_with_meta_device:
+    device = default_device()
+    if config.init_model_with_meta_device:
         with torch.device("meta"):
             model = model_provider_func(pre_process=True, post_process=True)
     elif device.type == "cuda" and not args.use_cpu_initialization:
@@ -251,7 +246,7 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     """This DP rank's micro-batches from global sample ``consumed_samples`` on (see the module docstring)."""
     if dataset is None:
         return None
-    device = device or get_device()
+    device = device or default_device()
 
     def _gen():
         start = consumed_samples

@@ -8,10 +8,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
 
 
 def get_rank_safe() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """This process's rank: torch.distributed's once initialised, before that the launcher's ``RANK`` (0 without
+    one), as upstream's ``get_rank_safe``."""
+    return get_rank() if is_distributed() else int(os.getenv("RANK", "0"))
 
 
 def print_rank_0(message: str) -> None:
@@ -20,9 +23,7 @@ def print_rank_0(message: str) -> None:
 
 
 def is_last_rank() -> bool:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == dist.get_world_size() - 1
-    return True
+    return get_rank() == get_world_size() - 1
 
 
 def print_rank_last(message: str) -> None:
@@ -82,9 +83,8 @@ def exit_on_user_error():
         message = e.code
     else:
         return
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.getenv("RANK", "0"))
-    if rank == 0:
+    if get_rank_safe() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
     raise SystemExit(1)

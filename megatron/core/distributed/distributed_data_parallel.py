@@ -14,15 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import default_device, get_world_size
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import has_meta_tensors, materialize_meta_module
 from megatron.core.transformer.module import MegatronModule
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class DistributedDataParallel(MegatronModule):
@@ -50,8 +45,8 @@ class DistributedDataParallel(MegatronModule):
             self.process_group if process_group is not None else parallel_state.get_expert_data_parallel_group()
         )
         self.old_to_new_params: Dict = {}
-        if has_meta_tensors(module):
-            self.old_to_new_params = materialize_meta_module(module, _default_device(), maps=param_keyed_maps)
+        if getattr(config, "init_model_with_meta_device", False) or has_meta_tensors(module):
+            self.old_to_new_params = materialize_meta_module(module, default_device(), maps=param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         self._sync_enabled = True
 
@@ -70,9 +65,7 @@ class DistributedDataParallel(MegatronModule):
 
     # ---- gradients ---------------------------------------------------------------------------------------
     def _world_size(self) -> int:
-        if self.process_group is None or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
+        return 1 if self.process_group is None else get_world_size(self.process_group)
 
     def zero_grad_buffer(self) -> None:
         for p in self.module.parameters():

@@ -37,9 +37,6 @@ class DistributedDataParallelConfig:
     outer_dp_sharding_strategy: str = "no_shard"
     disable_symmetric_registration: bool = False
     delay_wgrad_compute: bool = False
-    init_model_with_meta_device: bool = False
-    """The model was built under ``torch.device('meta')``; the wrapper materialises it (detected automatically
-    too: any meta tensor triggers materialisation)."""
 
     def __post_init__(self):
         if self.data_parallel_sharding_strategy not in _SHARDING:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
 from megatron.core.optimizer.optimizer import MegatronOptimizer, _is_dtensor, _is_quantized_param
 
 SHARDING_TYPE = "fully_sharded_model_space"
@@ -49,9 +50,9 @@ class _Slice:
 
 def _dp_group_and_size():
     group = parallel_state.get_data_parallel_group()
-    if group is None or not dist.is_initialized():
+    if group is None or not is_distributed():
         return None, 1, 0
-    return group, dist.get_world_size(group), dist.get_rank(group)
+    return group, get_world_size(group), get_rank(group)
 
 
 def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group, rank: int) -> None:

@@ -11,11 +11,7 @@ from typing import Dict, Optional
 
 import torch
 
-
-def _device(device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from megatron.core.dist_utils import default_device
 
 
 class MegatronGradScaler:
@@ -24,7 +20,7 @@ class MegatronGradScaler:
     def __init__(self, initial_scale: float, device=None):
         if not initial_scale > 0.0:
             raise ValueError(f"loss scale (--loss-scale / --initial-loss-scale) must be positive, got {initial_scale}")
-        self.device = _device(device)
+        self.device = torch.device(device) if device is not None else default_device()
         self._scale = torch.tensor([float(initial_scale)], dtype=torch.float32, device=self.device)
 
     @property

@@ -1,8 +1,6 @@
 """MegatronOptimizer: a torch.optim optimizer (AdamW / SGD) with global grad-norm clipping, fp32 main params for
 bf16/fp16 models, and ``sharded_state_dict`` for dist_checkpointing. Works with plain tensors (DDP) and with FSDP2
 DTensor parameters (Megatron-FSDP: the optimizer state is then sharded like the parameters)."""
-import copy
-import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -364,6 +362,8 @@ class MegatronOptimizer:
         ``optimizer.state.<exp_avg|exp_avg_sq|momentum_buffer>.<param key>``; fp32 main params
         ``optimizer.state.fp32_param.<param key>``). ``step`` and the param-group hyper-parameters stay plain
         (common state)."""
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
         self.init_state()
         sd = self.optimizer.state_dict()
         sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # never modify the live state dicts
@@ -376,7 +376,7 @@ class MegatronOptimizer:
             for k, v in list(st.items()):
                 if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
                     continue
-                st[k] = _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", _local(v))
+                st[k] = make_sharded_optimizer_tensor(sh, v, f"optimizer.state.{k}")
         # The saving and loading layouts may hold different parameters (expert parallelism): as upstream, the param
         # lists stay local, and the common Adam step is also kept in the groups (loading prefers it to the
         # per-index steps, whose indices belong to the saving layout).
@@ -390,7 +390,7 @@ class MegatronOptimizer:
         if self.main_params is None:
             return sd
         mains = [
-            _state_sharded_tensor(sh, f"optimizer.state.fp32_param.{sh.key}", _local(m).detach())
+            make_sharded_optimizer_tensor(sh, _local(m).detach(), "optimizer.state.fp32_param")
             for sh, m in zip(shs, self.main_params)
         ]
         out = {"optimizer": sd, "fp32_from_fp16_params": mains}
@@ -411,22 +411,3 @@ class MegatronOptimizer:
             f"MegatronOptimizer.sharded_state_dict: no ShardedTensor for parameter {name!r} in the model's "
             f"sharded state dict (candidates: {hits[:5]})"
         )
-
-
-def _state_sharded_tensor(sh, key: str, data: torch.Tensor):
-    """``sh`` (the parameter's ShardedTensor, or ShardedTensorFactory e.g. a gated fc1's two chunks) describing
-    ``data`` (an optimizer state tensor of the same local shape) under ``key``: same prepended axes, offsets,
-    replica id and, for a factory, the same build/merge."""
-    from megatron.core.dist_checkpointing import ShardedTensorFactory
-
-    if isinstance(sh, ShardedTensorFactory):
-        if tuple(data.shape) != tuple(sh.data.shape):
-            raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter {tuple(sh.data.shape)}")
-        return dataclasses.replace(sh, key=key, data=data)
-    if tuple(data.shape) != tuple(sh.local_shape):
-        raise RuntimeError(f"{key}: optimizer state shape {tuple(data.shape)} != parameter shard {tuple(sh.local_shape)}")
-    if dataclasses.is_dataclass(sh):
-        return dataclasses.replace(sh, key=key, data=data, dtype=data.dtype)
-    out = copy.copy(sh)
-    out.key, out.data, out.dtype = key, data, data.dtype
-    return out

@@ -8,6 +8,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -31,6 +32,7 @@ __all__ = [
     "param_is_not_tensor_parallel_duplicate",
     "set_tensor_model_parallel_attributes",
     "vocab_parallel_cross_entropy",
+    "all_to_all",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",

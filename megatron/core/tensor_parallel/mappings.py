@@ -7,10 +7,14 @@ Tensor region (last dim split over TP ranks): ``copy_to_`` (forward identity, ba
 ``gather_from_sequence_parallel_region`` (forward all-gather, backward reduce-scatter, or split when the output
 gradient is not tensor-parallel), ``reduce_scatter_to_sequence_parallel_region`` (forward reduce-scatter, backward
 all-gather). ``group`` defaults to the tensor-parallel group; with one rank every function is the identity.
+
+Over any group (MoE's expert-parallel token exchange): ``all_to_all`` (split sizes, backward with the splits swapped),
+``gather_along_first_dim`` / ``reduce_scatter_along_first_dim`` (uneven first-dim pieces).
 """
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_utils import get_world_size
 from megatron.core.tensor_parallel.utils import split_along_dim, tp_group_info
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -139,3 +143,52 @@ def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = 
 def reduce_scatter_to_sequence_parallel_region(x, group=None, **unused):
     group, size, _ = _info(group)
     return x if size == 1 else _ReduceScatterToSequenceRegion.apply(x, group, size)
+
+
+# ---- all-to-all and uneven first-dim gather / reduce-scatter over any group (MoE's EP or expert-TP x EP group) -
+def _size(group) -> int:
+    """World size of ``group``; 1 for None (no group: a single-process model)."""
+    return 1 if group is None else get_world_size(group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, x, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        x = x.contiguous()
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _AllToAll.apply(ctx.group, grad, ctx.input_splits, ctx.output_splits), None, None
+
+
+def all_to_all(group, x: torch.Tensor, output_splits: list, input_splits: list) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 with split sizes (upstream's ``tensor_parallel.all_to_all`` argument order);
+    the backward sends the gradients back with the splits swapped. Identity on a group of size 1."""
+    if _size(group) == 1:
+        return x
+    return _AllToAll.apply(group, x, [int(s) for s in output_splits], [int(s) for s in input_splits])
+
+
+def gather_along_first_dim(group, x: torch.Tensor, sizes: list) -> torch.Tensor:
+    """All-gather ``x`` along dim 0 over ``group`` (rank order), rank ``j`` contributing ``sizes[j]`` rows (uneven
+    sizes allowed), as an all-to-all of ``x`` to every rank; backward: the rows' gradients summed back to their rank.
+    Identity on a group of size 1."""
+    ws = _size(group)
+    if ws == 1:
+        return x
+    return all_to_all(group, x.repeat(ws, *([1] * (x.dim() - 1))), sizes, [x.shape[0]] * ws)
+
+
+def reduce_scatter_along_first_dim(group, x: torch.Tensor, sizes: list) -> torch.Tensor:
+    """Inverse of :func:`gather_along_first_dim`: ``x`` has ``sum(sizes)`` rows; rank ``j`` receives rows of its
+    segment ``j`` from every rank and sums them. Backward: the gather of the gradient."""
+    ws = _size(group)
+    if ws == 1:
+        return x
+    me = dist.get_rank(group)
+    out = all_to_all(group, x, [sizes[me]] * ws, sizes)
+    return out.view(ws, sizes[me], *x.shape[1:]).sum(dim=0)

@@ -82,6 +82,8 @@ class TransformerConfig:
     fp8_wgrad: bool = True
     fp8_interval: int = 1
     init_model_with_meta_device: bool = False
+    """The model is built under ``torch.device('meta')`` (``--init-model-with-meta-device``); the DDP / FSDP
+    wrapper materialises it (any meta tensor triggers that too). The one home of this flag."""
 
     # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     recompute_granularity: Optional[str] = None
@@ -146,11 +148,11 @@ class TransformerConfig:
         if self.fp8 is not None and self.fp4 is not None:
             raise ValueError("fp8 and fp4 are mutually exclusive (--fp8-format / --fp4-format)")
         if self.fp8_param and self.fp8 is None:
-            raise ValueError("fp8_param (--fp8-param-gather) needs fp8 (--fp8-format)")
+            raise ValueError("fp8_param (--fp8-param-gather) needs fp8 (--fp8-format e4m3 or hybrid)")
         if self.fp4_param and self.fp4 is None:
-            raise ValueError("fp4_param (--fp4-param-gather) needs fp4 (--fp4-format)")
+            raise ValueError("fp4_param (--fp4-param-gather) needs fp4 (--fp4-format e2m1)")
         if (self.fp8 is not None or self.fp4 is not None) and self.transformer_impl != "transformer_engine":
-            raise ValueError("fp8/fp4 training needs --transformer-impl transformer_engine")
+            raise ValueError("fp8/fp4 training (--fp8-format / --fp4-format) needs --transformer-impl transformer_engine")
         self._check_tensor_parallel()
         if self.expert_model_parallel_size < 1 or (
             self.expert_model_parallel_size > 1

@@ -7,15 +7,7 @@ import torch
 from megatron.core import parallel_state
 
 
-# ---- devices ----------------------------------------------------------------------------------------------
-def get_default_device() -> torch.device:
-    """The device for tensors that must be real even under ``with torch.device('meta')`` (e.g. ``expert_bias``):
-    the current CUDA device if CUDA is available, else the CPU. Pass it EXPLICITLY to factory functions."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
+# ---- devices (the default device: ``megatron.core.dist_utils.default_device``) -----------------------------
 def ambient_device() -> torch.device:
     """The device a factory call without ``device=`` would use now (meta inside ``with torch.device('meta')``)."""
     return torch.empty(0).device

@@ -29,7 +29,7 @@ GLOBAL_BATCH = 8
 
 def _fsdp(cfg, seed, meta=True, tied=False, maps=(), **ddp_kw):  # noqa: D103
     model = build_gpt(cfg, seed, meta=meta, tied=tied)
-    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, init_model_with_meta_device=meta, **ddp_kw)
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, **ddp_kw)
     return FullyShardedDataParallel(cfg, ddp_config, model, param_keyed_maps=maps)
 
 
@@ -184,7 +184,7 @@ def _peak_body(rank, ws):
     root_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in unit_ids)
     total = sum(unit_bytes) + root_bytes
     samples = []
-    orig = fsdp_mod.materialize_module_tree
+    orig = fsdp_mod.materialize_unit
 
     def full_size_bytes():
         return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta and not isinstance(p, DTensor))
@@ -194,11 +194,11 @@ def _peak_body(rank, ws):
         samples.append(full_size_bytes())
         return out
 
-    fsdp_mod.materialize_module_tree = spy
+    fsdp_mod.materialize_unit = spy
     try:
         FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), model)
     finally:
-        fsdp_mod.materialize_module_tree = orig
+        fsdp_mod.materialize_unit = orig
     # never more than the largest unit (+ the root's own small params) at full size at once
     assert samples and max(samples) <= max(unit_bytes) + root_bytes, (samples, unit_bytes, root_bytes)
     assert max(samples) >= max(unit_bytes)  # a unit really was materialised at full size (then sharded)

@@ -32,7 +32,7 @@ def _cfg():
 def _wrap(kind, seed):
     cfg = _cfg()
     if kind == "fsdp":
-        ddp_cfg = DistributedDataParallelConfig(use_megatron_fsdp=True, init_model_with_meta_device=True)
+        ddp_cfg = DistributedDataParallelConfig(use_megatron_fsdp=True)
         model = FullyShardedDataParallel(cfg, ddp_cfg, build_gpt(cfg, seed, meta=True))
     else:
         model = DistributedDataParallel(cfg, DistributedDataParallelConfig(), build_gpt(cfg, seed))

@@ -105,8 +105,7 @@ def _meta_init_body(rank, ws):
     meta = build("gqa_swiglu", cfg, seed=8, meta=True)
     assert all(r.expert_bias.device.type == "cpu" for r in routers(meta))  # real even under the meta device
     eb = set_expert_bias_sentinel(meta)
-    fsdp = FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True,
-                                                                       init_model_with_meta_device=True), meta)
+    fsdp = FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), meta)
     check_expert_bias(fsdp.module, eb)
     model_parallel_cuda_manual_seed(8)
     eager = build("gqa_swiglu", cfg, seed=8)

@@ -299,3 +299,16 @@ def test_fp16_and_distributed_optimizer_flags_reach_the_configs():
     d = _args("--fp16")  # upstream's defaults
     assert (d.initial_loss_scale, d.min_loss_scale, d.loss_scale_window, d.hysteresis) == (2**32, 1.0, 1000, 2)
     assert optimizer_config_from_args(_args("--fp16", "--loss-scale", 512)).loss_scale == 512
+
+
+@pytest.mark.parametrize("extra,config_text", [
+    (["--fp16", "--bf16"], "fp16 and bf16 are mutually exclusive (--fp16 / --bf16)"),
+    (["--fp8-param-gather"], "fp8_param (--fp8-param-gather) needs fp8"),
+    (["--moe-router-bias-update-rate", -1], "moe_router_bias_update_rate (--moe-router-bias-update-rate)"),
+])
+def test_config_checks_are_the_configs_own(extra, config_text):
+    """validate_args does not repeat the TransformerConfig / OptimizerConfig checks: it builds the configs and
+    reports their message (naming field and flag)."""
+    with pytest.raises(SystemExit) as exc:
+        _args(*extra)
+    assert config_text in str(exc.value) and str(exc.value).startswith("megatron argument error: ")

@@ -25,22 +25,18 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import default_device
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import (
-    copy_param_attributes,
     has_meta_tensors,
-    materialize_module_tree,
+    materialize_unit,
     meta_tensor_names,
-    remap_param_keyed_maps,
+    module_names,
+    rebind_params,
+    snapshot_params,
 )
 from megatron.core.fp8_utils import is_quantized_tensor
 from megatron.core.transformer.module import MegatronModule
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -50,6 +46,32 @@ def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
     size = -(-dim0 // world_size)
     start = min(rank * size, dim0)
     return start, max(0, min(size, dim0 - start))
+
+
+def fsdp_unit_policy(module: torch.nn.Module, unit_types: Tuple[Type[torch.nn.Module], ...]) -> List[torch.nn.Module]:
+    """Step "unit policy": the FSDP units, in ``module.modules()`` order: every submodule of a ``unit_types`` type
+    (``TransformerLayer``), then, with untied embeddings, the GPT's ``embedding`` and ``output_layer`` (so meta
+    init never holds them at full size while the layers are built: peak about one unit). With tied weights they
+    stay in the root (the root's forward uses the embedding weight for the output layer)."""
+    units = [m for m in module.modules() if isinstance(m, unit_types) and m is not module]
+    if not getattr(module, "share_embeddings_and_output_weights", True):
+        for name in ("embedding", "output_layer"):
+            m = getattr(module, name, None)
+            if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters()) and all(m is not u for u in units):
+                units.append(m)
+    return units
+
+
+def _mixed_precision(config):
+    """``(compute dtype or None, MixedPrecisionPolicy)``: bf16/fp16 compute with fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
+        torch.float16 if getattr(config, "fp16", False) else None
+    )
+    if dtype is None:
+        return None, MixedPrecisionPolicy()
+    return dtype, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 class FullyShardedDataParallel(MegatronModule):
@@ -75,7 +97,6 @@ class FullyShardedDataParallel(MegatronModule):
     ):
         super().__init__(config)
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.ddp_config = ddp_config
         self.module = module
@@ -87,7 +108,7 @@ class FullyShardedDataParallel(MegatronModule):
             # group; sharding them over the data-parallel group would mix different experts' gradients
             raise NotImplementedError("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported "
                                       "yet: use DDP (without --use-megatron-fsdp) for expert parallelism")
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         if fsdp_unit_modules is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -95,85 +116,58 @@ class FullyShardedDataParallel(MegatronModule):
             fsdp_unit_modules = (TransformerLayer,)
         self.fsdp_unit_modules = tuple(fsdp_unit_modules)
 
-        compute_dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
-            torch.float16 if getattr(config, "fp16", False) else None
-        )
-        self.compute_dtype = compute_dtype
-        self.mp_policy = (
-            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            if compute_dtype is not None
-            else MixedPrecisionPolicy()
-        )
-
-        def shard(m: torch.nn.Module, **kw):
-            fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
-
-        # Snapshot every (module, name) -> original Parameter, to carry attributes and remap maps at the end.
-        originals: List[Tuple[torch.nn.Module, str, torch.nn.Parameter]] = [
-            (m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None
-        ]
-        self.is_meta_init = bool(ddp_config.init_model_with_meta_device) or has_meta_tensors(module)
-        all_modules = list(module.modules())
-        units = [m for m in all_modules if isinstance(m, self.fsdp_unit_modules) and m is not module]
-        units += [m for m in self._extra_units(module) if all(m is not u for u in units)]
-        no_reshard = {id(getattr(module, "output_layer", None))}  # its backward follows its forward at once
-        unit_ids = {id(u) for u in units}
-        inside_unit = set()
-        for u in units:
-            for sub in u.modules():
-                if sub is not u:
-                    inside_unit.add(id(sub))
-        root_seen: Dict = {}  # keeps parameters tied across the root's own modules one object
-        for m in all_modules:
-            if id(m) in inside_unit:
-                continue  # handled together with its unit
-            if id(m) in unit_ids:
-                if self.is_meta_init:
-                    # fresh maps per unit: nothing here may keep the full-size intermediates alive after sharding
-                    materialize_module_tree(m, self.device, init=True, old_to_new={}, _seen={})
-                    left = meta_tensor_names(m)
-                    if left:
-                        raise RuntimeError(f"FullyShardedDataParallel: meta tensors left in an FSDP unit: {left[:10]}")
-                self._keep_fp32_main_params(m)
-                shard(m, reshard_after_forward=reshard_after_forward and id(m) not in no_reshard)
-            elif self.is_meta_init:
-                materialize_module_tree(m, self.device, init=True, old_to_new={}, _seen=root_seen, modules=[m])
-        left = meta_tensor_names(module)
-        if left:
-            raise RuntimeError(f"FullyShardedDataParallel: tensors still on the meta device: {left[:10]}")
-        self._keep_fp32_main_params(module)
-        if ddp_config.fp8_param_gather:  # after materialization: meta-built TE weights are quantized only then
-            self._check_fp8_param_gather(module)
-        shard(module)
-
-        # Carry attributes from the ORIGINAL objects to the live DTensor parameters and build old -> live.
-        self.old_to_new_params = {}
-        for m, n, orig in originals:
-            live = m._parameters.get(n)
-            if live is not None and live is not orig:
-                copy_param_attributes(orig, live)
-                self.old_to_new_params[orig] = live
-        remap_param_keyed_maps(self.old_to_new_params, *param_keyed_maps)
+        self.compute_dtype, self.mp_policy = _mixed_precision(config)
+        self.is_meta_init = bool(getattr(config, "init_model_with_meta_device", False)) or has_meta_tensors(module)
+        originals = snapshot_params(module)  # to carry attributes and remap maps at the end
+        units = fsdp_unit_policy(module, self.fsdp_unit_modules)
+        self._materialize_and_shard_units(module, units, reshard_after_forward)
+        self._finish_root(module)
+        self.old_to_new_params = rebind_params(originals, param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         # GPTModel returns the per-token loss as a ``view``; nothing here modifies it in place, so FSDP2's
         # per-step warning about view outputs is noise for this model
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
 
-    # ---- construction helpers ----------------------------------------------------------------------------
-    @staticmethod
-    def _extra_units(module: torch.nn.Module) -> List[torch.nn.Module]:
-        """With untied embeddings, the GPT's ``embedding`` and ``output_layer`` are FSDP units of their own, so
-        meta init never holds them at full size while the layers are built (peak: about one unit). With tied
-        weights they stay in the root (the root's forward uses the embedding weight for the output layer)."""
-        if getattr(module, "share_embeddings_and_output_weights", True):
-            return []
-        out = []
-        for name in ("embedding", "output_layer"):
-            m = getattr(module, name, None)
-            if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters()):
-                out.append(m)
-        return out
+    # ---- construction steps ------------------------------------------------------------------------------
+    def _shard(self, m: torch.nn.Module, **kw) -> None:
+        """Step "shard": ``fully_shard`` over the data-parallel mesh with the mixed-precision policy."""
+        from torch.distributed.fsdp import fully_shard
 
+        fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
+
+    def _materialize_and_shard_units(self, module: torch.nn.Module, units: List[torch.nn.Module],
+                                     reshard_after_forward: bool) -> None:
+        """In ``module.modules()`` order: each unit is materialised at full size (meta init), cast and sharded
+        before the next one is touched (peak about one unit); the root's own modules are materialised in their
+        place (tied parameters stay one object) and sharded last, by :meth:`_finish_root`."""
+        names = module_names(module)
+        no_reshard = {id(getattr(module, "output_layer", None))}  # its backward follows its forward at once
+        unit_ids = {id(u) for u in units}
+        inside_unit = {id(sub) for u in units for sub in u.modules() if sub is not u}
+        root_seen: Dict = {}  # keeps parameters tied across the root's own modules one object
+        for m in list(module.modules()):
+            if id(m) in inside_unit:
+                continue  # handled together with its unit
+            if id(m) in unit_ids:
+                if self.is_meta_init:
+                    materialize_unit(m, self.device, names=names, what="FullyShardedDataParallel (FSDP unit)")
+                self._keep_fp32_main_params(m)
+                self._shard(m, reshard_after_forward=reshard_after_forward and id(m) not in no_reshard)
+            elif self.is_meta_init:
+                materialize_unit(m, self.device, seen=root_seen, modules=[m], names=names)
+
+    def _finish_root(self, module: torch.nn.Module) -> None:
+        """The root: nothing may be left on meta; cast; check FP8 param-gather (after materialisation: meta-built
+        TE weights are quantized only then); shard."""
+        left = meta_tensor_names(module)
+        if left:
+            raise RuntimeError(f"FullyShardedDataParallel: tensors still on the meta device: {left[:10]}")
+        self._keep_fp32_main_params(module)
+        if self.ddp_config.fp8_param_gather:
+            self._check_fp8_param_gather(module)
+        self._shard(module)
+
+    # ---- construction helpers ----------------------------------------------------------------------------
     def _keep_fp32_main_params(self, m: torch.nn.Module) -> None:
         """With bf16/fp16 compute, the sharded parameters are the fp32 main parameters (upcast in place, same
         Parameter objects) unless ``ddp_config.preserve_fp32_weights`` is False. Quantized (FP8) weights stay.

@@ -12,9 +12,11 @@ shallow-copy compatible), and so does FSDP2 (DTensor parameters). Attributes set
 :func:`copy_param_attributes`, and maps keyed by parameters (param -> name, optimizer param groups / state) are
 updated with :func:`remap_param_keyed_maps`.
 """
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from megatron.core.dist_utils import default_device
 
 __all__ = [
     "copy_param_attributes",
@@ -23,6 +25,10 @@ __all__ = [
     "remap_param_keyed_maps",
     "meta_tensor_names",
     "has_meta_tensors",
+    "materialize_unit",
+    "module_names",
+    "rebind_params",
+    "snapshot_params",
 ]
 
 
@@ -101,20 +107,33 @@ def materialize_module_tree(
     old_to_new: Optional[Dict] = None,
     _seen: Optional[Dict] = None,
     modules: Optional[Iterable[torch.nn.Module]] = None,
+    names: Optional[Dict[int, str]] = None,
 ) -> Dict[torch.nn.Parameter, torch.nn.Parameter]:
     """Materialise ``module`` module by module in ``module.modules()`` order (or the given ``modules``), each with
-    :func:`materialize_meta_tensors` then (``init``) its own ``reset_parameters()``. Returns ``old_to_new``."""
+    :func:`materialize_meta_tensors` then (``init``) its own ``reset_parameters()``. Returns ``old_to_new``.
+
+    With ``init``, a module that owns meta tensors but has no ``reset_parameters()`` is an error naming it (its
+    qualified name from ``names``, ``{id(module): name}``, when given): its values would be left uninitialised."""
     old_to_new = {} if old_to_new is None else old_to_new
     seen = {} if _seen is None else _seen
     for m in module.modules() if modules is None else modules:
         originals = dict(m._parameters)
+        fn = getattr(m, "reset_parameters", None)
+        if init and not callable(fn):
+            meta = [n for n, t in originals.items() if t is not None and t.is_meta and id(t) not in seen]
+            meta += [n for n, b in m._buffers.items() if b is not None and b.is_meta]
+            if meta:
+                where = (names or {}).get(id(m))
+                label = f"{where!r} ({type(m).__name__})" if where else type(m).__name__
+                raise RuntimeError(
+                    f"meta-device init: module {label} has tensors {meta} on the meta device but no "
+                    "reset_parameters() to initialise them; give it a reset_parameters() or build it on a real device"
+                )
         materialize_meta_tensors(m, device)
         _retie(m, seen, originals)
-        if init:
-            fn = getattr(m, "reset_parameters", None)
-            if callable(fn):
-                with torch.no_grad():
-                    fn()
+        if init and callable(fn):
+            with torch.no_grad():
+                fn()
         # after reset: a module's own reset_parameters may itself replace a Parameter (e.g. TE quantized init)
         for name, old in originals.items():
             new = m._parameters.get(name)
@@ -124,21 +143,74 @@ def materialize_module_tree(
     return old_to_new
 
 
+# ---- the construction steps DDP and Megatron-FSDP share -----------------------------------------------------
+ParamSnapshot = List[Tuple[torch.nn.Module, str, torch.nn.Parameter]]
+
+
+def snapshot_params(module: torch.nn.Module) -> ParamSnapshot:
+    """Every ``(owning module, name, Parameter)`` of ``module`` now: what :func:`rebind_params` compares with."""
+    return [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+
+
+def module_names(module: torch.nn.Module) -> Dict[int, str]:
+    """``{id(submodule): qualified name}`` for error messages."""
+    return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+
+
+def materialize_unit(
+    unit: torch.nn.Module,
+    device,
+    seen: Optional[Dict] = None,
+    modules: Optional[Iterable[torch.nn.Module]] = None,
+    names: Optional[Dict[int, str]] = None,
+    what: str = "meta-device init",
+) -> None:
+    """Step "materialise one unit": give storage to ``unit``'s meta tensors and run each module's
+    ``reset_parameters()`` in ``modules()`` order (only ``modules`` when given: the root's own modules, one at a
+    time). ``seen`` keeps parameters tied across calls one object. Nothing is kept that would hold the full-size
+    tensors alive (the old -> new mapping is rebuilt at the end by :func:`rebind_params`). With ``modules=None``,
+    a meta tensor left in the unit afterwards is an error naming it."""
+    materialize_module_tree(unit, device, init=True, old_to_new={}, _seen={} if seen is None else seen,
+                            modules=modules, names=names)
+    if modules is None:
+        left = meta_tensor_names(unit)
+        if left:
+            raise RuntimeError(f"{what}: tensors still on the meta device: {left[:10]}")
+
+
+def rebind_params(originals: ParamSnapshot, maps: Iterable = ()) -> Dict[torch.nn.Parameter, torch.nn.Parameter]:
+    """Step "rebind": for every snapshotted parameter whose module now holds another object (meta -> device,
+    FSDP2's DTensor), copy the original's attributes onto the live one; remap ``maps`` (see
+    :func:`remap_param_keyed_maps`). Returns ``{original Parameter: live Parameter}``."""
+    old_to_new = {}
+    for m, n, orig in originals:
+        live = m._parameters.get(n)
+        if live is not None and live is not orig:
+            copy_param_attributes(orig, live)
+            old_to_new[orig] = live
+    remap_param_keyed_maps(old_to_new, *maps)
+    return old_to_new
+
+
 def materialize_meta_module(module: torch.nn.Module, device=None, init: bool = True, maps: Iterable = ()):
     """Materialise a meta-built ``module`` on ``device`` (default: current CUDA device, else CPU), module by
     module in ``module.modules()`` order, calling each module's ``reset_parameters()`` right after its own tensors
     got storage, so values equal an eagerly built model's with the same seed. Tensors that are already real
     (``expert_bias``) are never touched. Parameter attributes are carried over and every map in ``maps``
     (dicts keyed by params, lists of params, torch optimizers, MegatronOptimizers) is remapped to the new
-    Parameters. Returns ``{old Parameter: new Parameter}``. Raises if a meta tensor is left over."""
+    Parameters. Returns ``{old Parameter: new Parameter}``. Raises if a meta tensor is left over, or (``init``)
+    if a module with meta tensors has no ``reset_parameters()``. The whole model is one unit here (DDP)."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    old_to_new = materialize_module_tree(module, device, init=init)
-    left = meta_tensor_names(module)
-    if left:
-        raise RuntimeError(f"materialize_meta_module: tensors still on the meta device: {left[:10]}")
-    remap_param_keyed_maps(old_to_new, *maps)
-    return old_to_new
+        device = default_device()
+    originals = snapshot_params(module)
+    if init:
+        materialize_unit(module, device, names=module_names(module), what="materialize_meta_module")
+    else:
+        materialize_module_tree(module, device, init=False)
+        left = meta_tensor_names(module)
+        if left:
+            raise RuntimeError(f"materialize_meta_module: tensors still on the meta device: {left[:10]}")
+    return rebind_params(originals, maps)
 
 
 # ---- remapping maps keyed by parameters ----------------------------------------------------------------

@@ -14,9 +14,10 @@ from typing import List
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import default_device
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import _sharded_leaves, get_default_device, replace_prefix_for_sharding
+from megatron.core.transformer.utils import _sharded_leaves, replace_prefix_for_sharding
 
 # FP8/FP4 GEMMs (Transformer Engine) need the token dimension to be a multiple of 8 to 32, depending on the recipe;
 # under --fp8-format / --fp4-format each expert's tokens are zero-padded to this and the padded rows dropped.
@@ -53,7 +54,7 @@ def _skip_init_draws(expert: torch.nn.Module, count: int) -> None:
         if not getattr(m.config, "perform_initialization", True):
             continue
         w = m.weight
-        device = get_default_device() if w.is_meta else w.device
+        device = default_device() if w.is_meta else w.device
         scratch = torch.empty(w.shape, dtype=w.dtype, device=device)
         for _ in range(count):
             m.init_method(scratch)

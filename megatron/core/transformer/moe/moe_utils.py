@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_world_size
 
 
 def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float):
@@ -44,7 +45,7 @@ def update_expert_bias(
     counts = torch.stack([r.local_tokens_per_expert for r in routers])  # one collective for all layers
     if group is None:
         group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group is not None and get_world_size(group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     for r, c in zip(routers, counts):
         bias = get_updated_expert_bias(c, r.expert_bias, r.config.moe_router_bias_update_rate)
@@ -110,51 +111,3 @@ def sort_chunks_by_idxs(x: torch.Tensor, split_sizes, sorted_idxs) -> torch.Tens
     """Split ``x`` on dim 0 into chunks of ``split_sizes`` and concatenate them in the order ``sorted_idxs``."""
     chunks = torch.split(x, [int(s) for s in split_sizes], dim=0)
     return torch.cat([chunks[int(i)] for i in sorted_idxs], dim=0)
-
-
-# ---- collectives with autograd over an expert group (the EP or expert-TP x EP group) ----------------------
-def _group_size(group) -> int:
-    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, x, output_splits, input_splits):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        x = x.contiguous()
-        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, _AllToAll.apply(ctx.group, grad, ctx.input_splits, ctx.output_splits), None, None
-
-
-def all_to_all(group, x: torch.Tensor, output_splits: list, input_splits: list) -> torch.Tensor:
-    """``all_to_all_single`` along dim 0 with split sizes (upstream's ``tensor_parallel.all_to_all`` argument order);
-    the backward sends the gradients back with the splits swapped. Identity on a group of size 1."""
-    if _group_size(group) == 1:
-        return x
-    return _AllToAll.apply(group, x, [int(s) for s in output_splits], [int(s) for s in input_splits])
-
-
-def gather_along_first_dim(group, x: torch.Tensor, sizes: list) -> torch.Tensor:
-    """All-gather ``x`` along dim 0 over ``group`` (rank order), rank ``j`` contributing ``sizes[j]`` rows (uneven
-    sizes allowed), as an all-to-all of ``x`` to every rank; backward: the rows' gradients summed back to their rank.
-    Identity on a group of size 1."""
-    ws = _group_size(group)
-    if ws == 1:
-        return x
-    return all_to_all(group, x.repeat(ws, *([1] * (x.dim() - 1))), sizes, [x.shape[0]] * ws)
-
-
-def reduce_scatter_along_first_dim(group, x: torch.Tensor, sizes: list) -> torch.Tensor:
-    """Inverse of :func:`gather_along_first_dim`: ``x`` has ``sum(sizes)`` rows; rank ``j`` receives rows of its
-    segment ``j`` from every rank and sums them. Backward: the gather of the gradient."""
-    ws = _group_size(group)
-    if ws == 1:
-        return x
-    me = dist.get_rank(group)
-    out = all_to_all(group, x, [sizes[me]] * ws, sizes)
-    return out.view(ws, sizes[me], *x.shape[1:]).sum(dim=0)

@@ -1,7 +1,7 @@
 """Top-k router with optional aux-loss-free load balancing through ``expert_bias``.
 
 ``expert_bias`` (float32 zeros, persistent) and ``local_tokens_per_expert`` (float32 zeros, not persistent) are
-created with an EXPLICIT device (``get_default_device()``), so they are real tensors with real values even when the
+created with an EXPLICIT device (``default_device()``), so they are real tensors with real values even when the
 model is built under ``with torch.device('meta')``. The bias is added to the scores for expert SELECTION only; the
 combine weights (probs) come from the unbiased scores, as upstream. ``update_expert_bias`` (moe_utils) updates it.
 """
@@ -9,9 +9,10 @@ from typing import Tuple
 
 import torch
 
+from megatron.core.dist_utils import default_device
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
-from megatron.core.transformer.utils import get_default_device, init_method_normal, set_param_attrs
+from megatron.core.transformer.utils import init_method_normal, set_param_attrs
 
 
 def topk_routing_with_score_function(
@@ -62,7 +63,7 @@ class TopKRouter(MegatronModule):
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype))
         set_param_attrs((self.weight,), allreduce=True, sequence_parallel=False)
         self.enable_expert_bias = config.moe_router_enable_expert_bias
-        device = get_default_device()  # explicit: stays real under a meta-device context
+        device = default_device()  # explicit: stays real under a meta-device context
         if self.enable_expert_bias:
             self.register_buffer(
                 "local_tokens_per_expert",

@@ -22,11 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import all_to_all, gather_along_first_dim, reduce_scatter_along_first_dim
 from megatron.core.transformer.moe.moe_utils import (
-    all_to_all,
-    gather_along_first_dim,
     permute,
-    reduce_scatter_along_first_dim,
     sort_chunks_by_idxs,
     unpermute,
 )
