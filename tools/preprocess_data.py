@@ -7,7 +7,6 @@ Each line of ``--input`` is a JSON object; each key of ``--json-keys`` (default 
 document of ``<output-prefix>_<key>_document.bin/.idx`` (train with ``--data-path <output-prefix>_text_document``).
 ``--append-eod`` ends each document with the tokenizer's end-of-document id. Documents with no tokens are skipped.
 """
-import argparse
 import json
 import multiprocessing
 import os

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device
@@ -34,7 +33,6 @@ from megatron.training.utils import (
     current_rss_bytes,
     memory_report,
     print_rank_0,
-    unwrap_model,
 )
 
 try:

@@ -38,7 +38,7 @@ What this module does instead (``_TEWrapperMixin`` in te_layers.py calls it):
 import io
 import os
 import pickletools
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 

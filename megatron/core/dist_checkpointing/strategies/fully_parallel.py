@@ -29,7 +29,7 @@ The wrapped load is called exactly once per rank (it is collective), also on a r
 import copy
 import hashlib
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,6 @@ from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..exchange_utils import (  # noqa: F401 (distribute_shards_to_ranks: re-exported, its old home)
     ShardDistribution,
-    _shard_size,
     bytes_per_rank,
     determine_main_replica_uniform_distribution,
     distribute_shards_to_ranks,

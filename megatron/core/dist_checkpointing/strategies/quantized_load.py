@@ -39,7 +39,7 @@ All knowledge of quantized tensors is in ``megatron.core.fp8_utils``; plain dest
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
