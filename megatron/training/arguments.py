@@ -298,6 +298,11 @@ def _add_logging_args(parser):
                    help="Write TensorBoard event files here (last rank): lm loss, learning rate, grad norm, "
                         "tokens/s, memory, checkpoint load/save seconds, validation loss.")
     g.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TensorBoard writes.")
+    g.add_argument("--wandb-project", type=str, default="",
+                   help="Also log the TensorBoard scalars to this Weights & Biases project (needs the wandb package).")
+    g.add_argument("--wandb-exp-name", type=str, default="", help="wandb run name.")
+    g.add_argument("--wandb-save-dir", type=str, default="", help="Local directory of the wandb run.")
+    g.add_argument("--wandb-entity", type=str, default="", help="wandb entity (user or team).")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="Events the TensorBoard writer queues before flushing to disk.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
@@ -640,6 +645,11 @@ def validate_args(args, defaults={}):
     if args.timing_log_level > 0:
         _fail(f"--timing-log-level {args.timing_log_level} is not supported: this fork has no per-phase timers "
               "(the iteration time is always logged); use 0 or remove the flag")
+    if args.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            _fail("--wandb-project needs the wandb package (pip install wandb), which is not installed")
     if args.tensorboard_log_interval <= 0:
         _fail(f"--tensorboard-log-interval must be positive (got {args.tensorboard_log_interval})")
     if args.eval_interval is not None and args.eval_interval <= 0:

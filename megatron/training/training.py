@@ -26,7 +26,7 @@ from megatron.training.arguments import (
 )
 from megatron.training.checkpoint_safety import check_save_dir
 from megatron.training.checkpointing import load_checkpoint, maybe_finalize_async_save, save_checkpoint
-from megatron.training.global_vars import get_args, get_tensorboard_writer
+from megatron.training.global_vars import get_args, get_scalar_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.utils import (
     average_losses_across_data_parallel_group,
@@ -171,7 +171,7 @@ def _report_checkpoint_io(kind: str, base_dir: str, seconds: float, iteration: i
         line = (f" {verb} checkpoint iteration {iteration} {'to' if kind == 'save' else 'from'} {base_dir} in "
                 f"{seconds:.2f} s ({size / 1e6:.1f} MB, {rate:.3f} GB/s)")
         print(line, flush=True)
-    writer = get_tensorboard_writer()
+    writer = get_scalar_writer()
     if writer is not None:
         writer.add_scalar(f"{kind}-checkpoint-time", seconds, iteration)
     return line
@@ -215,7 +215,7 @@ def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: fl
                            loss_scale: float = 1.0) -> None:
     """TensorBoard scalars of one iteration (the last rank, every ``--tensorboard-log-interval`` iterations)."""
     args = get_args()
-    writer = get_tensorboard_writer()
+    writer = get_scalar_writer()
     if writer is None or iteration % args.tensorboard_log_interval != 0:
         return
     tokens = args.global_batch_size * args.seq_length
@@ -448,7 +448,7 @@ def evaluate_and_print(forward_step_func, dataset, model, iteration: int, name: 
     value = evaluate(forward_step_func, dataset, model, args.eval_iters)
     ppl = math.exp(min(20.0, value))
     print_rank_0(f" {name} loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: {ppl:.6E} |")
-    writer = get_tensorboard_writer()
+    writer = get_scalar_writer()
     if writer is not None:
         writer.add_scalar(f"lm loss {name}", value, iteration)
         if args.log_validation_ppl_to_tensorboard:
@@ -494,7 +494,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         result.final_valid_loss = evaluate_and_print(forward_step_func, valid_ds, model, iteration, "validation")
     if args.eval_iters > 0 and test_ds is not None:
         result.test_loss = evaluate_and_print(forward_step_func, test_ds, model, iteration, "test")
-    writer = get_tensorboard_writer()
+    writer = get_scalar_writer()
     if writer is not None:
         writer.flush()
     result.iteration = iteration

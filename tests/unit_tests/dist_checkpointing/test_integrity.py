@@ -284,3 +284,25 @@ def _flip_2_ranks_body(rank, world, ckpt):
 
 def test_flipped_bytes_2_ranks(tmp_path):
     run_distributed(_flip_2_ranks_body, 2, str(tmp_path / "ckpt"))
+
+
+def test_long_save_and_load_print_progress(tmp_path, monkeypatch, capsys):
+    """A save or load that runs longer than PROGRESS_INTERVAL_S prints bytes done of the planned bytes on rank 0
+    (here the interval is 0+: every write or item after the first prints); a short one prints nothing."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem
+
+    monkeypatch.setattr(filesystem, "PROGRESS_INTERVAL_S", 1e-9)
+    d = str(tmp_path / "ck")
+    os.makedirs(d)
+    sd = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.ones(256, 256)) for i in range(4)}
+    dist_checkpointing.save(sd, d)
+    out = capsys.readouterr().out
+    assert f"saving {d}:" in out and "of 1.0 MB on rank 0" in out and "(100%)" in out, out
+    dist_checkpointing.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(256, 256)) for k in sd}, d)
+    out = capsys.readouterr().out
+    assert f"loading {d}:" in out and "(100%)" in out, out
+    monkeypatch.setattr(filesystem, "PROGRESS_INTERVAL_S", 3600.0)
+    dist_checkpointing.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(256, 256)) for k in sd}, d)
+    assert "loading" not in capsys.readouterr().out

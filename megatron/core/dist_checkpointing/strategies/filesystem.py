@@ -28,12 +28,16 @@ range.
 """
 import io
 import logging
+import math
 import os
+import threading
+import time
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -158,6 +162,44 @@ def read_dcp_metadata_file(path: Union[str, Path]) -> Metadata:
     return metadata
 
 
+# ---- progress --------------------------------------------------------------------------------------------------
+PROGRESS_INTERVAL_S = 10.0  # a save or load running longer prints its progress on rank 0 this often (0: never)
+
+
+class _Progress:
+    """Bytes done of a rank's planned bytes; prints "<what>: X of Y GB (P%), T s" on rank 0 at most every
+    ``PROGRESS_INTERVAL_S`` seconds (so a short save or load prints nothing). Thread-safe (writer threads)."""
+
+    def __init__(self, what: str, total: int):
+        from ...dist_utils import get_rank
+
+        self.what, self.total, self.done = what, max(int(total), 1), 0
+        self.start = self.last = time.monotonic()
+        self.on = PROGRESS_INTERVAL_S > 0 and get_rank() == 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if not self.on:
+            return
+        with self._lock:
+            self.done += int(n)
+            now = time.monotonic()
+            if now - self.last < PROGRESS_INTERVAL_S:
+                return
+            self.last = now
+        print(f"  {self.what}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB on rank 0 "
+              f"({min(100.0, 100.0 * self.done / self.total):.0f}%), {now - self.start:.0f} s", flush=True)
+
+
+def _planned_write_bytes(items) -> int:
+    """Bytes of the tensor items of a DCP save plan (object items are small and not counted)."""
+    return sum(
+        math.prod(item.tensor_data.size) * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+        for item in items
+        if getattr(item, "tensor_data", None) is not None
+    )
+
+
 # ---- write -----------------------------------------------------------------------------------------------------
 class _ChecksummingStream:
     """A binary write stream that checksums what passes through it, one segment between consecutive ``tell()``
@@ -170,6 +212,7 @@ class _ChecksummingStream:
         self._pos = 0  # created with mode "wb": empty
         self._start = 0
         self._value = 0
+        self.progress: Optional[_Progress] = None
 
     def _close_segment(self) -> None:
         self.segments[(self._start, self._pos)] = self._value
@@ -183,6 +226,8 @@ class _ChecksummingStream:
         n = len(mv) if n is None else n
         self._value = self._update(mv[:n], self._value)
         self._pos += n
+        if self.progress is not None:
+            self.progress.add(n)
         return n
 
     def tell(self) -> int:
@@ -219,6 +264,7 @@ class _ChecksummingFileSystem(FileSystem):
         super().__init__()
         self._update = update
         self.segments: Dict[str, Dict[Tuple[int, int], int]] = {}
+        self.progress: Optional[_Progress] = None
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -229,6 +275,7 @@ class _ChecksummingFileSystem(FileSystem):
             segments = self.segments.setdefault(str(path), {})
             segments.clear()
             wrapped = _ChecksummingStream(stream, self._update, segments)
+            wrapped.progress = self.progress
             yield wrapped
             if not wrapped.closed:
                 wrapped._close_segment()
@@ -269,6 +316,7 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
         self.fs = _ChecksummingFileSystem(ALGORITHMS[self.algorithm])
 
     def write_data(self, plan, planner) -> Future:
+        self.fs.progress = _Progress(f"saving {self.path}", _planned_write_bytes(plan.items))
         results = super().write_data(plan, planner).wait()
         # torch's extra writer threads die silently on an error (their items just have no result): refuse that
         written = {wr.index for wr in results}
@@ -347,6 +395,8 @@ class ChecksummedFileSystemReader(FileSystemReader):
         with ``safe_torch_load`` (``weights_only=True`` + ``SAFE_GLOBALS``) before the planner sees it: DCP's
         ``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``, so a planted object would run
         there. An object refused here is a ``CheckpointingException`` naming the key, file and byte range."""
+        stored = sum(int(self.storage_data[item.storage_index].length) for item in plan.items)
+        self._progress = _Progress(f"loading {self.path}", stored)
         return super().read_data(plan, _SafeBytesPlanner(planner, self) if self.safe_objects else planner)
 
     def _where(self, storage_index) -> str:
@@ -369,6 +419,8 @@ class ChecksummedFileSystemReader(FileSystemReader):
             report_unverified(metadata, str(self.path))
 
     def _slice_file(self, file, sinfo):
+        if getattr(self, "_progress", None) is not None:
+            self._progress.add(int(sinfo.length))
         expected = getattr(sinfo, CHECKSUM_ATTR, None)
         if expected is not None:
             self._verify(file, sinfo, expected)
