@@ -1,9 +1,10 @@
 """The one home of the small torch.distributed helpers every layer uses: is it distributed, rank, world size,
-barrier, the default device, and raising one error on every rank.
+barrier, the default device, raising one error on every rank, and logging a message once per process.
 
 Each works without torch.distributed (one process: rank 0 of 1, barrier a no-op). Groups default to WORLD.
 """
-from typing import List, Optional, Type
+import logging
+from typing import Hashable, List, Optional, Set, Type
 
 import torch
 import torch.distributed as dist
@@ -61,3 +62,13 @@ def raise_collectively(
     if len(msgs) == 1:
         raise exc_type(msgs[0] if len(ranks) == len(errors) else f"{msgs[0]} (ranks {ranks})")
     raise exc_type(f"{what} failed on ranks {ranks}: " + "; ".join(msgs))
+
+
+_said_once: Set[Hashable] = set()
+
+
+def log_once(logger: logging.Logger, key: Hashable, level: int, message: str) -> None:
+    """``logger.log(level, message)`` the first time ``key`` is seen in this process."""
+    if key not in _said_once:
+        _said_once.add(key)
+        logger.log(level, message)

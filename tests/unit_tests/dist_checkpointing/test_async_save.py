@@ -12,6 +12,8 @@ import sys
 import textwrap
 
 import pytest
+
+from megatron.core import dist_utils
 import torch
 import torch.distributed as dist
 
@@ -244,7 +246,7 @@ def test_async_request_api_and_strategy_selection(caplog):
     except ImportError:
         with pytest.raises(ModuleNotFoundError):
             get_async_strategy("nvrx")
-    async_utils._said_once.clear()
+    dist_utils._said_once.clear()
     with caplog.at_level("WARNING", logger=async_utils.__name__):
         assert async_utils.resolve_async_strategy("nvrx") == "mcore"
         assert async_utils.resolve_async_strategy("nvrx") == "mcore"

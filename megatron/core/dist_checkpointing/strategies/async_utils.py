@@ -50,13 +50,8 @@ from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)
 
-_said_once: set = set()
-
-
 def _log_once(key, level: int, message: str) -> None:
-    if key not in _said_once:
-        _said_once.add(key)
-        logger.log(level, message)
+    dist_utils.log_once(logger, key, level, message)
 
 
 # ---- the request ---------------------------------------------------------------------------------------------------

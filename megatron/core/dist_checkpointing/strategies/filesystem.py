@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFor
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.futures import Future
 
+from ... import dist_utils
 from ...safe_globals import SafeUnpickler, safe_pickle_load, safe_torch_load
 from ..core import CheckpointingException
 
@@ -90,13 +91,8 @@ def parse_checksum(text: Any) -> Tuple[str, int]:
         raise CheckpointingException(f"malformed item checksum {text!r} in the checkpoint metadata") from None
 
 
-_said_once: set = set()
-
-
 def _log_once(key, level: int, message: str) -> None:
-    if key not in _said_once:
-        _said_once.add(key)
-        logger.log(level, message)
+    dist_utils.log_once(logger, key, level, message)
 
 
 # ---- .metadata -------------------------------------------------------------------------------------------------
