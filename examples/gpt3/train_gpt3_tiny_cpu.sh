@@ -4,10 +4,11 @@
 #   bash examples/gpt3/train_gpt3_tiny_cpu.sh [CHECKPOINT_PATH TENSORBOARD_LOGS_PATH VOCAB_FILE MERGE_FILE DATA_PATH]
 #
 # Same positional arguments and the same flags as upstream's script, with smaller values (layers, hidden size,
-# sequence length, batch sizes, iterations, intervals). Differences in flags, each because this fork refuses
-# what it cannot honour (see the README's list): --fp16 -> --bf16 (no fp16 loss scaler), no --rampup-batch-size,
-# --tensor-model-parallel-size / --pipeline-model-parallel-size 1 (data parallelism only); on CPU torchrun
-# without --master_addr/--master_port (--standalone) and --distributed-backend gloo.
+# sequence length, batch sizes, iterations, intervals, parallel sizes: tensor parallel 2 of the 2 CPU ranks).
+# Differences in flags, each because this fork refuses what it cannot honour (see the README's list): no
+# --rampup-batch-size, --pipeline-model-parallel-size 1 (no pipeline parallelism); on CPU torchrun without
+# --master_addr/--master_port (--standalone) and --distributed-backend gloo. Like upstream it trains in --fp16 with
+# dynamic loss scaling from 2**32: the first iterations are skipped while the scale comes down (see the log line).
 # Without arguments it makes its own data under $RUN_DIR: a GPT-2 BPE vocabulary trained on a small text, and
 # that text preprocessed with tools/preprocess_data.py. Run it twice with the same RUN_DIR to resume.
 set -euo pipefail
@@ -73,7 +74,7 @@ TRAINING_ARGS=(
     --adam-beta2 0.95
     --init-method-std 0.006
     --clip-grad 1.0
-    --bf16
+    --fp16
     --lr 6.0e-4
     --lr-decay-style cosine
     --min-lr 6.0e-5
@@ -82,7 +83,7 @@ TRAINING_ARGS=(
 )
 
 MODEL_PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1
+    --tensor-model-parallel-size 2
     --pipeline-model-parallel-size 1
     --distributed-backend gloo
 )

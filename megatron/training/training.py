@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_utils import default_device
+from megatron.core.dist_utils import default_device, get_rank
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.arguments import (
@@ -160,10 +160,10 @@ def _checkpoint_bytes(ckpt_dir: str) -> int:
 
 
 def _report_checkpoint_io(kind: str, base_dir: str, seconds: float, iteration: int) -> str:
-    """Print (rank 0) and write to TensorBoard how long a checkpoint save/load of ``iteration`` took, its bytes
-    on disk and the rate. ``kind``: 'save' or 'load'."""
+    """Print (global rank 0) and write to TensorBoard how long a checkpoint save/load of ``iteration`` took, its
+    bytes on disk and the rate. ``kind``: 'save' or 'load'."""
     line = ""
-    if parallel_state.get_data_parallel_rank() == 0:
+    if get_rank() == 0:
         step_dir = os.path.join(base_dir, f"iter_{iteration:07d}")
         size = _checkpoint_bytes(step_dir) if os.path.isdir(step_dir) else 0
         rate = size / seconds / 1e9 if seconds > 0 else 0.0
