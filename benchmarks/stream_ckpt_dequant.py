@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron.core import dist_checkpointing, fp8_utils  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
-from megatron.core.dist_checkpointing.strategies import quantized_load  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy  # noqa: E402
 from megatron.core.extensions import transformer_engine as te_ext  # noqa: E402
 
@@ -50,27 +49,6 @@ SENTINEL = (7.25, 3.5, 9.75, 5.0)
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
-
-
-class PlannerSpy:
-    """Records the load planners the strategy builds (to read their scratch counters and bookkeeping)."""
-
-    def __init__(self):
-        self.planners = []
-        self._orig = quantized_load.QuantizedLoadPlannerMixin.__init__
-
-    def __enter__(self):
-        spy = self
-
-        def init(p, *a, **kw):
-            spy._orig(p, *a, **kw)
-            spy.planners.append(p)
-
-        quantized_load.QuantizedLoadPlannerMixin.__init__ = init
-        return self
-
-    def __exit__(self, *exc):
-        quantized_load.QuantizedLoadPlannerMixin.__init__ = self._orig
 
 
 # ---- destinations ------------------------------------------------------------------------------------------------
@@ -141,24 +119,24 @@ def run_load(ckpt, layout, refs, kind, path, chunk_mb, dev, fake):
         torch.cuda.reset_peak_memory_stats()
     strategy = (TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=chunk_mb)
                 if stream else TorchDistLoadShardedStrategy())
-    with PlannerSpy() as spy:
-        t0 = time.perf_counter()
-        loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
-        _sync(dev)
-        secs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
+    _sync(dev)
+    secs = time.perf_counter() - t0
+    stats = strategy.last_load_stats
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
         residual = torch.cuda.memory_allocated() - base
     elif stream:
-        peak, residual = max(p.scratch_bytes_peak for p in spy.planners), 0
+        peak, residual = stats.scratch_bytes_peak, 0
     else:
         peak = sum(r.numel() * 2 for r in refs)  # the upfront path dequantizes every destination at once
         residual = sum(v.numel() * v.element_size() for v in loaded.values() if not fp8_utils.is_quantized_tensor(v))
     del loaded
     notes = []
-    if not all(p.quantized_load_state_is_empty() for p in spy.planners):
+    if not stats.streaming_state_empty:
         notes.append("PLANNER STATE NOT EMPTY")
-    chunked = sum(getattr(p, "chunked_destinations_committed", 0) for p in spy.planners)
+    chunked = stats.chunked_destinations
     if stream and chunk_mb:
         notes.append(f"{chunked}/{len(dests)} chunked")
     err_ref = err_saved = 0.0

@@ -1,7 +1,7 @@
 """Adapter for quantized tensors (Transformer Engine QuantizedTensor, or anything following the same protocol).
 
 Everything that needs to know what a quantized tensor is goes through this module; the checkpoint code
-(``dist_checkpointing/strategies/quantized_load.py``) only calls the functions below.
+(``dist_checkpointing/strategies/stream_ckpt_dequant.py``) only calls the functions below.
 
 Recognized tensors:
 

@@ -127,7 +127,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
 def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
     """Replace, in place, every quantized (FP8/FP4) ``data`` of the sharded leaves by its high-precision
     dequantized value (upstream does this before every load; this fork's load does it only without
-    ``--stream-ckpt-dequant``, see ``strategies/quantized_load.py``)."""
+    ``--stream-ckpt-dequant``, see ``strategies/stream_ckpt_dequant.py``)."""
     from ..fp8_utils import dequantize, is_quantized_tensor
 
     for v in nested_values(sharded_state_dict):

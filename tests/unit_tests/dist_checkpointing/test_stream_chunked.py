@@ -13,15 +13,13 @@ values and misaligned row ranges are refused by name.
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron.core import dist_checkpointing, fp8_utils
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies import quantized_load
-from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-from megatron.core.dist_checkpointing.strategies.quantized_load import (
+from megatron.core.dist_checkpointing.strategies import stream_ckpt_dequant
+from megatron.core.dist_checkpointing.strategies.stream_ckpt_dequant import (
     CheckpointingException,
-    QuantizedLoadPlannerMixin,
+    StreamingDequantLoadPlanner,
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor
@@ -66,7 +64,7 @@ def _assert_whole_equal(dest: FakeQuantizedTensor, values: torch.Tensor, kind: s
         assert got[k].shape == want[k].shape and torch.equal(got[k], want[k]), (what, kind, k)
 
 
-class _Planner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
+class _Planner(StreamingDequantLoadPlanner):
     pass
 
 
@@ -114,7 +112,7 @@ def test_chunked_planner_exact_and_bounded(tmp_path, kind):
     dest = _dest(full, kind, amax)
     hist, scale = dest._quantizer.amax_history.clone(), dest._quantizer.scale.clone()
     plain = torch.zeros(10, dtype=torch.int64)
-    planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=CHUNK)
+    planner = _Planner(stream_chunk_bytes=CHUNK)
     FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
     FakeQuantizedTensor.rows_quantize_calls = 0
     dcp.load({"w": dest, "plain": plain}, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
@@ -137,7 +135,7 @@ def test_peak_bounded_for_a_large_destination(tmp_path):
     peaks = {}
     for chunk in (CHUNK, 0):
         dest = FakeQuantizedTensor.quantize(torch.zeros(4096, 512, dtype=torch.bfloat16), "tensorwise")
-        planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=chunk)
+        planner = _Planner(stream_chunk_bytes=chunk)
         dcp.load({"w": dest}, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
         planner.finish_quantized_load()
         peaks[chunk] = planner.scratch_bytes_peak
@@ -150,7 +148,7 @@ def test_small_destination_keeps_whole_path(tmp_path):
     full = _full(64, 256)  # 32 KiB < chunk
     dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
     dest = FakeQuantizedTensor.quantize(torch.zeros(64, 256, dtype=torch.bfloat16), "blockwise")
-    planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=CHUNK)
+    planner = _Planner(stream_chunk_bytes=CHUNK)
     FakeQuantizedTensor.quantize_calls = FakeQuantizedTensor.rows_quantize_calls = 0
     dcp.load({"w": dest}, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
     planner.finish_quantized_load()
@@ -163,7 +161,7 @@ def test_incomplete_chunked_destination_named(tmp_path):
     full = _full()
     dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
     dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "delayed")
-    planner = _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=CHUNK)
+    planner = _Planner(stream_chunk_bytes=CHUNK)
     reader = dcp.FileSystemReader(str(tmp_path))
     planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
     plan = planner.finish_plan(planner.create_local_plan())
@@ -179,12 +177,13 @@ def test_incomplete_chunked_destination_named(tmp_path):
 def test_knob_defaults_and_bad_values():
     assert TorchDistLoadShardedStrategy().stream_ckpt_dequant is False
     assert TorchDistLoadShardedStrategy().stream_ckpt_dequant_chunk_mb == 64
-    assert torch_strategy.MCoreLoadPlanner().stream_chunk_bytes == 64 * 2**20
-    assert quantized_load.DEFAULT_STREAM_CHUNK_MB == 64
+    assert StreamingDequantLoadPlanner().stream_chunk_bytes == 64 * 2**20
+    assert TorchDistLoadShardedStrategy(stream_ckpt_dequant=True)._load_planner((), {}).stream_chunk_bytes == 64 * 2**20
+    assert stream_ckpt_dequant.DEFAULT_STREAM_CHUNK_MB == 64
     with pytest.raises(CheckpointingException, match="stream_ckpt_dequant_chunk_mb"):
         TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=-1)
     with pytest.raises(CheckpointingException, match="stream_chunk_bytes"):
-        _Planner(stream_ckpt_dequant=True, stream_chunk_bytes=-5)
+        _Planner(stream_chunk_bytes=-5)
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
     w = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(stream_ckpt_dequant_chunk_mb=8))
@@ -217,25 +216,15 @@ def _load_body(rank, world_size, ckpt, full, axis):
         hist, scale = dest._quantizer.amax_history.clone(), dest._quantizer.scale.clone()
         sd = {"w": ShardedTensor.from_rank_offsets("w", dest, (axis, rank, world_size))}
         strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=CHUNK / 2**20)
-        planners = []
-        orig = QuantizedLoadPlannerMixin.__init__
-
-        def spy(p, *a, **kw):
-            orig(p, *a, **kw)
-            planners.append(p)
-
-        QuantizedLoadPlannerMixin.__init__ = spy
         FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
-        try:
-            dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
-        finally:
-            QuantizedLoadPlannerMixin.__init__ = orig
+        dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
         assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0, kind
-        assert [p.chunked_destinations_committed for p in planners] == [1], kind
-        assert all(p.quantized_load_state_is_empty() for p in planners)
+        stats = strategy.last_load_stats
+        assert stats.streamed and stats.chunked_destinations == 1 and stats.quantized_destinations == 1, kind
+        assert stats.streaming_state_empty
         # the bound: one chunk, or one aligned block of rows where that is larger (blockwise: 128 rows x 512 cols)
         bound = max(CHUNK, fp8_utils.chunk_row_multiple(dest) * local.shape[1] * 2)
-        assert 0 < planners[0].scratch_bytes_peak <= bound, kind
+        assert 0 < stats.scratch_bytes_peak <= bound, kind
         if kind == "delayed":
             assert torch.equal(dest._quantizer.amax_history, hist) and torch.equal(dest._quantizer.scale, scale)
         _assert_whole_equal(dest, local, kind, scale, f"rank {rank}/{world_size} axis {axis}")

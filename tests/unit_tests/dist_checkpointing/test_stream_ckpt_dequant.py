@@ -17,14 +17,13 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron.core import fp8_utils
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.strategies import quantized_load
-from megatron.core.dist_checkpointing.strategies.quantized_load import (
+from megatron.core.dist_checkpointing.strategies import stream_ckpt_dequant
+from megatron.core.dist_checkpointing.strategies.planners import MCoreLoadPlanner
+from megatron.core.dist_checkpointing.strategies.stream_ckpt_dequant import (
     CheckpointingException,
-    QuantizedLoadPlannerMixin,
+    StreamingDequantLoadPlanner,
     strip_prepended_axes,
 )
 from tests.unit_tests.dist_checkpointing.fake_quantized import FP8_MAX, FakeQuantizedTensor, quantized_like
@@ -72,46 +71,6 @@ def _seeded_destination(full: torch.Tensor, mode: str) -> FakeQuantizedTensor:
     return dest
 
 
-class _Spy:
-    """Records planners created by the torch_dist strategy and calls of the legacy hook (inside one process)."""
-
-    def __init__(self):
-        self.planners, self.upfront_calls, self.upfront_bytes = [], 0, 0
-        self._orig_init = QuantizedLoadPlannerMixin.__init__
-        self._orig_upfront = quantized_load.dequantize_upfront
-
-    def __enter__(self):
-        spy = self
-
-        def init(planner, *a, **kw):
-            spy._orig_init(planner, *a, **kw)
-            spy.planners.append(planner)
-
-        def upfront(sharded_state_dict):
-            spy.upfront_calls += 1
-            quantized = [
-                v for v in nested_values(sharded_state_dict)
-                if isinstance(v, ShardedTensor) and fp8_utils.is_quantized_tensor(v.data)
-            ]
-            fn = spy._orig_upfront(sharded_state_dict)
-            for v in quantized:  # now holding their dequantized copies, all alive at once
-                assert not fp8_utils.is_quantized_tensor(v.data)
-                spy.upfront_bytes += v.data.numel() * v.data.element_size()
-            return fn
-
-        QuantizedLoadPlannerMixin.__init__ = init
-        quantized_load.dequantize_upfront = upfront
-        if HAVE_CORE and hasattr(torch_strategy, "dequantize_upfront"):
-            torch_strategy.dequantize_upfront = upfront
-        return self
-
-    def __exit__(self, *exc):
-        QuantizedLoadPlannerMixin.__init__ = self._orig_init
-        quantized_load.dequantize_upfront = self._orig_upfront
-        if HAVE_CORE and hasattr(torch_strategy, "dequantize_upfront"):
-            torch_strategy.dequantize_upfront = self._orig_upfront
-
-
 # ---- the adapter on plain tensors and on the fake ------------------------------------------------------------
 def test_adapter_plain_tensors_pass_through():
     t = torch.randn(3, 4)
@@ -151,8 +110,8 @@ def test_adapter_fake_tensor(mode):
         assert q.scale_inv == pytest.approx(float(x.float().abs().max()) * 0.5 / FP8_MAX, rel=1e-6)
 
 
-# ---- the planner mixin on plain torch.distributed.checkpoint ---------------------------------------------------
-class _HarnessPlanner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
+# ---- the streaming planner on plain torch.distributed.checkpoint -----------------------------------------------
+class _HarnessPlanner(StreamingDequantLoadPlanner):
     pass
 
 
@@ -165,7 +124,7 @@ def test_planner_on_plain_dcp(tmp_path, mode):
     dests = {k: (_seeded_destination(v, mode) if k.startswith("w") else torch.zeros_like(v)) for k, v in vals.items()}
     hist_before = {k: d._quantizer.amax_history.clone() for k, d in dests.items() if k.startswith("w")}
     scale_before = {k: d._quantizer.scale.clone() for k, d in dests.items() if k.startswith("w")}
-    planner = _HarnessPlanner(stream_ckpt_dequant=True)
+    planner = _HarnessPlanner()
     FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
     dcp.load(dests, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
     planner.finish_quantized_load()
@@ -191,7 +150,7 @@ def test_planner_incomplete_destination_named(tmp_path):
     dcp.save(vals, checkpoint_id=str(tmp_path), no_dist=True)
     dests = {k: quantized_like(torch.zeros_like(v), "tensorwise") for k, v in vals.items()}
     before = {k: d._data.clone() for k, d in dests.items()}
-    planner = _HarnessPlanner(stream_ckpt_dequant=True)
+    planner = _HarnessPlanner()
     reader = dcp.FileSystemReader(str(tmp_path))
     planner.set_up_planner(dests, reader.read_metadata(), True)
     plan = planner.finish_plan(planner.create_local_plan())
@@ -209,13 +168,12 @@ def test_planner_off_is_dcp_default(tmp_path):
     vals = {"a": torch.randn(6, 3)}
     dcp.save(vals, checkpoint_id=str(tmp_path), no_dist=True)
     dest = {"a": quantized_like(torch.zeros(6, 3), "tensorwise")}
-    planner = _HarnessPlanner()
-    assert planner.stream_ckpt_dequant is False
-    FakeQuantizedTensor.quantize_calls = 0
+    planner = MCoreLoadPlanner()  # what the strategy builds with the flag off
+    assert not isinstance(planner, StreamingDequantLoadPlanner) and not hasattr(planner, "scratch_bytes_peak")
     dcp.load(dest, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
     # DCP's default narrows the destination (dequantizes) and copies into that temporary: the values are lost.
-    # That is why the off path must go through dequantize_upfront; the planner itself did nothing.
-    assert planner.scratch_bytes_peak == 0 and planner.quantized_load_state_is_empty()
+    # That is why the off path must go through dequantize_upfront; the plain planner has no streaming state.
+    assert not hasattr(planner, "_quantized_pending") and not hasattr(planner, "finish_quantized_load")
 
 
 def test_strip_prepended_axes():
@@ -224,9 +182,10 @@ def test_strip_prepended_axes():
     out = strip_prepended_axes(q.view(1, 1, 4, 6), 2, "k")
     assert type(out) is FakeQuantizedTensor and tuple(out.shape) == (4, 6)
     assert FakeQuantizedTensor.dequantize_calls == n
-    v = quantized_load.view_keeping_base(q, (1, 1, 4, 6))
-    assert quantized_load.quantized_base(v) is q and strip_prepended_axes(v, 2, "k") is q
-    assert quantized_load.quantized_base(quantized_load.view_keeping_base(torch.zeros(4, 6), (1, 4, 6))) is None
+    v = stream_ckpt_dequant.view_keeping_base(q, (1, 1, 4, 6))
+    assert stream_ckpt_dequant.quantized_base(v) is q and strip_prepended_axes(v, 2, "k") is q
+    plain_view = stream_ckpt_dequant.view_keeping_base(torch.zeros(4, 6), (1, 4, 6))
+    assert stream_ckpt_dequant.quantized_base(plain_view) is None
     with pytest.raises(CheckpointingException, match=r"bad\.key.*axis 1 .*size 4"):
         strip_prepended_axes(q.view(1, 4, 6), 2, "bad.key")
 
@@ -268,29 +227,19 @@ def _load_compare_body(rank, world_size, ckpt, vals, mode):
         strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True) if stream else TorchDistLoadShardedStrategy()
         assert strategy.stream_ckpt_dequant is stream
         FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
-        with _Spy() as spy:
-            dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
+        dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
         nq = len(hist)
         assert FakeQuantizedTensor.quantize_calls == nq  # each destination quantized exactly once
-        assert spy.planners, "the torch_dist strategy did not build an MCoreLoadPlanner"
-        for p in spy.planners:
-            assert p.stream_ckpt_dequant is stream
-            assert p.quantized_load_state_is_empty()
-        if stream:
-            assert spy.upfront_calls == 0 and FakeQuantizedTensor.dequantize_calls == 0
-            peak = max(p.scratch_bytes_peak for p in spy.planners)
-            assert peak == max(d.numel() * 2 for k, d in dests.items() if not k.startswith("plain"))
-        else:
-            assert spy.upfront_calls >= 1 and FakeQuantizedTensor.dequantize_calls == nq
-            assert all(p.scratch_bytes_peak == 0 for p in spy.planners)
-            assert spy.upfront_bytes == sum(d.numel() * 2 for k, d in dests.items() if not k.startswith("plain"))
-        # the strategy's own statistics agree with the spies
         stats = strategy.last_load_stats
         assert stats.streamed is stream and stats.quantized_destinations == nq and stats.seconds > 0
+        assert stats.streaming_state_empty
+        quantized_bytes = [d.numel() * 2 for k, d in dests.items() if not k.startswith("plain")]
         if stream:
-            assert stats.scratch_bytes_peak == peak and stats.dequantized_upfront_bytes == 0
+            assert FakeQuantizedTensor.dequantize_calls == 0
+            assert stats.scratch_bytes_peak == max(quantized_bytes) and stats.dequantized_upfront_bytes == 0
         else:
-            assert stats.scratch_bytes_peak == 0 and stats.dequantized_upfront_bytes == spy.upfront_bytes
+            assert FakeQuantizedTensor.dequantize_calls == nq
+            assert stats.scratch_bytes_peak == 0 and stats.dequantized_upfront_bytes == sum(quantized_bytes)
         for k, d in dests.items():
             n = vals[k].shape[0] // world_size
             ref = vals[k][rank * n : (rank + 1) * n]
@@ -321,8 +270,12 @@ def test_stream_vs_upfront(tmp_path, mode, world_size):
 @needs_core
 def test_default_is_off():
     assert TorchDistLoadShardedStrategy().stream_ckpt_dequant is False
-    p = torch_strategy.MCoreLoadPlanner()
-    assert p.stream_ckpt_dequant is False
+    # the planner class is chosen once, by the strategy, where it builds the planner
+    assert type(TorchDistLoadShardedStrategy()._load_planner((), {})) is torch_strategy.MCoreLoadPlanner
+    streaming = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=2)
+    p = streaming._load_planner((), {})
+    assert type(p) is StreamingDequantLoadPlanner and p.stream_chunk_bytes == 2 * 2**20
+    assert torch_strategy.MCoreLoadPlanner is MCoreLoadPlanner
 
 
 def _reshard_load_body(rank, world_size, ckpt, full):
@@ -331,15 +284,16 @@ def _reshard_load_body(rank, world_size, ckpt, full):
     dest = quantized_like(torch.zeros_like(local), "tensorwise")
     sd = {"w": ShardedTensor.from_rank_offsets("w", dest, (0, rank, world_size))}
     FakeQuantizedTensor.quantize_calls = 0
-    with _Spy() as spy:
-        dist_checkpointing.load(sd, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(stream_ckpt_dequant=True))
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True)
+    dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
     assert FakeQuantizedTensor.quantize_calls == 1
     ref = FakeQuantizedTensor.quantize(local, "tensorwise")  # one quantize of the whole destination
     assert dest.scale_inv == ref.scale_inv
     assert dest.scale_inv == pytest.approx(float(local.float().abs().max()) / FP8_MAX, rel=1e-6)
     assert torch.equal(dest._data.float(), ref._data.float())
-    assert all(p.quantized_load_state_is_empty() for p in spy.planners)
-    assert max(p.scratch_bytes_peak for p in spy.planners) == local.numel() * 2
+    stats = strategy.last_load_stats
+    assert stats.streamed and stats.streaming_state_empty
+    assert stats.scratch_bytes_peak == local.numel() * 2
 
 
 @needs_core
@@ -366,11 +320,10 @@ def _fully_parallel_body(rank, world_size, ckpt, vals):
     sd["rep"] = ShardedTensor.from_rank_offsets("rep", rep_dest, replica_id=rank)
     wrapper = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(stream_ckpt_dequant=True))
     assert wrapper.stream_ckpt_dequant is True
-    with _Spy() as spy:
-        dist_checkpointing.load(sd, ckpt, sharded_strategy=wrapper)
-    assert spy.planners and all(p.stream_ckpt_dequant for p in spy.planners)
-    assert spy.upfront_calls == 0
-    assert all(p.quantized_load_state_is_empty() for p in spy.planners)
+    dist_checkpointing.load(sd, ckpt, sharded_strategy=wrapper)
+    stats = wrapper.last_load_stats
+    assert stats.streamed and stats.dequantized_upfront_bytes == 0
+    assert stats.streaming_state_empty
     for k, d in dests.items():
         n = vals[k].shape[0] // world_size
         ref = FakeQuantizedTensor.quantize(vals[k][rank * n : (rank + 1) * n], "tensorwise")
@@ -455,7 +408,7 @@ def test_unwrap_pyt_sharded_tensor():
     assert out[0]._data.data_ptr() == data._data.data_ptr()
     # A view made with view_keeping_base (what the strategy builds for DCP) unwraps to the original tensor itself.
     sh = ShardedTensor.from_rank_offsets("based", data, prepend_axis_num=2)
-    piece = piece_cls((0, 0, 0, 0), (1, 1, 4, 6), quantized_load.view_keeping_base(data, (1, 1, 4, 6)), 2)
+    piece = piece_cls((0, 0, 0, 0), (1, 1, 4, 6), stream_ckpt_dequant.view_keeping_base(data, (1, 1, 4, 6)), 2)
     assert unwrap(make("based", (1, 1, 4, 6), torch.bfloat16, [piece], sh.without_data()))[0] is data
     # prepend_axis_num=2 and the local shard's axis 1 has size 4 (not 1): rejected, naming the key (upstream only
     # checked axis 0 repeatedly, so this passed and squeezed the wrong axis).

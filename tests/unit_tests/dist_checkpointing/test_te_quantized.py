@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, fp8_utils
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies import quantized_load
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.extensions import transformer_engine as te_ext
 
@@ -97,25 +96,6 @@ def _check_transpose(d, what):
     assert torch.equal(t.view(torch.uint8), data.reshape(-1, data.shape[-1]).t().reshape(t.shape)), what
 
 
-class _Spy:
-    def __init__(self):
-        self.planners = []
-        self._orig = quantized_load.QuantizedLoadPlannerMixin.__init__
-
-    def __enter__(self):
-        spy = self
-
-        def init(p, *a, **kw):
-            spy._orig(p, *a, **kw)
-            spy.planners.append(p)
-
-        quantized_load.QuantizedLoadPlannerMixin.__init__ = init
-        return self
-
-    def __exit__(self, *exc):
-        quantized_load.QuantizedLoadPlannerMixin.__init__ = self._orig
-
-
 # ---- the adapter ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_te_adapter(kind):
@@ -174,13 +154,12 @@ def _load(ckpt, refs, kind, stream, prepend=0, extra=None):
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True) if stream else TorchDistLoadShardedStrategy()
-    with _Spy() as spy:
-        loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
+    loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    assert spy.planners and all(p.stream_ckpt_dequant is stream for p in spy.planners)
-    assert all(p.quantized_load_state_is_empty() for p in spy.planners)
-    scratch_peak = max(p.scratch_bytes_peak for p in spy.planners)
+    stats = strategy.last_load_stats
+    assert stats.seconds > 0 and stats.streamed is stream and stats.streaming_state_empty
+    scratch_peak = stats.scratch_bytes_peak
     for b, d in zip(before, dests):
         if b is not None:
             assert torch.equal(_delayed_state(d), b), "delayed-scaling amax history / scale not restored"

@@ -14,7 +14,6 @@ import torch
 
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor, quantized_like
-from tests.unit_tests.dist_checkpointing.test_stream_ckpt_dequant import _Spy
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed._common import build_gpt, tiny_config
 
@@ -49,14 +48,13 @@ def _load_body(rank, ws, tmp):
             sd[k] = dataclasses.replace(sh, data=dests[k])
     assert len(dests) == 2 * 3 * 2  # layers x experts x (fc1, fc2)
     FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
-    with _Spy() as spy:
-        loaded = dist_checkpointing.load(sd, os.path.join(tmp, "ckpt"),
-                                         sharded_strategy=TorchDistLoadShardedStrategy(stream_ckpt_dequant=True))
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True)
+    loaded = dist_checkpointing.load(sd, os.path.join(tmp, "ckpt"), sharded_strategy=strategy)
     assert FakeQuantizedTensor.dequantize_calls == 0  # prepended axes stripped by view, nothing dequantized
     assert FakeQuantizedTensor.quantize_calls == len(dests)  # each destination quantized once
-    assert spy.upfront_calls == 0 and spy.planners
-    assert all(p.stream_ckpt_dequant and p.quantized_load_state_is_empty() for p in spy.planners)
-    peak = max(p.scratch_bytes_peak for p in spy.planners)
+    stats = strategy.last_load_stats
+    assert stats.streamed and stats.dequantized_upfront_bytes == 0 and stats.streaming_state_empty
+    peak = stats.scratch_bytes_peak
     assert peak == max(d.numel() * 2 for d in dests.values())  # one bf16 scratch alive at a time
     assert peak < sum(d.numel() * 2 for d in dests.values())
     for k, d in dests.items():

@@ -1,5 +1,6 @@
 """Checkpoint strategies: ``base`` (interfaces, registry), ``common`` ('torch' common state), ``torch``
-('torch_dist' sharded state), ``fully_parallel`` (wrappers), ``quantized_load`` (quantized destinations)."""
+('torch_dist' sharded state), ``planners`` (its DCP planners), ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``:
+quantized destinations), ``fully_parallel`` (wrappers)."""
 from .base import (  # noqa: F401
     LoadCommonStrategy,
     LoadShardedStrategy,

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard
@@ -52,11 +51,12 @@ from .filesystem import (
     read_dcp_metadata_file,
     wrap_dcp_error,
 )
-from .quantized_load import (
+from .planners import MCoreLoadPlanner, MCoreMetadata, MCoreSavePlanner  # noqa: F401 (upstream's import path)
+from .stream_ckpt_dequant import (
     DEFAULT_STREAM_CHUNK_MB,
     LoadStats,
     MiB,
-    QuantizedLoadPlannerMixin,
+    StreamingDequantLoadPlanner,
     dequantize_upfront,
     strip_prepended_axes,
     view_keeping_base,
@@ -246,88 +246,6 @@ def read_object_bytes_local(checkpoint_dir: Union[str, Path], unique_keys, metad
     _run_dcp(dcp_load, "load", checkpoint_dir, metadata, state, storage_reader=_reader(checkpoint_dir),
              planner=planner, no_dist=True)
     return {k: planner.state_dict[k] for k in unique_keys}
-
-
-@dataclass
-class MCoreMetadata(Metadata):
-    """DCP Metadata with the MCore data (``mcore_data``), for unpickling checkpoints whose ``.metadata`` was written
-    with such a class; this fork itself sets ``mcore_data`` as an attribute of the plain Metadata."""
-
-    mcore_data: Optional[Dict[str, Dict[str, Any]]] = None
-
-
-# ---- planners --------------------------------------------------------------------------------------------------
-class MCoreSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner that records MCore data (``mcore_data``: original global shapes of N-D flattened tensors)
-    in the DCP metadata, like upstream."""
-
-    def __init__(self, *args, mcore_data: Optional[Dict[str, dict]] = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.mcore_data = dict(mcore_data or {})
-
-    def create_global_plan(self, all_plans):
-        global_plan, metadata = super().create_global_plan(all_plans)
-        metadata.mcore_data = dict(self.mcore_data)
-        return global_plan, metadata
-
-    def transform_object(self, write_item, object):
-        """An object item arrives already serialized (``_object_to_bytes``): written as it is (DCP's default would
-        ``torch.save`` the buffer again)."""
-        if isinstance(object, io.BytesIO):
-            return object
-        return super().transform_object(write_item, object)
-
-    def resolve_data(self, write_item):
-        """A quantized tensor (TE QuantizedTensor) is written as its high-precision values, one item at a time when
-        the writer asks for it (so the checkpoint holds plain tensors, as upstream's, and no save-time pass
-        dequantizes every weight at once)."""
-        data = super().resolve_data(write_item)
-        if isinstance(data, torch.Tensor) and is_quantized_tensor(data):
-            data = dequantize(data)
-        return data
-
-
-class MCoreLoadPlanner(QuantizedLoadPlannerMixin, DefaultLoadPlanner):
-    """DefaultLoadPlanner (with the quantized-destination mixin) that checks the checkpoint's global shapes and
-    dtypes against the requested ones before planning reads."""
-
-    def __init__(
-        self,
-        *args,
-        shapes_validation_sharded_tensors: Tuple[ShardedTensor, ...] = (),
-        allow_shape_mismatch_sharded_tensors: Optional[Dict[str, ShardedTensor]] = None,
-        stream_ckpt_dequant: bool = False,
-        **kwargs,
-    ):
-        kwargs.setdefault("flatten_state_dict", False)
-        kwargs.setdefault("flatten_sharded_tensors", False)
-        super().__init__(*args, stream_ckpt_dequant=stream_ckpt_dequant, **kwargs)
-        self.shapes_validation_sharded_tensors = tuple(shapes_validation_sharded_tensors)
-        self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors or {}
-
-    def _validate_global_shapes(self, metadata: Metadata, sharded_tensors) -> None:
-        for sh_ten in sharded_tensors:
-            md = metadata.state_dict_metadata.get(sh_ten.key)
-            if md is None:
-                raise CheckpointingException(f"key {sh_ten.key!r} not found in the checkpoint")
-            if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointingException(f"key {sh_ten.key!r} is not a tensor in the checkpoint")
-            if sh_ten.key in self.allow_shape_mismatch_sharded_tensors:
-                continue
-            if tuple(md.size) != tuple(sh_ten.global_shape):
-                raise CheckpointingException(
-                    f"global shape mismatch for key {sh_ten.key!r}: requested {tuple(sh_ten.global_shape)}, "
-                    f"checkpoint has {tuple(md.size)}"
-                )
-
-    def create_local_plan(self):
-        self._validate_global_shapes(self.metadata, self.shapes_validation_sharded_tensors)
-        return super().create_local_plan()
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        """Keep an object item's raw bytes (DCP's default would ``torch.load(weights_only=False)`` them: code
-        execution); ``object_from_bytes`` reads them safely."""
-        self.state_dict[read_item.dest_index.fqn] = value.read()
 
 
 # ---- file checks -----------------------------------------------------------------------------------------------
@@ -536,7 +454,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     load of the same directory and ``checkpoint_name`` (do not set it if a directory may be rewritten in between).
     ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``, keyword-only, default off: this fork's choice): quantized
     destinations are filled through the load planner one scratch at a time instead of being dequantized upfront (see
-    ``strategies/quantized_load.py``); ``stream_ckpt_dequant_chunk_mb`` (``--stream-ckpt-dequant-chunk-mb``, default
+    ``strategies/stream_ckpt_dequant.py``); ``stream_ckpt_dequant_chunk_mb`` (``--stream-ckpt-dequant-chunk-mb``, default
     64) bounds that scratch for larger destinations (0: one scratch of the whole destination).
     """
 
@@ -555,7 +473,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         self.stream_ckpt_dequant_chunk_mb = stream_ckpt_dequant_chunk_mb
         self.cached_global_metadata: Optional[Metadata] = None
-        self.last_load_stats = LoadStats()  # of the last load (see quantized_load.LoadStats)
+        self.last_load_stats = LoadStats()  # of the last load (see stream_ckpt_dequant.LoadStats)
         self._cached_metadata_for: Optional[Tuple[str, Optional[str]]] = None
 
     def _metadata(self, checkpoint_dir: Path) -> Metadata:
@@ -763,6 +681,34 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
         return dict_list_map_outplace(_result, sharded_state_dict)
 
+    def _load_planner(self, validate: Tuple[ShardedTensor, ...], allow_mismatch: Dict[str, ShardedTensor]):
+        """The load planner, its class chosen here once: ``StreamingDequantLoadPlanner`` with
+        ``stream_ckpt_dequant`` (quantized destinations filled through per-destination or chunked scratches), else
+        the plain ``MCoreLoadPlanner`` (quantized destinations were dequantized upfront by ``load``)."""
+        kwargs = dict(shapes_validation_sharded_tensors=validate, allow_shape_mismatch_sharded_tensors=allow_mismatch)
+        if self.stream_ckpt_dequant:
+            chunk_bytes = int(self.stream_ckpt_dequant_chunk_mb * MiB)
+            return StreamingDequantLoadPlanner(stream_chunk_bytes=chunk_bytes, **kwargs)
+        return MCoreLoadPlanner(**kwargs)
+
+    @staticmethod
+    def _finish_streaming(planner: StreamingDequantLoadPlanner) -> LoadStats:
+        """After the read: every quantized destination got all its slices (else a collective error naming those
+        that did not); the streaming figures of this load."""
+        error = None
+        try:
+            planner.finish_quantized_load()
+        except CheckpointingException as e:
+            error = str(e)
+        dist_utils.raise_collectively(error, CheckpointingException, "load")
+        return LoadStats(
+            streamed=True,
+            scratch_bytes_peak=planner.scratch_bytes_peak,
+            quantized_destinations=planner.quantized_destinations_committed,
+            chunked_destinations=planner.chunked_destinations_committed,
+            streaming_state_empty=planner.quantized_load_state_is_empty(),
+        )
+
     def _read(self, tensors, objects, metadata: Metadata, checkpoint_dir: Path) -> Dict[int, Any]:
         sdm = metadata.state_dict_metadata
         post: List[Callable] = []
@@ -802,29 +748,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for o in objects:
             pyt_state_dict[o.unique_key] = io.BytesIO()
 
-        planner = MCoreLoadPlanner(
-            shapes_validation_sharded_tensors=tuple(validate),
-            allow_shape_mismatch_sharded_tensors=allow_mismatch,
-            stream_ckpt_dequant=self.stream_ckpt_dequant,
-            stream_chunk_bytes=int(self.stream_ckpt_dequant_chunk_mb * MiB),
-        )
+        planner = self._load_planner(tuple(validate), allow_mismatch)
         reader = _reader(checkpoint_dir)
         _run_dcp(dcp_load, "load", checkpoint_dir, metadata, pyt_state_dict, storage_reader=reader, planner=planner)
-        if self.stream_ckpt_dequant:  # every quantized destination got all its slices (else: which ones did not)
-            error = None
-            try:
-                planner.finish_quantized_load()
-            except CheckpointingException as e:
-                error = str(e)
-            dist_utils.raise_collectively(error, CheckpointingException, "load")
+        if isinstance(planner, StreamingDequantLoadPlanner):
+            self.last_load_stats = self._finish_streaming(planner)
         self.cached_global_metadata = metadata
-        if self.stream_ckpt_dequant:
-            self.last_load_stats = LoadStats(
-                streamed=True,
-                scratch_bytes_peak=planner.scratch_bytes_peak,
-                quantized_destinations=planner.quantized_destinations_committed,
-                chunked_destinations=planner.chunked_destinations_committed,
-            )
         loaded = getattr(planner, "state_dict", pyt_state_dict)
 
         for fn in post:

@@ -1,18 +1,19 @@
-"""Loading a checkpoint into quantized destinations (Transformer Engine QuantizedTensor).
+"""``--stream-ckpt-dequant``: loading a checkpoint into quantized destinations (Transformer Engine QuantizedTensor).
 
-Two paths, chosen by ``stream_ckpt_dequant`` (``--stream-ckpt-dequant``):
+Two paths; ``TorchDistLoadShardedStrategy`` picks one per load, from its ``stream_ckpt_dequant``, where it builds its
+planner:
 
 - legacy upfront (default): ``dequantize_upfront`` swaps every quantized destination for a high-precision tensor
   before the read; the callable it returns quantizes the values back after the read. Transient memory: one
   high-precision copy of *every* quantized destination at once (2 bytes x sum(numel) for bf16).
-- streaming: ``QuantizedLoadPlannerMixin`` (mixed into ``MCoreLoadPlanner``) hands DCP, in ``resolve_tensor``, a
-  narrowed view of a high-precision scratch of the whole quantized destination (allocated at that destination's
-  first read item) and counts, in ``commit_tensor``, the read items that landed. When the last read item of a
-  destination landed, the scratch is quantized into the original tensor once (so per-tensor current/tensorwise
-  scaling computes its scale over the whole destination, exactly as a plain ``copy_`` of the full tensor would),
-  the delayed-scaling amax state is restored around that copy, and the scratch's memory is released at once
-  (``untyped_storage().resize_(0)``, so a view the reader still holds does not keep it alive). DCP reads the items
-  of one file destination by destination, so about one scratch is alive: peak about 2 bytes x max(numel).
+- streaming: the strategy loads with ``StreamingDequantLoadPlanner`` (an ``MCoreLoadPlanner``), which hands DCP, in
+  ``resolve_tensor``, a narrowed view of a high-precision scratch of the whole quantized destination (allocated at
+  that destination's first read item) and counts, in ``commit_tensor``, the read items that landed. When the last
+  read item of a destination landed, the scratch is quantized into the original tensor once (so per-tensor
+  current/tensorwise scaling computes its scale over the whole destination, exactly as a plain ``copy_`` of the full
+  tensor would), the delayed-scaling amax state is restored around that copy, and the scratch's memory is released at
+  once (``untyped_storage().resize_(0)``, so a view the reader still holds does not keep it alive). DCP reads the
+  items of one file destination by destination, so about one scratch is alive: peak about 2 bytes x max(numel).
 
 Chunked streaming (``stream_chunk_bytes``, ``--stream-ckpt-dequant-chunk-mb``, default 64 MiB): a quantized destination
 whose high-precision bytes exceed the chunk, and whose kind has a row-range quantize (``fp8_utils.chunk_row_multiple``:
@@ -49,6 +50,7 @@ from ... import fp8_utils
 from ..core import CheckpointingException
 from ..dict_utils import nested_values
 from ..mapping import ShardedTensor
+from .planners import MCoreLoadPlanner
 
 
 logger = logging.getLogger(__name__)
@@ -132,14 +134,17 @@ class LoadStats:
     ``streamed``: the streaming path was used. ``scratch_bytes_peak``: most high-precision scratch bytes alive at
     once on the streaming path (0 on the upfront path, whose transient is ``dequantized_upfront_bytes``: every
     quantized destination at once). ``quantized_destinations``: destinations quantized back (streaming) or
-    dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk. ``seconds``: wall time of the
-    read (the DCP load and the copies after it) on this rank."""
+    dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk. ``streaming_state_empty``: the
+    streaming planner's bookkeeping (pending read items, scratches, chunk pieces, live scratch bytes) was empty after
+    the load (always True on the upfront path). ``seconds``: wall time of the read (the DCP load and the copies after
+    it) on this rank."""
 
     streamed: bool = False
     scratch_bytes_peak: int = 0
     quantized_destinations: int = 0
     chunked_destinations: int = 0
     dequantized_upfront_bytes: int = 0
+    streaming_state_empty: bool = True
     seconds: float = 0.0
 
 
@@ -247,21 +252,20 @@ class _ChunkedDest:
         return (b - a) * self.inner
 
 
-class QuantizedLoadPlannerMixin:
-    """Mixed into MCoreLoadPlanner before DCP's DefaultLoadPlanner: ``class MCoreLoadPlanner(QuantizedLoadPlannerMixin,
-    DefaultLoadPlanner)``. With ``stream_ckpt_dequant=False`` it changes nothing.
+class StreamingDequantLoadPlanner(MCoreLoadPlanner):
+    """The streaming load planner: quantized destinations are read into high-precision scratches (whole destination
+    or chunks of ``stream_chunk_bytes``) and quantized into place as their read items land; plain destinations get
+    DCP's default behaviour. After the read, call :meth:`finish_quantized_load`.
 
-    Streaming bookkeeping (all keyed by the destination's ``(fqn, offset)`` from the read items' ``dest_index``):
+    Bookkeeping (all keyed by the destination's ``(fqn, offset)`` from the read items' ``dest_index``):
     ``_quantized_pending`` counts the read items still to land per quantized destination (from the final local plan,
     in ``finish_plan``), ``_quantized_scratch`` holds the live scratches. Both are empty after a complete load;
     :meth:`finish_quantized_load` checks that. ``scratch_bytes_peak`` is the most scratch bytes alive at once;
     ``quantized_destinations_committed`` counts destinations quantized (once each).
     """
 
-    def __init__(self, *args, stream_ckpt_dequant: bool = False,
-                 stream_chunk_bytes: Optional[int] = DEFAULT_STREAM_CHUNK_MB * MiB, **kwargs):
+    def __init__(self, *args, stream_chunk_bytes: Optional[int] = DEFAULT_STREAM_CHUNK_MB * MiB, **kwargs):
         super().__init__(*args, **kwargs)
-        self.stream_ckpt_dequant = stream_ckpt_dequant
         if stream_chunk_bytes is not None and stream_chunk_bytes < 0:
             raise CheckpointingException(f"stream_chunk_bytes must be >= 0 (0: no chunking), got {stream_chunk_bytes}")
         self.stream_chunk_bytes = int(stream_chunk_bytes or 0)
@@ -288,22 +292,21 @@ class QuantizedLoadPlannerMixin:
 
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)
-        if self.stream_ckpt_dequant:
-            pending: Dict[DestKey, int] = {}
-            for item in plan.items:
-                if item.type == LoadItemType.BYTE_IO:
-                    continue
-                key = self._dest_key(item.dest_index)
-                if key in pending:
-                    pending[key] += 1
-                    continue
-                dest = self.lookup_tensor(item.dest_index)
-                if self._is_quantized_destination(dest):
-                    pending[key] = 1
-                    chunked = self._chunked_destination(key, dest)
-                    if chunked is not None:
-                        self._chunked[key] = chunked
-            self._quantized_pending = pending
+        pending: Dict[DestKey, int] = {}
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            key = self._dest_key(item.dest_index)
+            if key in pending:
+                pending[key] += 1
+                continue
+            dest = self.lookup_tensor(item.dest_index)
+            if self._is_quantized_destination(dest):
+                pending[key] = 1
+                chunked = self._chunked_destination(key, dest)
+                if chunked is not None:
+                    self._chunked[key] = chunked
+        self._quantized_pending = pending
         return plan
 
     def _chunked_destination(self, key: DestKey, dest) -> Optional[_ChunkedDest]:
@@ -333,8 +336,6 @@ class QuantizedLoadPlannerMixin:
         return fp8_utils.is_quantized_tensor(dest) or quantized_base(dest) is not None
 
     def resolve_tensor(self, read_item):
-        if not self.stream_ckpt_dequant:
-            return super().resolve_tensor(read_item)
         key = self._dest_key(read_item.dest_index)
         if key not in self._quantized_pending:
             return super().resolve_tensor(read_item)  # plain destination: DCP's default
@@ -353,28 +354,24 @@ class QuantizedLoadPlannerMixin:
         return _narrow(scratch.buf, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item, tensor):
-        if self.stream_ckpt_dequant:
-            key = self._dest_key(read_item.dest_index)
-            chunked = self._chunked.get(key)
-            if chunked is not None and key in self._quantized_pending:
-                self._commit_chunked(chunked, read_item, tensor)
-                self._quantized_pending[key] -= 1
-                if self._quantized_pending[key] == 0:
-                    del self._quantized_pending[key]
-                    self._finish_chunked(chunked)
-                return
-            if key in self._quantized_pending:
-                if key not in self._quantized_scratch:
-                    raise CheckpointingException(
-                        f"{key[0]}: read item committed for a quantized destination that has no scratch "
-                        "(resolve_tensor was not called for it)"
-                    )
-                self._quantized_pending[key] -= 1
-                if self._quantized_pending[key] == 0:
-                    del self._quantized_pending[key]
-                    self._quantize_and_free(key)
-                return
-        return super().commit_tensor(read_item, tensor)
+        key = self._dest_key(read_item.dest_index)
+        if key not in self._quantized_pending:
+            return super().commit_tensor(read_item, tensor)  # plain destination: DCP's default
+        chunked = self._chunked.get(key)
+        if chunked is not None:
+            self._commit_chunked(chunked, read_item, tensor)
+        elif key not in self._quantized_scratch:
+            raise CheckpointingException(
+                f"{key[0]}: read item committed for a quantized destination that has no scratch "
+                "(resolve_tensor was not called for it)"
+            )
+        self._quantized_pending[key] -= 1
+        if self._quantized_pending[key] == 0:
+            del self._quantized_pending[key]
+            if chunked is not None:
+                self._finish_chunked(chunked)
+            else:
+                self._quantize_and_free(key)
 
     # ---- streaming internals -------------------------------------------------------------------------------
     def _release(self, key: DestKey) -> _Scratch:
@@ -469,8 +466,6 @@ class QuantizedLoadPlannerMixin:
     def finish_quantized_load(self) -> None:
         """Call after the read. Raises CheckpointingException naming the keys of quantized destinations that did
         not get all of their read items (their scratches are freed, the destinations are left untouched)."""
-        if not self.stream_ckpt_dequant:
-            return
         incomplete = sorted(set(self._quantized_pending) | set(self._quantized_scratch) | set(self._chunked), key=str)
         for key in list(self._quantized_scratch):
             self._release(key).buf.untyped_storage().resize_(0)
