@@ -1,4 +1,5 @@
-"""Transformer Engine layer wrappers with the call conventions of megatron.core.tensor_parallel (TP size 1).
+"""Transformer Engine layer wrappers with the call conventions of megatron.core.tensor_parallel (TP group, size and
+sequence parallelism passed to TE).
 
 Imports TE names ONLY from ``megatron.core.extensions.transformer_engine``. Without TE this module still imports;
 the wrapper names then raise a clear error naming ``--transformer-impl transformer_engine`` when used.
@@ -205,7 +206,7 @@ def _missing(name):
 if HAVE_TE:  # pragma: no cover - runs only where TE is installed (GPU tests)
 
     class TELinear(_TEWrapperMixin, _te.TELinear):
-        """``te.Linear`` with ``(output, bias)`` returns; base of the column/row variants (TP size 1)."""
+        """``te.Linear`` with ``(output, bias)`` returns; base of the column/row variants."""
 
         _parallel_mode = None
 
