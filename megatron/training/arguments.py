@@ -241,7 +241,9 @@ def _add_distributed_args(parser):
                    help="Build the model on the meta device; Megatron-FSDP materializes it shard by shard.")
     g.add_argument("--data-parallel-sharding-strategy", type=str, default=None,
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-                   help="What Megatron-FSDP shards (default and the only one supported: optim_grads_params).")
+                   help="What Megatron-FSDP shards over data-parallel ranks (with --use-megatron-fsdp; default "
+                        "optim_grads_params): optim_grads_params (ZeRO-3), optim_grads (ZeRO-2), optim (ZeRO-1, "
+                        "optimizer state only), no_shard (nothing).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "
                         "reduce-scatters each unit's gradients during backward).")
@@ -453,15 +455,20 @@ def _validate_sample_based_args(args):
 
 
 def _validate_data_parallel_args(args):
-    """The data-parallel flags that this fork supports only under ``--use-megatron-fsdp`` (FSDP2, which shards
-    optimizer state, gradients and parameters and overlaps its collectives); refused with a message otherwise."""
+    """The data-parallel flags that this fork supports only under ``--use-megatron-fsdp``; refused with a message
+    otherwise. Under it ``--data-parallel-sharding-strategy`` (upstream's default ``optim_grads_params``) decides
+    what is sharded (``megatron/core/distributed/data_parallel_wrapper.py``), so it also sets
+    ``use_distributed_optimizer``: optimizer state is sharded by every strategy but ``no_shard``."""
     strategy = args.data_parallel_sharding_strategy
     if args.use_megatron_fsdp:
-        if strategy not in (None, "optim_grads_params"):
-            _fail(f"--data-parallel-sharding-strategy {strategy} is not supported yet: this fork's Megatron-FSDP "
-                  "shards optimizer state, gradients and parameters (optim_grads_params, the default); use that "
-                  "or remove the flag")
-        args.data_parallel_sharding_strategy = "optim_grads_params"
+        strategy = args.data_parallel_sharding_strategy = strategy or "optim_grads_params"
+        args.use_distributed_optimizer = strategy != "no_shard"
+        if strategy in ("no_shard", "optim"):  # DDP wrapper: FSDP2's overlap and FP8 gather do not apply
+            for dest in ("overlap_grad_reduce", "overlap_param_gather", "fp8_param_gather", "fp4_param_gather"):
+                if getattr(args, dest, False):
+                    _fail(f"{_flag(dest)} is not supported with --data-parallel-sharding-strategy {strategy} "
+                          "(parameters and gradients are not sharded: a DDP wrapper); use optim_grads or "
+                          "optim_grads_params, or remove the flag")
         return
     if strategy not in (None, "no_shard"):
         _fail(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it nothing is "

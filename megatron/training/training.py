@@ -70,8 +70,8 @@ class TrainingResult:
 # ---- model / optimizer --------------------------------------------------------------------------------------
 def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True):
     """Build the model (under ``torch.device('meta')`` with ``--init-model-with-meta-device``), then wrap it in
-    ``FullyShardedDataParallel`` (``--use-megatron-fsdp``, which materializes a meta model) or
-    ``DistributedDataParallel``. Returns a list with one model chunk."""
+    ``FullyShardedDataParallel`` or ``DistributedDataParallel`` as ``--use-megatron-fsdp`` and
+    ``--data-parallel-sharding-strategy`` ask (both materialize a meta model). Returns a list with one model chunk."""
     args = get_args()
     config = core_transformer_config_from_args(args)
     device = default_device()
@@ -88,16 +88,11 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         print(f" > number of parameters on data-parallel rank 0: {n}", flush=True)
     if not wrap_with_ddp:
         return [model]
-    ddp_config = ddp_config_from_args(args)
-    if args.use_megatron_fsdp:
-        from megatron.core.distributed.fsdp import FullyShardedDataParallel
+    from megatron.core.distributed.data_parallel_wrapper import wrap_data_parallel
 
-        model = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    else:
-        from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    return [model]
+    # --data-parallel-sharding-strategy under --use-megatron-fsdp picks FSDP2 (optim_grads[_params]) or DDP
+    # (optim with the distributed optimizer, no_shard): see data_parallel_wrapper.py
+    return [wrap_data_parallel(config, ddp_config_from_args(args), model)]
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:

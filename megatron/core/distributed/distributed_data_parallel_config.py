@@ -25,8 +25,9 @@ class DistributedDataParallelConfig:
     use_megatron_fsdp: bool = False
     use_custom_fsdp: bool = False
     data_parallel_sharding_strategy: str = "no_shard"
-    """'no_shard' | 'optim' | 'optim_grads' | 'optim_grads_params' (Megatron-FSDP here always shards all three,
-    i.e. FSDP2 full sharding; 'no_shard' with use_megatron_fsdp is treated as 'optim_grads_params')."""
+    """'no_shard' | 'optim' | 'optim_grads' | 'optim_grads_params': what Megatron-FSDP (use_megatron_fsdp) shards;
+    ``wrap_data_parallel`` (data_parallel_wrapper.py) picks the wrapper for each. ``FullyShardedDataParallel``
+    built directly treats 'no_shard' (this default) as 'optim_grads_params'."""
     gradient_reduce_div_fusion: bool = True
     suggested_communication_unit_size: Optional[int] = None
     preserve_fp32_weights: bool = True

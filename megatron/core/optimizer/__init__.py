@@ -75,7 +75,8 @@ def get_megatron_optimizer(
     FSDP2 DTensor shards, with ``--fp8-param-gather``) get fp32 main copies that the optimizer updates; fp32
     FSDP2 parameters (DTensor, already the main params) are optimised directly, so their optimizer state is
     sharded too. ``config.use_distributed_optimizer`` with plain data parallelism gives a
-    ``DistributedOptimizer`` (main params and state sharded over DP ranks); ``config.fp16`` a grad scaler
+    ``DistributedOptimizer`` (main params and state sharded over DP ranks), as do chunks that
+    ``wrap_data_parallel`` wrapped for Megatron-FSDP's ``optim`` strategy; ``config.fp16`` a grad scaler
     (``grad_scaler.py``: static with ``loss_scale``, else dynamic).
     """
     if isinstance(model_chunks, torch.nn.Module):
@@ -103,7 +104,10 @@ def get_megatron_optimizer(
 
     ddp_configs = [c.ddp_config for c in model_chunks if getattr(c, "ddp_config", None) is not None]
     use_fsdp = any(c.use_megatron_fsdp for c in ddp_configs)
-    if config.use_distributed_optimizer and not use_fsdp:
+    # Megatron-FSDP's 'optim' (ZeRO-1) strategy: DDP chunks (wrap_data_parallel) whose optimizer state is sharded
+    zero1 = bool(ddp_configs) and not use_fsdp and all(
+        c.data_parallel_sharding_strategy == "optim" and c.use_distributed_optimizer for c in ddp_configs)
+    if (config.use_distributed_optimizer or zero1) and not use_fsdp:
         # plain data parallelism: ZeRO-1 sharding of main params and optimizer state (distrib_optimizer.py)
         if not ddp_configs or not all(c.use_distributed_optimizer for c in ddp_configs):
             raise ValueError(

@@ -119,10 +119,10 @@ REFUSED = [
     (["--fp16", "--min-loss-scale", 2**40], ["--min-loss-scale must be in (0, --initial-loss-scale]"]),
     (["--fp16", "--use-megatron-fsdp"], ["--fp16 with --use-megatron-fsdp is not supported yet"]),
     (["--timing-log-level", 1], ["--timing-log-level 1 is not supported"]),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
-     ["--data-parallel-sharding-strategy optim is not supported yet", "optim_grads_params"]),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"],
-     ["--data-parallel-sharding-strategy no_shard is not supported yet"]),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"],
+     ["--overlap-grad-reduce is not supported with --data-parallel-sharding-strategy optim", "optim_grads"]),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--overlap-param-gather"],
+     ["--overlap-param-gather is not supported with --data-parallel-sharding-strategy no_shard"]),
     (["--tokenizer-type", "GPT2BPETokenizer"], ["--vocab-file is required with --tokenizer-type GPT2BPETokenizer"]),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/no/vocab.json", "--merge-file", "/no/m.txt"],
      ["--vocab-file /no/vocab.json: no such file"]),
@@ -312,3 +312,26 @@ def test_config_checks_are_the_configs_own(extra, config_text):
     with pytest.raises(SystemExit) as exc:
         _args(*extra)
     assert config_text in str(exc.value) and str(exc.value).startswith("megatron argument error: ")
+
+
+@pytest.mark.parametrize("strategy,sharded_optimizer", [("no_shard", False), ("optim", True), ("optim_grads", True),
+                                                        ("optim_grads_params", True)])
+def test_each_sharding_strategy_accepted_under_megatron_fsdp(strategy, sharded_optimizer):
+    a = _args("--use-megatron-fsdp", "--init-model-with-meta-device", "--data-parallel-sharding-strategy", strategy)
+    assert a.data_parallel_sharding_strategy == strategy
+    assert a.use_distributed_optimizer is sharded_optimizer  # the strategy decides; only no_shard replicates it
+    ddp = ddp_config_from_args(a)
+    assert (ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy) == (True, strategy)
+    from megatron.core.distributed import effective_ddp_config
+
+    eff = effective_ddp_config(ddp)  # the wrapper: FSDP2 for optim_grads[_params], DDP (+ ZeRO-1) otherwise
+    assert eff.use_megatron_fsdp is strategy.startswith("optim_grads")
+    assert eff.use_distributed_optimizer is sharded_optimizer
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_sharding_strategy_without_megatron_fsdp_says_why(strategy):
+    with pytest.raises(SystemExit) as exc:
+        _args("--data-parallel-sharding-strategy", strategy)
+    assert f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp" in str(exc.value)
+    assert _args("--data-parallel-sharding-strategy", "no_shard").data_parallel_sharding_strategy == "no_shard"

@@ -77,6 +77,11 @@ def _mixed_precision(config):
 class FullyShardedDataParallel(MegatronModule):
     """Megatron-FSDP: ``FullyShardedDataParallel(config, ddp_config, module, process_group=None)``.
 
+    ``ddp_config.data_parallel_sharding_strategy``: ``optim_grads_params`` (ZeRO-3, and ``no_shard``, the
+    config's default, kept for direct callers) or ``optim_grads`` (ZeRO-2: ``reshard_after_forward=False``, see
+    ``distributed/data_parallel_wrapper.py``); ``optim`` is refused here (``wrap_data_parallel`` picks DDP for it).
+    An explicit ``reshard_after_forward`` overrides the strategy's.
+
     Interface (same as ``DistributedDataParallel``): ``.module``, ``forward`` passthrough, ``zero_grad_buffer()``,
     ``finish_grad_sync()``, ``no_sync()``, ``scale_gradients()``, ``param_to_name`` ({live param: name}),
     ``state_dict()`` (the unwrapped model's keys, DTensor values), ``load_state_dict()`` (accepts local shards,
@@ -93,9 +98,19 @@ class FullyShardedDataParallel(MegatronModule):
         fsdp_unit_modules: Optional[Sequence[Type[torch.nn.Module]]] = None,
         device: Optional[torch.device] = None,
         param_keyed_maps: Iterable = (),
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Optional[bool] = None,
     ):
         super().__init__(config)
+        strategy = ddp_config.data_parallel_sharding_strategy
+        if strategy == "optim":
+            raise ValueError(
+                "FullyShardedDataParallel: data_parallel_sharding_strategy (--data-parallel-sharding-strategy) "
+                "'optim' shards only the optimizer state: wrap with megatron.core.distributed.wrap_data_parallel "
+                "(DistributedDataParallel + DistributedOptimizer)"
+            )
+        if reshard_after_forward is None:
+            # ZeRO-2 keeps the parameters gathered from forward to the end of backward; ZeRO-3 regathers them
+            reshard_after_forward = strategy != "optim_grads"
         from torch.distributed.device_mesh import DeviceMesh
 
         self.ddp_config = ddp_config
@@ -121,7 +136,7 @@ class FullyShardedDataParallel(MegatronModule):
         originals = snapshot_params(module)  # to carry attributes and remap maps at the end
         units = fsdp_unit_policy(module, self.fsdp_unit_modules)
         self._materialize_and_shard_units(module, units, reshard_after_forward)
-        self._finish_root(module)
+        self._finish_root(module, reshard_after_forward)
         self.old_to_new_params = rebind_params(originals, param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         # GPTModel returns the per-token loss as a ``view``; nothing here modifies it in place, so FSDP2's
@@ -156,7 +171,7 @@ class FullyShardedDataParallel(MegatronModule):
             elif self.is_meta_init:
                 materialize_unit(m, self.device, seen=root_seen, modules=[m], names=names)
 
-    def _finish_root(self, module: torch.nn.Module) -> None:
+    def _finish_root(self, module: torch.nn.Module, reshard_after_forward: bool = True) -> None:
         """The root: nothing may be left on meta; cast; check FP8 param-gather (after materialisation: meta-built
         TE weights are quantized only then); shard."""
         left = meta_tensor_names(module)
@@ -165,7 +180,7 @@ class FullyShardedDataParallel(MegatronModule):
         self._keep_fp32_main_params(module)
         if self.ddp_config.fp8_param_gather:
             self._check_fp8_param_gather(module)
-        self._shard(module)
+        self._shard(module, reshard_after_forward=reshard_after_forward)
 
     # ---- construction helpers ----------------------------------------------------------------------------
     def _keep_fp32_main_params(self, m: torch.nn.Module) -> None:
