@@ -237,10 +237,7 @@ class TransformerConfig:
                                  "--tensor-model-parallel-size): each tensor-parallel rank holds an equal share")
         if self.num_moe_experts is not None:
             # experts are split over the expert tensor-parallel group (the TP group by default) by their own linears;
-            # with sequence parallelism each rank would route different tokens through them: not handled yet
-            if self.sequence_parallel:
-                raise ValueError(f"MoE layers (num_moe_experts={self.num_moe_experts}, --num-experts) are not supported "
-                                 "with sequence_parallel (--sequence-parallel) yet")
+            # with sequence parallelism MoELayer gathers the sequence over TP first (every TP rank routes all tokens)
             moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
             if moe_ffn % tp != 0:
                 raise ValueError(f"moe_ffn_hidden_size ({moe_ffn}, --moe-ffn-hidden-size) must be divisible by "

@@ -39,7 +39,9 @@ def test_pretrain_tp2_sp_resume_at_tp1(tmp_path):
     ([*TP_SP[:2], "--ffn-hidden-size", 33], 2, ["--ffn-hidden-size", "(33)"]),
     ([*TP_SP[:2], "--group-query-attention", "--num-query-groups", 1], 2, ["--num-query-groups"]),
     ([*TP_SP, "--seq-length", 15, "--max-position-embeddings", 16], 2, ["--seq-length", "(15)"]),
-    ([*TP_SP, "--num-experts", 2], 2, ["--num-experts", "--sequence-parallel"]),
+    ([*TP_SP, "--num-experts", 2, "--expert-model-parallel-size", 2], 2,
+     ["--tensor-model-parallel-size (2) x --expert-model-parallel-size (2) must divide the world size (2)"]),
+    ([*TP_SP, "--num-experts", 2, "--clip-grad", 1.0], 2, ["--clip-grad 1.0", "--num-experts", "use --clip-grad 0"]),
 ])
 def test_tp_flags_validated(extra, world, needles):
     with pytest.raises(SystemExit) as exc:

@@ -35,7 +35,6 @@ def test_derived_defaults():
         (dict(tensor_model_parallel_size=3), "num_attention_heads .*--tensor-model-parallel-size"),
         (dict(tensor_model_parallel_size=2, num_query_groups=1), "num_query_groups .*--tensor-model-parallel-size"),
         (dict(tensor_model_parallel_size=2, ffn_hidden_size=33), "ffn_hidden_size .*--tensor-model-parallel-size"),
-        (dict(tensor_model_parallel_size=2, sequence_parallel=True, num_moe_experts=4), "MoE layers .*--sequence-parallel"),
         (dict(tensor_model_parallel_size=2, num_moe_experts=4, moe_ffn_hidden_size=15), "--moe-ffn-hidden-size"),
         (dict(sequence_parallel=True), "--sequence-parallel"),
         (dict(num_layers=0), "--num-layers"),

@@ -9,6 +9,7 @@ the init contract calls before its children's) and past those of higher EP ranks
 ``_rng_tail`` child visited after ``local_experts``), so every rank's local experts equal the same experts of an
 EP=1 model built with the same seed, and the modules after the experts draw the same numbers too.
 """
+import dataclasses
 from typing import List
 
 import torch
@@ -79,6 +80,8 @@ class SequentialMLP(MegatronModule):
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.local_expert_offset = self.ep_rank * num_local_experts
+        if getattr(config, "sequence_parallel", False):  # MoELayer gathers the sequence: the experts see all tokens
+            config = dataclasses.replace(config, sequence_parallel=False)
         self.local_experts = torch.nn.ModuleList(
             [MLP(config, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True) for _ in range(num_local_experts)]
         )

@@ -1,7 +1,22 @@
-"""MoE layer: router -> token dispatcher (to the EP rank of each expert) -> local experts -> combine."""
+"""MoE layer: router -> token dispatcher (to the EP rank of each expert) -> local experts -> combine.
+
+With tensor parallelism the experts' linears are split over the expert tensor-parallel group (= the TP group; other
+sizes are refused under EP) and do their own TP communication (column: backward all-reduce, row: forward
+all-reduce), so every TP rank must route the SAME tokens. Without sequence parallelism they do: the hidden states
+are replicated over TP, and with the default order ``tp-cp-ep-dp-pp`` an EP group holds ranks of one TP rank, so
+TP peers dispatch the same tokens to the same experts and their expert-TP all-reduces pair up. With
+``--sequence-parallel`` the ``[s / tp, b, h]`` pieces are all-gathered over TP before the router (backward: this
+rank's slice of the gradient, which is replicated over TP) and the output split back to ``[s / tp, b, h]`` after
+(backward: all-gather), so the layer equals the TP=1 layer. Unlike upstream's dispatcher, which exchanges tokens
+over expert-TP x EP; the router then runs on the whole sequence on every TP rank (its grads need no TP reduction).
+"""
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP, expert_parallel_layout
 from megatron.core.transformer.moe.router import TopKRouter
@@ -19,9 +34,11 @@ class MoELayer(MegatronModule):
             raise ValueError(f"expert_model_parallel_size={configured} (--expert-model-parallel-size) differs from "
                              f"the expert model parallel group's size {ep} (parallel_state.initialize_model_parallel)")
         etp = parallel_state.get_expert_tensor_parallel_world_size()
-        if etp != 1 and ep != 1:  # TP alone: every TP rank routes the same tokens, the experts' linears split them
-            raise ValueError(f"expert tensor parallel size {etp} with expert model parallel size {ep} is not "
-                             "supported yet: use --tensor-model-parallel-size 1 with --expert-model-parallel-size")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if ep != 1 and etp != tp:  # the EP exchange pairs TP peers only when expert TP = TP (see the docstring)
+            raise ValueError(f"expert tensor parallel size {etp} (--expert-tensor-parallel-size) must equal the tensor "
+                             f"parallel size {tp} (--tensor-model-parallel-size) with expert model parallel size {ep}")
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and tp > 1
         self.layer_number = layer_number
         self.expert_parallel_size = ep
         self.num_local_experts = local
@@ -31,9 +48,15 @@ class MoELayer(MegatronModule):
         self.token_dispatcher = build_token_dispatcher(local, self.local_expert_indices, config)
 
     def forward(self, hidden_states: torch.Tensor):
-        """``hidden_states`` ``[s, b, h]`` -> ``(output [s, b, h], None)``."""
+        """``hidden_states`` ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> ``(output shaped like
+        hidden_states, None)``."""
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         probs, routing_map = self.router(hidden_states)  # [T, E] over ALL experts, this rank's tokens
         tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.token_permutation(
             hidden_states, probs, routing_map)
         expert_out, _ = self.experts(tokens, tokens_per_expert, permuted_probs)
-        return self.token_dispatcher.token_unpermutation(expert_out), None
+        output = self.token_dispatcher.token_unpermutation(expert_out)
+        if self.sequence_parallel:
+            output = scatter_to_sequence_parallel_region(output)
+        return output, None

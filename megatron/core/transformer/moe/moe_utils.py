@@ -35,8 +35,10 @@ def update_expert_bias(
     """Aux-loss-free load balancing step, called by the training loop after each optimizer step.
 
     For every ``TopKRouter`` with ``expert_bias``: all-reduce ``local_tokens_per_expert`` (summed) over ``group``
-    (default: the tensor x data x context parallel group, as upstream: every rank that routes distinct tokens, so
-    the counts are the GLOBAL ones whatever the expert parallel size; nothing without torch.distributed), then
+    (default: the data x context parallel group: every rank that routes distinct tokens, so the counts are the
+    GLOBAL ones whatever the expert parallel size; TP peers route the same tokens here, all of them with sequence
+    parallelism (MoELayer gathers the sequence), unlike upstream's tensor x data x context group; nothing without
+    torch.distributed), then
     ``expert_bias += moe_router_bias_update_rate * sign(mean - counts)``, then zero the counts.
     """
     routers = _routers(model_chunks)
@@ -44,7 +46,7 @@ def update_expert_bias(
         return
     counts = torch.stack([r.local_tokens_per_expert for r in routers])  # one collective for all layers
     if group is None:
-        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group is not None and get_world_size(group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     for r, c in zip(routers, counts):

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Tokens/s of pretrain_gpt.py (mock data, a MoE GPT) for each (TP, EP) combination on one multi-GPU machine.
+# For every TP in TPS and EP in EPS with TP x EP dividing NPROC (and EP dividing EXPERTS): train ITERS iterations
+# with torchrun, --tensor-model-parallel-size TP, --expert-model-parallel-size EP (and --sequence-parallel when SP=1
+# and TP > 1), then print one table: TP, EP, SP, DP, the median tokens/s and tokens/s/GPU over the iterations after
+# WARMUP, ms/iteration, the last lm loss and the peak memory the log reports ("-" and the reason for a failed run).
+#
+#   bash benchmarks/train_tp_ep_gpu.sh                                 # every GPU, TPS="1 2 4 8", EPS="1 2 4 8"
+#   NPROC=4 TPS="1 2" EPS="1 2 4" SP=0 ITERS=20 bash benchmarks/train_tp_ep_gpu.sh
+#   bash benchmarks/train_tp_ep_gpu.sh --table LOGDIR                  # only the table, from existing logs
+#
+# Env: NPROC (default: the GPUs nvidia-smi lists), TPS, EPS (space-separated sizes), SP (1: --sequence-parallel with
+# TP > 1; default 1), ITERS (default 30), WARMUP (iterations left out of the median, default 5), LOGDIR (default $OUT
+# or /tmp/train_tp_ep), DISPATCHER (alltoall | allgather, default alltoall), IMPL (--transformer-impl, default
+# transformer_engine), CLIP (--clip-grad, default 0: MoE with TP > 1 refuses clipping until the grad norm is
+# reduced over TP), size: LAYERS HIDDEN HEADS FFN EXPERTS TOPK SEQ MBS GBS; EXTRA_FLAGS (appended).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+table() {  # $1 = log dir: one line per <log dir>/tp<T>_ep<E>_sp<S>.log
+  python3 - "$1" "${WARMUP:-5}" <<'PY'
+import glob, os, re, statistics, sys
+
+logdir, warmup = sys.argv[1], int(sys.argv[2])
+ITER = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?tokens/s: ([0-9.]+)"
+                  r".*?lm loss: ([0-9.E+-]+)")
+MEM = re.compile(r"mem max allocated \(MiB\): ([0-9.]+)")  # training_log's memory_report() on CUDA
+NAME = re.compile(r"tp(\d+)_ep(\d+)_sp(\d)_np(\d+)\.log$")
+
+rows = []
+for path in glob.glob(os.path.join(logdir, "*.log")):
+    m = NAME.search(os.path.basename(path))
+    if not m:
+        continue
+    tp, ep, sp, nproc = map(int, m.groups())
+    text = open(path, errors="replace").read()
+    its = [(int(i), float(ms), float(tps), float(loss)) for i, ms, tps, loss in ITER.findall(text)]
+    timed = [r for r in its if r[0] > warmup]
+    mem = MEM.findall(text)
+    peak = f"{max(float(v) for v in mem):.0f}" if mem else "-"
+    if timed:
+        tps = statistics.median(r[2] for r in timed)
+        ms = statistics.median(r[1] for r in timed)
+        rows.append((tp, ep, sp, nproc // tp, f"{tps:.0f}", f"{tps / nproc:.0f}", f"{ms:.1f}",
+                     f"{its[-1][3]:.4f}", peak, ""))
+    else:
+        err = [l.strip() for l in text.splitlines() if re.search(r"Error|error:|OutOfMemory|exit code", l)]
+        why = (err[-1][:60] if err else f"only {len(its)} iterations logged (warmup {warmup})")
+        rows.append((tp, ep, sp, nproc // tp, "-", "-", "-", "-", peak, why))
+if not rows:
+    sys.exit(f"no tp*_ep*_sp*_np*.log in {logdir}")
+head = ("TP", "EP", "SP", "DP", "tokens/s", "tokens/s/GPU", "ms/iter", "last loss", "peak MiB", "note")
+rows.sort(key=lambda r: (r[0], r[1], r[2]))
+widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+for r in [head] + rows:
+    print("  ".join(str(c).rjust(w) if i < 9 else str(c) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+PY
+}
+
+if [ "${1:-}" = "--table" ]; then
+  table "${2:?usage: $0 --table LOGDIR}"
+  exit 0
+fi
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+if [ -z "$NPROC" ] || [ "$NPROC" -lt 1 ]; then
+  echo "no GPU found (nvidia-smi -L); set NPROC" >&2
+  exit 1
+fi
+TPS=${TPS:-1 2 4 8}; EPS=${EPS:-1 2 4 8}; SP=${SP:-1}; ITERS=${ITERS:-30}
+LOGDIR=${LOGDIR:-${OUT:-/tmp/train_tp_ep}}; mkdir -p "$LOGDIR"
+DISPATCHER=${DISPATCHER:-alltoall}; IMPL=${IMPL:-transformer_engine}
+LAYERS=${LAYERS:-8}; HIDDEN=${HIDDEN:-2048}; HEADS=${HEADS:-16}; FFN=${FFN:-5632}; EXPERTS=${EXPERTS:-8}
+CLIP=${CLIP:-0}; TOPK=${TOPK:-2}; SEQ=${SEQ:-2048}; MBS=${MBS:-2}; GBS=${GBS:-$((MBS * NPROC * 2))}
+
+for tp in $TPS; do
+  for ep in $EPS; do
+    if [ $((NPROC % (tp * ep))) -ne 0 ] || [ $((EXPERTS % ep)) -ne 0 ] || [ $((HEADS % tp)) -ne 0 ]; then
+      continue
+    fi
+    sp=0; flags=(--tensor-model-parallel-size "$tp" --expert-model-parallel-size "$ep")
+    if [ "$SP" = 1 ] && [ "$tp" -gt 1 ]; then sp=1; flags+=(--sequence-parallel); fi
+    log="$LOGDIR/tp${tp}_ep${ep}_sp${sp}_np${NPROC}.log"
+    echo "=== TP=$tp EP=$ep SP=$sp on $NPROC GPUs -> $log"
+    # shellcheck disable=SC2086  # EXTRA_FLAGS is a flag list
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
+      --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN" \
+      --seq-length "$SEQ" --max-position-embeddings "$SEQ" --vocab-size 32000 \
+      --num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-token-dispatcher-type "$DISPATCHER" \
+      --moe-router-enable-expert-bias --micro-batch-size "$MBS" --global-batch-size "$GBS" \
+      --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
+      --weight-decay 0.01 --clip-grad "$CLIP" --seed 1234 --bf16 --transformer-impl "$IMPL" \
+      --mock-data --tokenizer-type NullTokenizer --log-interval 1 --eval-iters 0 --eval-interval 100000 \
+      "${flags[@]}" ${EXTRA_FLAGS:-} >"$log" 2>&1 || echo "    failed (exit $?): see $log"
+    grep -E "iteration +$ITERS/" "$log" | tail -1 || true
+  done
+done
+
+echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $NPROC GPUs;" \
+  "$LAYERS layers, hidden $HIDDEN, $EXPERTS experts top-$TOPK, seq $SEQ, global batch $GBS, $DISPATCHER dispatcher"
+table "$LOGDIR"
