@@ -12,8 +12,7 @@
 # Env: NPROC (default: the GPUs nvidia-smi lists), TPS, EPS (space-separated sizes), SP (1: --sequence-parallel with
 # TP > 1; default 1), ITERS (default 30), WARMUP (iterations left out of the median, default 5), LOGDIR (default $OUT
 # or /tmp/train_tp_ep), DISPATCHER (alltoall | allgather, default alltoall), IMPL (--transformer-impl, default
-# transformer_engine), CLIP (--clip-grad, default 0: MoE with TP > 1 refuses clipping until the grad norm is
-# reduced over TP), size: LAYERS HIDDEN HEADS FFN EXPERTS TOPK SEQ MBS GBS; EXTRA_FLAGS (appended).
+# transformer_engine), CLIP (--clip-grad, default 1.0), size: LAYERS HIDDEN HEADS FFN EXPERTS TOPK SEQ MBS GBS; EXTRA_FLAGS (appended).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,7 +71,7 @@ TPS=${TPS:-1 2 4 8}; EPS=${EPS:-1 2 4 8}; SP=${SP:-1}; ITERS=${ITERS:-30}
 LOGDIR=${LOGDIR:-${OUT:-/tmp/train_tp_ep}}; mkdir -p "$LOGDIR"
 DISPATCHER=${DISPATCHER:-alltoall}; IMPL=${IMPL:-transformer_engine}
 LAYERS=${LAYERS:-8}; HIDDEN=${HIDDEN:-2048}; HEADS=${HEADS:-16}; FFN=${FFN:-5632}; EXPERTS=${EXPERTS:-8}
-CLIP=${CLIP:-0}; TOPK=${TOPK:-2}; SEQ=${SEQ:-2048}; MBS=${MBS:-2}; GBS=${GBS:-$((MBS * NPROC * 2))}
+CLIP=${CLIP:-1.0}; TOPK=${TOPK:-2}; SEQ=${SEQ:-2048}; MBS=${MBS:-2}; GBS=${GBS:-$((MBS * NPROC * 2))}
 
 for tp in $TPS; do
   for ep in $EPS; do

@@ -602,12 +602,6 @@ def validate_args(args, defaults={}):
                   f"({ep}) must divide the world size ({args.world_size})")
         if ep > 1 and args.use_megatron_fsdp:
             _fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet (use DDP)")
-        if args.tensor_model_parallel_size > 1 and args.clip_grad > 0:
-            # the optimizer's grad norm does not sum the TP-split parameters over the TP group yet: TP ranks would
-            # clip by different factors, their routers drift apart and route different tokens (a collective hang)
-            _fail(f"--clip-grad {args.clip_grad} with --num-experts and --tensor-model-parallel-size "
-                  f"{args.tensor_model_parallel_size} is not supported yet (the gradient norm is not reduced over "
-                  "the tensor-parallel group): use --clip-grad 0")
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")

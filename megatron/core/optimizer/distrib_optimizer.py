@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
-from megatron.core.optimizer.optimizer import MegatronOptimizer, _is_dtensor, _is_quantized_param
+from megatron.core.optimizer.optimizer import MegatronOptimizer, _is_dtensor, _is_quantized_param, global_grad_norm
 
 SHARDING_TYPE = "fully_sharded_model_space"
 
@@ -167,10 +167,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """Global L2 norm: the squares of the owned slices summed over the DP group."""
-        local = sum(float(torch.sum(g.double() ** 2)) for g in self._grads())
-        total = self._dp_sum(local)
-        return math.sqrt(total) if math.isfinite(total) else float("nan")
+        """Global L2 norm (``global_grad_norm``): the owned slices' squares summed over the DP group, each value
+        counted once under tensor parallelism."""
+        entries = [(s.model_param, main.grad) for s, main in zip(self.slices, self.main_params)]
+        return global_grad_norm(entries, shard_group=self.group if self.dp_size > 1 else None)
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:

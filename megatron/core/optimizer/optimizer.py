@@ -68,6 +68,34 @@ def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
+def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -> float:
+    """L2 norm over ``entries`` = ``(model parameter, local gradient or None)`` pairs with each value counted once:
+    a TP-split parameter on every TP rank, a TP-replicated one on TP rank 0 only
+    (``param_is_not_tensor_parallel_duplicate``). The squares are summed over ``shard_group`` first when the local
+    gradients are shards of it (Megatron-FSDP's mesh, the distributed optimizer's DP group), then dense ones over the
+    tensor-parallel group and expert ones (``allreduce=False``) over the expert tensor x model parallel group (each EP
+    rank holds other experts). Collective; the same value on every rank."""
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+    device = parallel_state.collective_device() if dist.is_initialized() else torch.device("cpu")
+    sums = {kind: torch.zeros((), dtype=torch.float64, device=device) for kind in ("dense", "expert")}
+    for mp, g in entries:
+        if g is None or not param_is_not_tensor_parallel_duplicate(mp):
+            continue
+        kind = "dense" if getattr(mp, "allreduce", True) else "expert"
+        sums[kind] += g.detach().double().pow(2).sum().to(device)
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        for t in sums.values():
+            dist.all_reduce(t, group=shard_group)
+    for kind, group in (("dense", parallel_state.get_tensor_model_parallel_group(check_initialized=False)),
+                        ("expert", parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False))):
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(sums[kind], group=group)
+    total = float((sums["dense"] + sums["expert"]).item())
+    return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+
 class MegatronOptimizer:
     """Wraps ``optimizer`` (built over ``main params``: the model params themselves, or fp32 copies of bf16/fp16
     model params). ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
@@ -166,46 +194,27 @@ class MegatronOptimizer:
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]
 
-    def _expert_parallel_grads(self) -> List[torch.Tensor]:
-        """Gradients of expert parameters (``allreduce=False``) that differ across expert-parallel ranks (EP > 1)."""
-        if parallel_state.get_expert_model_parallel_world_size() == 1:
-            return []
-        return [p.grad for mp, p in zip(self.model_params, self.get_parameters())
-                if not getattr(mp, "allreduce", True) and p.grad is not None and not _is_dtensor(p.grad)]
-
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """Global L2 norm of the gradients (DTensor grads: over all shards; with expert parallelism, the experts'
-        squared norms are summed over the expert-model-parallel group)."""
-        grads = self._grads()
-        parts = []
-        expert = self._expert_parallel_grads()
-        if expert:
-            ids = {id(g) for g in expert}
-            grads = [g for g in grads if id(g) not in ids]
-            sq = torch.nn.utils.get_total_norm(expert, 2.0).double().reshape(1) ** 2
-            dist.all_reduce(sq, group=parallel_state.get_expert_model_parallel_group())
-            parts.append(float(sq.sqrt().item()))
-        for group in ([g for g in grads if _is_dtensor(g)], [g for g in grads if not _is_dtensor(g)]):
-            if group:
-                n = torch.nn.utils.get_total_norm(group, 2.0)
-                parts.append(float((n.full_tensor() if _is_dtensor(n) else n).item()))
-        return math.sqrt(sum(x * x for x in parts)) if all(math.isfinite(x) for x in parts) else float("nan")
+        """Global L2 norm of the gradients (``global_grad_norm``; DTensor grads: their local shards, summed over
+        their mesh). Same value on every rank."""
+        entries, mesh_group = [], None
+        for mp, p in zip(self.model_params, self.get_parameters()):
+            g = p.grad
+            if g is not None and _is_dtensor(g):
+                mesh_group = g.device_mesh.get_group()
+                g = g.to_local()
+            entries.append((mp, g))
+        return global_grad_norm(entries, shard_group=mesh_group)
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Compute the global grad norm and, when ``clip_grad > 0``, scale the grads so it is at most
-        ``clip_grad`` (``torch.nn.utils.clip_grad_norm_``, which handles DTensor grads)."""
+        """Compute the global grad norm (``get_grad_norm``) and, when ``clip_grad > 0``, scale the grads so it is at
+        most ``clip_grad``."""
         params = [p for p in self.get_parameters() if p.grad is not None]
         if not params:
             return 0.0
-        kinds = {_is_dtensor(p.grad) for p in params}
-        if len(kinds) == 1 and not self._expert_parallel_grads():
-            max_norm = clip_grad if clip_grad > 0 else float("inf")
-            n = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            n = float((n.full_tensor() if _is_dtensor(n) else n).item())
-            return n
-        norm = self.get_grad_norm()  # mixed DTensor / plain grads
+        norm = self.get_grad_norm()
         if clip_grad > 0 and math.isfinite(norm):
             coef = clip_grad / (norm + 1e-6)
             if coef < 1.0:

@@ -25,7 +25,7 @@ GLOBAL_BATCH = 4
 
 
 def _opt(model):
-    # clip_grad 0: the grad norm of TP-split parameters is the optimizer's business (see the report), not tested here
+    # clip_grad 0 here; the TP grad norm (each value counted once, summed over TP) is tested in test_tp_pretrain.py
     return get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.01, clip_grad=0.0, adam_eps=1e-6), [model])
 
 
