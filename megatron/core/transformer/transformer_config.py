@@ -166,10 +166,10 @@ class TransformerConfig:
                              f"'alltoall', got {self.moe_token_dispatcher_type!r}")
         for name in ("pipeline_model_parallel_size",):
             if getattr(self, name) != 1:
-                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
+                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork has no pipeline parallelism")
         for name in ("context_parallel_size",):
             if getattr(self, name) != 1:
-                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork supports data parallelism only")
+                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork has no context parallelism")
         if self.virtual_pipeline_model_parallel_size not in (None, 1):
             raise ValueError("virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage) is not supported")
         if self.recompute_granularity is not None:
