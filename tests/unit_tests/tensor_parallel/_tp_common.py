@@ -1,8 +1,11 @@
 """Helpers of the tensor-parallel tests: tiny GPT configs, slicing a TP=1 model's tensors into a TP rank's pieces."""
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer import TransformerConfig
 
@@ -65,3 +68,40 @@ def batch(b: int = 2, seed: int = 11):
 
 def position_ids(b: int) -> torch.Tensor:
     return torch.arange(SEQ).unsqueeze(0).expand(b, SEQ)
+
+
+# ---- the checkpoint tests' steps (TP and TP x EP) ------------------------------------------------------------
+GLOBAL_BATCH = 4
+
+
+def train_data():
+    """3 train batches + 1 eval batch of ``GLOBAL_BATCH`` sequences, (tokens, labels)."""
+    g = torch.Generator().manual_seed(17)
+    t = torch.randint(0, VOCAB, (4, GLOBAL_BATCH, SEQ + 1), generator=g)
+    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in t]
+
+
+def train_step(model, opt, tok, lab):
+    """One optimizer step on this DP rank's slice of the global batch."""
+    from megatron.core.distributed import finalize_model_grads
+
+    dp, n = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    per = GLOBAL_BATCH // n
+    opt.zero_grad()
+    model(tok[dp * per:(dp + 1) * per], position_ids(per), labels=lab[dp * per:(dp + 1) * per]).mean().backward()
+    finalize_model_grads([model])
+    assert opt.step()[0]
+
+
+@torch.no_grad()
+def eval_loss(model, data):
+    tok, lab = data[3]
+    return float(model(tok, position_ids(GLOBAL_BATCH), labels=lab).mean())
+
+
+def save_model_and_optimizer(model, opt, path):
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    sd = model.sharded_state_dict()
+    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, path)

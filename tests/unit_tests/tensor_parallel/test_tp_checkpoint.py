@@ -14,7 +14,6 @@ from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     FullyShardedDataParallel,
-    finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
@@ -28,18 +27,18 @@ from tests.unit_tests.models.upstream_fixtures import (
     reference,
     routers,
 )
-from tests.unit_tests.tensor_parallel._tp_common import VOCAB, SEQ, build, make_config, position_ids
+from tests.unit_tests.tensor_parallel._tp_common import (
+    build,
+    eval_loss,
+    make_config,
+    save_model_and_optimizer,
+    train_data,
+    train_step,
+)
 
 LAYOUTS = [("ddp", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2)]  # (wrapper, TP); DP = 4 / TP
 # every DDP pair, and Megatron-FSDP x TP to and from DDP at other TP sizes: (saved, loaded)
 PAIRS = [(s, l) for s in LAYOUTS[:3] for l in LAYOUTS[:3]] + [(("fsdp", 2), ("ddp", 4)), (("ddp", 1), ("fsdp", 2))]
-GLOBAL_BATCH = 4
-
-
-def _data():
-    g = torch.Generator().manual_seed(17)
-    t = torch.randint(0, VOCAB, (4, GLOBAL_BATCH, SEQ + 1), generator=g)
-    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in t]  # 3 train batches + 1 eval batch
 
 
 def _setup(kind, tp, seed):
@@ -57,41 +56,18 @@ def _setup(kind, tp, seed):
     return model, opt
 
 
-def _step(model, opt, tok, lab):
-    dp, n = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    per = GLOBAL_BATCH // n
-    opt.zero_grad()
-    model(tok[dp * per:(dp + 1) * per], position_ids(per), labels=lab[dp * per:(dp + 1) * per]).mean().backward()
-    finalize_model_grads([model])
-    assert opt.step()[0]
-
-
-@torch.no_grad()
-def _eval(model, data):
-    tok, lab = data[3]
-    return float(model(tok, position_ids(GLOBAL_BATCH), labels=lab).mean())
-
-
-def _save(model, opt, path):
-    if dist.get_rank() == 0:
-        os.makedirs(path)
-    dist.barrier()
-    sd = model.sharded_state_dict()
-    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, path)
-
-
 def _body(rank, ws, root):
-    data = _data()
+    data = train_data()
     ref = {}
     for kind, tp in LAYOUTS:
         model, opt = _setup(kind, tp, seed=5)
         for tok, lab in data[:2]:
-            _step(model, opt, tok, lab)
+            train_step(model, opt, tok, lab)
         path = os.path.join(root, f"{kind}{tp}")
-        _save(model, opt, path)
-        before = _eval(model, data)
-        _step(model, opt, *data[2])
-        ref[(kind, tp)] = (path, before, _eval(model, data))
+        save_model_and_optimizer(model, opt, path)
+        before = eval_loss(model, data)
+        train_step(model, opt, *data[2])
+        ref[(kind, tp)] = (path, before, eval_loss(model, data))
     for kind, tp in LAYOUTS:
         for (skind, stp), (path, before, after) in ref.items():
             if ((skind, stp), (kind, tp)) not in PAIRS:
@@ -104,7 +80,7 @@ def _body(rank, ws, root):
             model.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["optimizer"])
             again = os.path.join(root, f"again_{skind}{stp}_{kind}{tp}")
-            _save(model, opt, again)
+            save_model_and_optimizer(model, opt, again)
             dist.barrier()
             if rank == 0:
                 a, b = read_full_tensors(path), read_full_tensors(again)
@@ -112,9 +88,9 @@ def _body(rank, ws, root):
                 assert any(k.startswith("optimizer.state.exp_avg.") for k in a), sorted(a)[:5]
                 for k in a:
                     assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-            assert _eval(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
-            _step(model, opt, *data[2])
-            assert _eval(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what
+            assert eval_loss(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
+            train_step(model, opt, *data[2])
+            assert eval_loss(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what
 
 
 def test_checkpoint_across_tp_dp(tmp_path):

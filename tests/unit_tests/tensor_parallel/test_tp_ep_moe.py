@@ -18,7 +18,18 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import update_expert_bias
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.models.upstream_fixtures import read_full_tensors, routers
-from tests.unit_tests.tensor_parallel._tp_common import VOCAB, SEQ, build, make_config, position_ids, tp_piece
+from tests.unit_tests.tensor_parallel._tp_common import (
+    SEQ,
+    VOCAB,
+    build,
+    eval_loss,
+    make_config,
+    position_ids,
+    tp_piece,
+    save_model_and_optimizer,
+    train_data,
+    train_step,
+)
 
 NUM_EXPERTS = 4
 BIAS = torch.tensor([0.03, -0.02, 0.0, 0.01])  # a non-zero expert_bias: selection differs from the scores' top-k
@@ -133,13 +144,6 @@ def test_tp2_ep2_and_moe_sp_equal_tp1_ep1():
 # ---- checkpoints across (TP, EP, expert-DP) -----------------------------------------------------------------
 LAYOUTS = [(2, 2), (1, 1), (2, 1)]  # (TP, EP); expert-DP = 4 / (TP x EP): 1, 4, 2
 PAIRS = [((2, 2), (1, 1)), ((2, 2), (2, 1)), ((1, 1), (2, 2)), ((2, 1), (2, 2))]
-GLOBAL_BATCH = 4
-
-
-def _data():
-    g = torch.Generator().manual_seed(17)
-    t = torch.randint(0, VOCAB, (4, GLOBAL_BATCH, SEQ + 1), generator=g)
-    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in t]  # 3 train batches + 1 eval batch
 
 
 def _setup(tp, ep, seed):
@@ -152,41 +156,18 @@ def _setup(tp, ep, seed):
     return model, opt
 
 
-def _step(model, opt, tok, lab):
-    dp, n = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    per = GLOBAL_BATCH // n
-    opt.zero_grad()
-    model(tok[dp * per:(dp + 1) * per], position_ids(per), labels=lab[dp * per:(dp + 1) * per]).mean().backward()
-    finalize_model_grads([model])
-    assert opt.step()[0]
-
-
-@torch.no_grad()
-def _eval(model, data):
-    tok, lab = data[3]
-    return float(model(tok, position_ids(GLOBAL_BATCH), labels=lab).mean())
-
-
-def _save(model, opt, path):
-    if dist.get_rank() == 0:
-        os.makedirs(path)
-    dist.barrier()
-    sd = model.sharded_state_dict()
-    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, path)
-
-
 def _checkpoint_body(rank, ws, root):
-    data = _data()
+    data = train_data()
     ref = {}
     for tp, ep in LAYOUTS:
         model, opt = _setup(tp, ep, seed=5)
         for tok, lab in data[:2]:
-            _step(model, opt, tok, lab)
+            train_step(model, opt, tok, lab)
         path = os.path.join(root, f"tp{tp}ep{ep}")
-        _save(model, opt, path)
-        before = _eval(model, data)
-        _step(model, opt, *data[2])
-        ref[(tp, ep)] = (path, before, _eval(model, data))
+        save_model_and_optimizer(model, opt, path)
+        before = eval_loss(model, data)
+        train_step(model, opt, *data[2])
+        ref[(tp, ep)] = (path, before, eval_loss(model, data))
     for saved, (tp, ep) in PAIRS:
         path, before, after = ref[saved]
         what = f"saved (TP, EP)={saved}, loaded ({tp}, {ep})"
@@ -196,7 +177,7 @@ def _checkpoint_body(rank, ws, root):
         model.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
         again = os.path.join(root, f"again_{saved[0]}{saved[1]}_{tp}{ep}")
-        _save(model, opt, again)
+        save_model_and_optimizer(model, opt, again)
         dist.barrier()
         if rank == 0:
             a, b = read_full_tensors(path), read_full_tensors(again)
@@ -205,9 +186,9 @@ def _checkpoint_body(rank, ws, root):
             assert fc1 in a and tuple(a[fc1].shape) == (2, NUM_EXPERTS, 40, 32), sorted(a)[:5]
             for k in a:
                 assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-        assert _eval(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
-        _step(model, opt, *data[2])
-        assert _eval(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what
+        assert eval_loss(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
+        train_step(model, opt, *data[2])
+        assert eval_loss(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what
 
 
 def test_checkpoint_across_tp_ep_layouts(tmp_path):
