@@ -1,7 +1,6 @@
 """strategies/filesystem.py: per-item checksums (written with the bytes, verified as read), the restricted
 ``.metadata`` reader, object items checked before the planner unpickles them; upstream fixtures and checkpoints
 without checksums still load. Single process and 2 gloo ranks."""
-import io
 import logging
 import os
 import pickle
@@ -26,14 +25,11 @@ from megatron.core.dist_checkpointing.strategies.filesystem import (
     read_dcp_metadata_file,
 )
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.fixtures import UPSTREAM_FIXTURES
 from tests.unit_tests.test_safe_globals import Payload
 
-FIXTURES = "/work/shared/fixtures/upstream-mcore-0.19.2"
-if not os.path.isdir(FIXTURES):  # CI: shared/ beside the clone
-    FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "fixtures",
-                            "upstream-mcore-0.19.2")
+FIXTURES = str(UPSTREAM_FIXTURES)  # in the repository: the tests never skip for want of them
 FIXTURE_NAMES = ["api_stacked", "gpt_dense", "gpt_moe"]
-needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="upstream fixtures not found")
 
 
 def _inner(exc: BaseException) -> BaseException:
@@ -211,7 +207,6 @@ def test_planted_object_item_refused(tmp_path):
 
 
 # ---- real checkpoints -------------------------------------------------------------------------------------------
-@needs_fixtures
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_upstream_fixture_metadata(name):
     meta = os.path.join(FIXTURES, name, "ckpt", ".metadata")
@@ -222,7 +217,6 @@ def test_upstream_fixture_metadata(name):
     assert md.storage_data == plain.storage_data and len(md.storage_data) > 3
 
 
-@needs_fixtures
 def test_upstream_fixture_loads(tmp_path, caplog):
     ckpt = str(tmp_path / "api_stacked")
     shutil.copytree(os.path.join(FIXTURES, "api_stacked", "ckpt"), ckpt)

@@ -5,15 +5,13 @@ import json
 import os
 import shutil
 
-import pytest
 
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.fixtures import UPSTREAM_FIXTURES
 from tests.unit_tests.training.test_training import TINY, _run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-FIXTURES = os.path.join(os.path.dirname(REPO), "shared", "fixtures", "upstream-mcore-0.19.2")
-if not os.path.isdir(FIXTURES):
-    FIXTURES = os.path.join(REPO, "shared", "fixtures", "upstream-mcore-0.19.2")
+FIXTURES = str(UPSTREAM_FIXTURES)
 
 
 def _tool():
@@ -26,8 +24,6 @@ def _tool():
 
 def _fixture(tmp_path, name):
     src = os.path.join(FIXTURES, name, "ckpt")
-    if not os.path.isdir(src):
-        pytest.skip(f"upstream fixture {src} not present")
     dst = str(tmp_path / name)
     shutil.copytree(src, dst)  # the fixtures are read-only references
     return dst
