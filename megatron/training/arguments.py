@@ -543,9 +543,6 @@ def validate_args(args, defaults={}):
         value = getattr(args, flag)
         if value is None or value <= 0:
             _fail(f"--{flag.replace('_', '-')} is required and must be positive (got {value})")
-    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
-        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
-              f"({args.num_attention_heads}) unless --kv-channels is given")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
@@ -556,9 +553,8 @@ def validate_args(args, defaults={}):
             args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
-    if args.group_query_attention and args.num_attention_heads % args.num_query_groups != 0:
-        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
-              f"({args.num_query_groups})")
+    # --hidden-size / --num-attention-heads / --num-query-groups divisibility: TransformerConfig's checks
+    # (_validate_configs)
     _validate_tensor_parallel_model_args(args)
     _validate_tokenizer_args(args)
     if args.transformer_impl is None:

@@ -124,16 +124,17 @@ class TransformerConfig:
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
-                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                    f"({self.num_attention_heads}) unless kv_channels is given (--kv-channels)"
+                    f"{_named('hidden_size', self.hidden_size)} must be divisible by "
+                    f"{_named('num_attention_heads', self.num_attention_heads)} unless kv_channels is given "
+                    "(--kv-channels)"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
-                f"({self.num_query_groups}) (--num-query-groups)"
+                f"{_named('num_attention_heads', self.num_attention_heads)} must be divisible by "
+                f"{_named('num_query_groups', self.num_query_groups)}"
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (--normalization), got {self.normalization!r}")

@@ -209,7 +209,8 @@ ERRORS = [
     (["--exit-on-missing-checkpoint"], None, ["--exit-on-missing-checkpoint", "--load"]),
     (["--finetune"], None, ["--finetune", "--load"]),
     (["--seq-length", 64, "--max-position-embeddings", 32], None, ["--seq-length", "--max-position-embeddings"]),
-    (["--hidden-size", 30], None, ["--hidden-size", "--num-attention-heads"]),
+    (["--hidden-size", 30], None, ["--hidden-size=30", "--num-attention-heads=4", "--kv-channels"]),
+    (["--group-query-attention", "--num-query-groups", 3], None, ["--num-attention-heads=4", "--num-query-groups=3"]),
     (["--log-interval", 0], None, ["--log-interval"]),
     (["--moe-router-bias-update-rate", -1], None, ["--moe-router-bias-update-rate"]),
 ]
