@@ -8,6 +8,7 @@ from functools import partial
 import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from megatron.core.dist_utils import barrier, is_distributed
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_tokenizer
@@ -92,6 +93,6 @@ def main(argv=None):
 if __name__ == "__main__":
     with exit_on_user_error():  # checkpoint/argument errors: one line on rank 0, exit code 1
         main()
-    if torch.distributed.is_initialized():  # a clean shutdown: no rank exits while another still uses the group
-        torch.distributed.barrier()
+    if is_distributed():  # a clean shutdown: no rank exits while another still uses the group
+        barrier()
         torch.distributed.destroy_process_group()

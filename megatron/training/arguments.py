@@ -506,22 +506,14 @@ def parse_data_path(data_path):
 
 
 def _validate_tensor_parallel_model_args(args):
-    """With --tensor-model-parallel-size N: every TP rank holds an equal share of the heads, query groups and FFN
-    (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x N), and with --sequence-parallel of
-    the sequence."""
+    """With --tensor-model-parallel-size N and --sequence-parallel every TP rank holds an equal share of the
+    sequence. (The heads, query groups and FFN shares, and --sequence-parallel needing N > 1, are TransformerConfig's
+    checks, reported by _validate_configs; the vocabulary is padded to a multiple of --make-vocab-size-divisible-by
+    x N.)"""
     tp = args.tensor_model_parallel_size
-    if tp == 1:
-        return
-    shares = [("--num-attention-heads", args.num_attention_heads), ("--ffn-hidden-size", args.ffn_hidden_size)]
-    if args.group_query_attention:
-        shares.append(("--num-query-groups", args.num_query_groups))
-    if args.num_experts is not None and args.moe_ffn_hidden_size is not None:
-        shares.append(("--moe-ffn-hidden-size", args.moe_ffn_hidden_size))
-    if args.sequence_parallel:
-        shares.append(("--seq-length", args.seq_length))
-    for flag, value in shares:
-        if value % tp != 0:
-            _fail(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if tp > 1 and args.sequence_parallel and args.seq_length % tp != 0:
+        _fail(f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) "
+              "with --sequence-parallel")
 
 
 def validate_args(args, defaults={}):
@@ -540,8 +532,6 @@ def validate_args(args, defaults={}):
     tp = args.tensor_model_parallel_size
     if tp < 1 or args.world_size % tp != 0:
         _fail(f"--tensor-model-parallel-size ({tp}) must be a positive divisor of WORLD_SIZE ({args.world_size})")
-    if args.sequence_parallel and tp == 1:
-        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
     args.data_parallel_size = args.world_size // tp
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -553,9 +543,6 @@ def validate_args(args, defaults={}):
         value = getattr(args, flag)
         if value is None or value <= 0:
             _fail(f"--{flag.replace('_', '-')} is required and must be positive (got {value})")
-    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
-        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
-              f"({args.num_attention_heads}) unless --kv-channels is given")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
@@ -566,9 +553,8 @@ def validate_args(args, defaults={}):
             args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
-    if args.group_query_attention and args.num_attention_heads % args.num_query_groups != 0:
-        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups "
-              f"({args.num_query_groups})")
+    # --hidden-size / --num-attention-heads / --num-query-groups divisibility: TransformerConfig's checks
+    # (_validate_configs)
     _validate_tensor_parallel_model_args(args)
     _validate_tokenizer_args(args)
     if args.transformer_impl is None:
@@ -586,11 +572,9 @@ def validate_args(args, defaults={}):
         _fail("--rampup-batch-size is not supported yet: the global batch size is fixed; remove the flag")
 
     # ---- MoE --------------------------------------------------------------------------------------------
+    # a positive --num-experts, --moe-router-topk in [1, --num-experts] and --moe-router-enable-expert-bias
+    # needing --num-experts: TransformerConfig's checks (_validate_configs)
     if args.num_experts is not None:
-        if args.num_experts <= 0:
-            _fail(f"--num-experts must be positive (got {args.num_experts})")
-        if not 1 <= args.moe_router_topk <= args.num_experts:
-            _fail(f"--moe-router-topk ({args.moe_router_topk}) must be in [1, --num-experts={args.num_experts}]")
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
         ep = args.expert_model_parallel_size
@@ -605,8 +589,6 @@ def validate_args(args, defaults={}):
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
-        if args.moe_router_enable_expert_bias:
-            _fail("--moe-router-enable-expert-bias needs --num-experts (it is a MoE router option)")
         if args.moe_ffn_hidden_size is not None:
             _fail("--moe-ffn-hidden-size needs --num-experts")
 
@@ -663,19 +645,8 @@ def validate_args(args, defaults={}):
         _fail(f"--eval-iters must be >= 0 (got {args.eval_iters})")
 
     # ---- precision ----------------------------------------------------------------------------------------
-    if args.loss_scale is not None and not args.fp16:
-        _fail("--loss-scale is the static fp16 loss scale: it needs --fp16 (bf16 and fp32 need no loss scaling)")
-    if args.loss_scale is not None and not args.loss_scale > 0:
-        _fail(f"--loss-scale must be positive (got {args.loss_scale})")
-    if args.fp16 and args.loss_scale is None:
-        if not args.initial_loss_scale > 0:
-            _fail(f"--initial-loss-scale must be positive (got {args.initial_loss_scale})")
-        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-            _fail(f"--min-loss-scale must be in (0, --initial-loss-scale] (got {args.min_loss_scale})")
-        if not args.loss_scale_window >= 1:
-            _fail(f"--loss-scale-window must be >= 1 (got {args.loss_scale_window})")
-        if args.hysteresis < 1:
-            _fail(f"--hysteresis must be >= 1 (got {args.hysteresis})")
+    # the loss-scale flags (--loss-scale needing --fp16, positive scales, window, hysteresis): OptimizerConfig's
+    # checks (_validate_configs)
     if args.fp16 and args.use_megatron_fsdp:
         _fail("--fp16 with --use-megatron-fsdp is not supported yet (no loss scaler on FSDP2's sharded grads); "
               "use --bf16, or --fp16 without --use-megatron-fsdp")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
 from megatron.core.tensor_parallel.random import set_random_seed
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
@@ -21,8 +22,8 @@ def _initialize_distributed(args) -> None:
     if torch.cuda.is_available():
         local_rank = int(os.getenv("LOCAL_RANK", args.local_rank or 0))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    if dist.is_initialized():
-        args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+    if is_distributed():
+        args.rank, args.world_size = get_rank(), get_world_size()
         return
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:

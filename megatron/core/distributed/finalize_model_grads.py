@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_world_size, is_distributed
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -16,10 +17,10 @@ def allreduce_sequence_parallel_grads(model: List[torch.nn.Module]) -> None:
     """Sum over the tensor-parallel group the gradients of parameters marked ``sequence_parallel`` (norms, row-linear
     biases: each TP rank saw only its ``s / tp`` tokens), as upstream's ``_allreduce_non_tensor_model_parallel_grads``.
     Megatron-FSDP (DTensor) gradients: their local DP shards, laid out alike on every TP rank, are summed."""
-    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+    if not is_distributed() or not parallel_state.model_parallel_is_initialized():
         return
     group = parallel_state.get_tensor_model_parallel_group()
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None or get_world_size(group) == 1:
         return
     grads = []
     for chunk in model:
@@ -62,11 +63,9 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     if num_tokens is not None:
         total = num_tokens.detach().clone().float().reshape(1)
         group = parallel_state.get_data_parallel_group()
-        ws = 1
-        if group is not None and dist.is_initialized():
-            ws = dist.get_world_size(group)
-            if ws > 1:
-                dist.all_reduce(total, group=group)
+        ws = get_world_size(group) if group is not None else 1
+        if ws > 1:
+            dist.all_reduce(total, group=group)
         scale = ws / max(float(total.item()), 1.0)
         for chunk in model:
             chunk.scale_gradients(scale)

@@ -19,6 +19,7 @@ import inspect
 
 import torch
 
+from megatron.core.dist_utils import is_distributed
 from megatron.core.extensions import te_extra_state
 from megatron.core.extensions import transformer_engine as _te
 from megatron.core.transformer.utils import set_param_attrs
@@ -73,7 +74,7 @@ def te_quantization_autocast(config):
     reduction (delayed scaling) over the data-parallel group when torch.distributed is initialised."""
     check_te_available()
     kwargs = {"enabled": True}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if is_distributed():
         from megatron.core import parallel_state
 
         params = inspect.signature(_te.te_autocast).parameters

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_world_size, is_distributed
 
 
 from megatron.core.transformer.utils import is_dtensor as _is_dtensor  # noqa: E402  (the one DTensor check)
@@ -78,7 +79,7 @@ def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -
     rank holds other experts). Collective; the same value on every rank."""
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-    device = parallel_state.collective_device() if dist.is_initialized() else torch.device("cpu")
+    device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
     sums = {kind: torch.zeros((), dtype=torch.float64, device=device) for kind in ("dense", "expert")}
     for mp, g in entries:
         if g is None or not param_is_not_tensor_parallel_duplicate(mp):
@@ -90,7 +91,7 @@ def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -
             dist.all_reduce(t, group=shard_group)
     for kind, group in (("dense", parallel_state.get_tensor_model_parallel_group(check_initialized=False)),
                         ("expert", parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False))):
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if group is not None and get_world_size(group) > 1:
             dist.all_reduce(sums[kind], group=group)
     total = float((sums["dense"] + sums["expert"]).item())
     return math.sqrt(total) if math.isfinite(total) else float("nan")
@@ -230,7 +231,7 @@ class MegatronOptimizer:
         sharded = [g for g in grads if _is_dtensor(g)]
         plain = sum(int((g == 0).sum().item()) for g in grads if not _is_dtensor(g))
         local = sum(int((_local(g) == 0).sum().item()) for g in sharded)
-        if sharded and dist.is_initialized():
+        if sharded and is_distributed():
             t = torch.tensor([local], dtype=torch.int64, device=_local(sharded[0]).device)
             group = parallel_state.get_data_parallel_group()
             if group is not None:
@@ -249,7 +250,7 @@ class MegatronOptimizer:
             local.mul_(inv.to(local.device))
             if not torch.isfinite(local).all():
                 found.fill_(1.0)
-        if dist.is_initialized():
+        if is_distributed():
             group = parallel_state.get_data_parallel_group()
             found = found.to(parallel_state.collective_device(group))
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

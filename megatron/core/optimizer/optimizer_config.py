@@ -41,3 +41,25 @@ class OptimizerConfig:
             raise ValueError(f"optimizer (--optimizer) must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive")
+        self._check_loss_scale()
+
+    def _check_loss_scale(self) -> None:
+        """The fp16 loss scale: static (``loss_scale``) or dynamic (initial/min scale, window, hysteresis)."""
+        if self.loss_scale is not None:
+            if not self.fp16:
+                raise ValueError(f"loss_scale (--loss-scale={self.loss_scale!r}) is the static fp16 loss scale: it "
+                                 "needs fp16 (--fp16); bf16 and fp32 need no loss scaling")
+            if not self.loss_scale > 0:
+                raise ValueError(f"loss_scale (--loss-scale={self.loss_scale!r}) must be positive")
+            return
+        if not self.fp16:
+            return
+        if not self.initial_loss_scale > 0:
+            raise ValueError(f"initial_loss_scale (--initial-loss-scale={self.initial_loss_scale!r}) must be positive")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ValueError(f"min_loss_scale (--min-loss-scale={self.min_loss_scale!r}) must be in "
+                             f"(0, initial_loss_scale (--initial-loss-scale={self.initial_loss_scale!r})]")
+        if not self.loss_scale_window >= 1:
+            raise ValueError(f"loss_scale_window (--loss-scale-window={self.loss_scale_window!r}) must be >= 1")
+        if self.hysteresis < 1:
+            raise ValueError(f"hysteresis (--hysteresis={self.hysteresis!r}) must be >= 1")

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
 
 
 def divide(numerator: int, denominator: int, what: str = "") -> int:
@@ -20,13 +21,13 @@ def tp_group_info(is_expert: bool = False, tp_group=None) -> Tuple[Optional[dist
     tensor-parallel group for experts and the tensor-parallel group otherwise; ``(None, 1, 0)`` before
     ``parallel_state.initialize_model_parallel`` (a single-process model)."""
     if tp_group is None:
-        if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        if not (is_distributed() and parallel_state.model_parallel_is_initialized()):
             return None, 1, 0
         tp_group = (parallel_state.get_expert_tensor_parallel_group() if is_expert
                     else parallel_state.get_tensor_model_parallel_group())
         if tp_group is None:
             return None, 1, 0
-    return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    return tp_group, get_world_size(tp_group), get_rank(tp_group)
 
 
 def check_tp_size(config, size: int, what: str) -> None:

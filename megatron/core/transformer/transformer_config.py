@@ -15,6 +15,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _named(name: str, value, flag: Optional[str] = None) -> str:
+    """``name (--flag=value)``: a field, its command-line flag (``_flag(name)`` unless given) and its value, as the
+    error messages name them."""
+    return f"{name} ({flag or _flag(name)}={value!r})"
+
+
 @dataclass
 class TransformerConfig:
     # ---- model shape --------------------------------------------------------------------------------------
@@ -118,16 +124,17 @@ class TransformerConfig:
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
-                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                    f"({self.num_attention_heads}) unless kv_channels is given (--kv-channels)"
+                    f"{_named('hidden_size', self.hidden_size)} must be divisible by "
+                    f"{_named('num_attention_heads', self.num_attention_heads)} unless kv_channels is given "
+                    "(--kv-channels)"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
-                f"({self.num_query_groups}) (--num-query-groups)"
+                f"{_named('num_attention_heads', self.num_attention_heads)} must be divisible by "
+                f"{_named('num_query_groups', self.num_query_groups)}"
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (--normalization), got {self.normalization!r}")
@@ -181,13 +188,11 @@ class TransformerConfig:
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.num_moe_experts is not None:
+            experts = _named("num_moe_experts", self.num_moe_experts, "--num-experts")
             if self.num_moe_experts <= 0:
-                raise ValueError(f"num_moe_experts must be positive (--num-experts), got {self.num_moe_experts}")
+                raise ValueError(f"{experts} must be positive")
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-                raise ValueError(
-                    f"moe_router_topk ({self.moe_router_topk}) must be in [1, num_moe_experts={self.num_moe_experts}] "
-                    "(--moe-router-topk)"
-                )
+                raise ValueError(f"{_named('moe_router_topk', self.moe_router_topk)} must be in [1, {experts}]")
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
             if isinstance(self.moe_layer_freq, int):
@@ -205,7 +210,8 @@ class TransformerConfig:
             if self.moe_z_loss_coeff:
                 raise ValueError("the router z-loss (--moe-z-loss-coeff) is not supported")
         elif self.moe_router_enable_expert_bias:
-            raise ValueError("moe_router_enable_expert_bias (--moe-router-enable-expert-bias) needs num_moe_experts")
+            raise ValueError(f"{_named('moe_router_enable_expert_bias', True)} needs num_moe_experts (--num-experts): "
+                             "it is a MoE router option")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(
                 "moe_router_score_function must be 'softmax' or 'sigmoid' (--moe-router-score-function), "
@@ -223,22 +229,21 @@ class TransformerConfig:
         """Tensor parallel size: heads, query groups and FFN width split evenly; sequence parallelism needs it."""
         tp = self.tensor_model_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_model_parallel_size must be a positive int (--tensor-model-parallel-size), got {tp!r}")
+            raise ValueError(f"{_named('tensor_model_parallel_size', tp)} must be a positive int")
         if self.sequence_parallel and tp == 1:
-            raise ValueError("sequence_parallel (--sequence-parallel) needs tensor_model_parallel_size > 1 "
-                             "(--tensor-model-parallel-size)")
+            raise ValueError(f"{_named('sequence_parallel', True)} needs "
+                             f"{_named('tensor_model_parallel_size', tp)} > 1")
         if tp == 1:
             return
-        for name, flag in (("num_attention_heads", "--num-attention-heads"), ("num_query_groups", "--num-query-groups"),
-                           ("ffn_hidden_size", "--ffn-hidden-size")):
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             value = getattr(self, name)
             if value % tp != 0:
-                raise ValueError(f"{name} ({value}, {flag}) must be divisible by tensor_model_parallel_size ({tp}, "
-                                 "--tensor-model-parallel-size): each tensor-parallel rank holds an equal share")
+                raise ValueError(f"{_named(name, value)} must be divisible by {_named('tensor_model_parallel_size', tp)}"
+                                 ": each tensor-parallel rank holds an equal share")
         if self.num_moe_experts is not None:
             # experts are split over the expert tensor-parallel group (the TP group by default) by their own linears;
             # with sequence parallelism MoELayer gathers the sequence over TP first (every TP rank routes all tokens)
             moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
             if moe_ffn % tp != 0:
-                raise ValueError(f"moe_ffn_hidden_size ({moe_ffn}, --moe-ffn-hidden-size) must be divisible by "
-                                 f"tensor_model_parallel_size ({tp}, --tensor-model-parallel-size)")
+                raise ValueError(f"{_named('moe_ffn_hidden_size', moe_ffn)} must be divisible by "
+                                 f"{_named('tensor_model_parallel_size', tp)}")

@@ -38,10 +38,10 @@ def test_pretrain_tp2_sp_resume_at_tp1(tmp_path):
 
 @pytest.mark.parametrize("extra,world,needles", [
     ([*TP_SP[:2]], 1, ["--tensor-model-parallel-size", "WORLD_SIZE"]),
-    (["--sequence-parallel"], 2, ["--sequence-parallel", "--tensor-model-parallel-size"]),
-    ([*TP_SP[:2], "--num-attention-heads", 3, "--hidden-size", 33], 2, ["--num-attention-heads", "(3)"]),
-    ([*TP_SP[:2], "--ffn-hidden-size", 33], 2, ["--ffn-hidden-size", "(33)"]),
-    ([*TP_SP[:2], "--group-query-attention", "--num-query-groups", 1], 2, ["--num-query-groups"]),
+    (["--sequence-parallel"], 2, ["--sequence-parallel", "--tensor-model-parallel-size=1"]),
+    ([*TP_SP[:2], "--num-attention-heads", 3, "--hidden-size", 33], 2, ["--num-attention-heads=3", "--tensor-model-parallel-size=2"]),
+    ([*TP_SP[:2], "--ffn-hidden-size", 33], 2, ["--ffn-hidden-size=33", "--tensor-model-parallel-size=2"]),
+    ([*TP_SP[:2], "--group-query-attention", "--num-query-groups", 1], 2, ["--num-query-groups=1", "--tensor-model-parallel-size=2"]),
     ([*TP_SP, "--seq-length", 15, "--max-position-embeddings", 16], 2, ["--seq-length", "(15)"]),
     ([*TP_SP, "--num-experts", 2, "--expert-model-parallel-size", 2], 2,
      ["--tensor-model-parallel-size (2) x --expert-model-parallel-size (2) must divide the world size (2)"]),

@@ -113,10 +113,13 @@ REFUSED = [
       "transformer_engine"], ["--use-distributed-optimizer without --use-megatron-fsdp does not support"]),
     (["--overlap-grad-reduce"], ["--overlap-grad-reduce is not supported without --use-megatron-fsdp"]),
     (["--overlap-param-gather"], ["--overlap-param-gather is not supported without --use-megatron-fsdp"]),
-    (["--loss-scale", 1024], ["--loss-scale is the static fp16 loss scale: it needs --fp16"]),
-    (["--fp16", "--loss-scale", 0], ["--loss-scale must be positive"]),
-    (["--fp16", "--hysteresis", 0], ["--hysteresis must be >= 1"]),
-    (["--fp16", "--min-loss-scale", 2**40], ["--min-loss-scale must be in (0, --initial-loss-scale]"]),
+    (["--loss-scale", 1024], ["--loss-scale=1024.0) is the static fp16 loss scale: it needs fp16 (--fp16)"]),
+    (["--fp16", "--loss-scale", 0], ["--loss-scale=0.0) must be positive"]),
+    (["--fp16", "--hysteresis", 0], ["--hysteresis=0) must be >= 1"]),
+    (["--fp16", "--initial-loss-scale", 0], ["--initial-loss-scale=0.0) must be positive"]),
+    (["--fp16", "--loss-scale-window", 0], ["--loss-scale-window=0.0) must be >= 1"]),
+    (["--fp16", "--min-loss-scale", 2**40], ["--min-loss-scale=1099511627776.0) must be in (0, "
+                                             "initial_loss_scale (--initial-loss-scale=4294967296)]"]),
     (["--fp16", "--use-megatron-fsdp"], ["--fp16 with --use-megatron-fsdp is not supported yet"]),
     (["--timing-log-level", 1], ["--timing-log-level 1 is not supported"]),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"],
@@ -187,7 +190,8 @@ ERRORS = [
     (["--init-model-with-meta-device"], None, ["--init-model-with-meta-device", "--use-megatron-fsdp"]),
     (["--moe-router-enable-expert-bias"], None, ["--moe-router-enable-expert-bias", "--num-experts"]),
     (["--moe-ffn-hidden-size", 8], None, ["--moe-ffn-hidden-size", "--num-experts"]),
-    (["--num-experts", 2, "--moe-router-topk", 3], None, ["--moe-router-topk", "--num-experts"]),
+    (["--num-experts", 2, "--moe-router-topk", 3], None, ["--moe-router-topk=3", "--num-experts=2"]),
+    (["--num-experts", 0], None, ["--num-experts=0) must be positive"]),
     (["--ckpt-format", "torch"], None, ["--ckpt-format"]),
     (["--ckpt-format", "zarr"], None, ["--ckpt-format", "torch_dist"]),
     (["--pipeline-model-parallel-size", 2], None, ["--pipeline-model-parallel-size"]),
@@ -205,7 +209,8 @@ ERRORS = [
     (["--exit-on-missing-checkpoint"], None, ["--exit-on-missing-checkpoint", "--load"]),
     (["--finetune"], None, ["--finetune", "--load"]),
     (["--seq-length", 64, "--max-position-embeddings", 32], None, ["--seq-length", "--max-position-embeddings"]),
-    (["--hidden-size", 30], None, ["--hidden-size", "--num-attention-heads"]),
+    (["--hidden-size", 30], None, ["--hidden-size=30", "--num-attention-heads=4", "--kv-channels"]),
+    (["--group-query-attention", "--num-query-groups", 3], None, ["--num-attention-heads=4", "--num-query-groups=3"]),
     (["--log-interval", 0], None, ["--log-interval"]),
     (["--moe-router-bias-update-rate", -1], None, ["--moe-router-bias-update-rate"]),
 ]
@@ -305,6 +310,15 @@ def test_fp16_and_distributed_optimizer_flags_reach_the_configs():
     (["--fp16", "--bf16"], "fp16 and bf16 are mutually exclusive (--fp16 / --bf16)"),
     (["--fp8-param-gather"], "fp8_param (--fp8-param-gather) needs fp8"),
     (["--moe-router-bias-update-rate", -1], "moe_router_bias_update_rate (--moe-router-bias-update-rate)"),
+    (["--sequence-parallel"], "sequence_parallel (--sequence-parallel=True) needs tensor_model_parallel_size "
+                              "(--tensor-model-parallel-size=1) > 1"),
+    (["--num-experts", 4, "--moe-router-topk", 5], "moe_router_topk (--moe-router-topk=5) must be in "
+                                                   "[1, num_moe_experts (--num-experts=4)]"),
+    (["--num-experts", -2], "num_moe_experts (--num-experts=-2) must be positive"),
+    (["--moe-router-enable-expert-bias"], "moe_router_enable_expert_bias (--moe-router-enable-expert-bias=True) "
+                                          "needs num_moe_experts (--num-experts)"),
+    (["--loss-scale", 8], "loss_scale (--loss-scale=8.0) is the static fp16 loss scale: it needs fp16 (--fp16)"),
+    (["--fp16", "--hysteresis", 0], "hysteresis (--hysteresis=0) must be >= 1"),
 ])
 def test_config_checks_are_the_configs_own(extra, config_text):
     """validate_args does not repeat the TransformerConfig / OptimizerConfig checks: it builds the configs and
@@ -312,6 +326,27 @@ def test_config_checks_are_the_configs_own(extra, config_text):
     with pytest.raises(SystemExit) as exc:
         _args(*extra)
     assert config_text in str(exc.value) and str(exc.value).startswith("megatron argument error: ")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(loss_scale=4.0), "loss_scale (--loss-scale=4.0) is the static fp16 loss scale: it needs fp16 (--fp16)"),
+    (dict(fp16=True, loss_scale=-1.0), "loss_scale (--loss-scale=-1.0) must be positive"),
+    (dict(fp16=True, initial_loss_scale=0.0), "initial_loss_scale (--initial-loss-scale=0.0) must be positive"),
+    (dict(fp16=True, initial_loss_scale=8.0, min_loss_scale=16.0),
+     "min_loss_scale (--min-loss-scale=16.0) must be in (0, initial_loss_scale (--initial-loss-scale=8.0)]"),
+    (dict(fp16=True, loss_scale_window=0.5), "loss_scale_window (--loss-scale-window=0.5) must be >= 1"),
+    (dict(fp16=True, hysteresis=0), "hysteresis (--hysteresis=0) must be >= 1"),
+])
+def test_optimizer_config_loss_scale_checks(kwargs, needle):
+    """The loss-scale checks live in OptimizerConfig (one home), for core users that build it without the flags."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    with pytest.raises(ValueError) as exc:
+        OptimizerConfig(lr=1.0, **kwargs)
+    assert needle in str(exc.value), (needle, str(exc.value))
+    # a dynamic fp16 scale ignores the dynamic-scale fields' values only when a static scale is given
+    assert OptimizerConfig(lr=1.0, fp16=True, loss_scale=2.0, hysteresis=0).loss_scale == 2.0
+    assert OptimizerConfig(lr=1.0, bf16=True, hysteresis=0).hysteresis == 0  # no fp16: no loss scaling to check
 
 
 @pytest.mark.parametrize("strategy,sharded_optimizer", [("no_shard", False), ("optim", True), ("optim_grads", True),

@@ -73,3 +73,33 @@ def test_moe_layer_freq_list_selects_layers():
     c2 = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_moe_experts=2, moe_router_topk=1,
                            moe_layer_freq=2)
     assert [is_moe_layer(c2, i) for i in (1, 2, 3, 4)] == [True, False, True, False]
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        (dict(tensor_model_parallel_size=3), "num_attention_heads (--num-attention-heads=4) must be divisible by "
+                                             "tensor_model_parallel_size (--tensor-model-parallel-size=3)"),
+        (dict(tensor_model_parallel_size=2, num_query_groups=1),
+         "num_query_groups (--num-query-groups=1) must be divisible by tensor_model_parallel_size "
+         "(--tensor-model-parallel-size=2)"),
+        (dict(tensor_model_parallel_size=2, ffn_hidden_size=34 + 1), "ffn_hidden_size (--ffn-hidden-size=35)"),
+        (dict(tensor_model_parallel_size=2, num_moe_experts=4, moe_ffn_hidden_size=15),
+         "moe_ffn_hidden_size (--moe-ffn-hidden-size=15) must be divisible by tensor_model_parallel_size "
+         "(--tensor-model-parallel-size=2)"),
+        (dict(sequence_parallel=True), "sequence_parallel (--sequence-parallel=True) needs tensor_model_parallel_size "
+                                       "(--tensor-model-parallel-size=1) > 1"),
+        (dict(num_moe_experts=0), "num_moe_experts (--num-experts=0) must be positive"),
+        (dict(num_moe_experts=4, moe_router_topk=0), "moe_router_topk (--moe-router-topk=0) must be in "
+                                                     "[1, num_moe_experts (--num-experts=4)]"),
+        (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias (--moe-router-enable-expert-bias="
+                                                   "True) needs num_moe_experts (--num-experts)"),
+    ],
+)
+def test_messages_name_field_flag_and_value(kwargs, text):
+    """The checks validate_args leaves to the config: each message names the field, its flag and the value."""
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+    base.update(kwargs)
+    with pytest.raises(ValueError) as exc:
+        TransformerConfig(**base)
+    assert text in str(exc.value), (text, str(exc.value))
