@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
+from megatron.core.transformer.transformer_config import flag_name
 from megatron.training.utils import get_rank_safe
 
 # Rank-0-once guard of the param-gather / checkpoint-load warning (reset by tests).
@@ -406,10 +407,6 @@ TOKENIZER_FILE_FLAGS = {
 }
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 def _validate_tokenizer_args(args):
     if args.tokenizer_type is None:  # upstream's GPT example gives only --vocab-file and --merge-file
         args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
@@ -418,9 +415,9 @@ def _validate_tokenizer_args(args):
     for dest in TOKENIZER_FILE_FLAGS[args.tokenizer_type]:
         path = getattr(args, dest)
         if not path:
-            _fail(f"{_flag(dest)} is required with --tokenizer-type {args.tokenizer_type}")
+            _fail(f"{flag_name(dest)} is required with --tokenizer-type {args.tokenizer_type}")
         if not os.path.exists(path):
-            _fail(f"{_flag(dest)} {path}: no such file or directory")
+            _fail(f"{flag_name(dest)} {path}: no such file or directory")
     if args.make_vocab_size_divisible_by is None or args.make_vocab_size_divisible_by < 1:
         _fail(f"--make-vocab-size-divisible-by must be >= 1 (got {args.make_vocab_size_divisible_by})")
 
@@ -431,7 +428,7 @@ def _validate_sample_based_args(args):
     if args.train_samples is None:
         for dest in ("lr_decay_samples", "lr_warmup_samples"):
             if getattr(args, dest):
-                _fail(f"{_flag(dest)} needs --train-samples (iteration-based training uses --lr-decay-iters / "
+                _fail(f"{flag_name(dest)} needs --train-samples (iteration-based training uses --lr-decay-iters / "
                       "--lr-warmup-iters)")
         return
     if args.train_iters is not None:
@@ -466,7 +463,7 @@ def _validate_data_parallel_args(args):
         if strategy in ("no_shard", "optim"):  # DDP wrapper: FSDP2's overlap and FP8 gather do not apply
             for dest in ("overlap_grad_reduce", "overlap_param_gather", "fp8_param_gather", "fp4_param_gather"):
                 if getattr(args, dest, False):
-                    _fail(f"{_flag(dest)} is not supported with --data-parallel-sharding-strategy {strategy} "
+                    _fail(f"{flag_name(dest)} is not supported with --data-parallel-sharding-strategy {strategy} "
                           "(parameters and gradients are not sharded: a DDP wrapper); use optim_grads or "
                           "optim_grads_params, or remove the flag")
         return
@@ -480,7 +477,7 @@ def _validate_data_parallel_args(args):
     for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
                        ("overlap_param_gather", "parameters are not gathered (DDP replicates them)")):
         if getattr(args, dest):
-            _fail(f"{_flag(dest)} is not supported without --use-megatron-fsdp: {what}; remove the flag, or add "
+            _fail(f"{flag_name(dest)} is not supported without --use-megatron-fsdp: {what}; remove the flag, or add "
                   "--use-megatron-fsdp (FSDP2 overlaps its reduce-scatter and all-gather with compute)")
 
 

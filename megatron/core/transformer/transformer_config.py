@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of a config field or args attribute: ``num_layers`` -> ``--num-layers``."""
     return "--" + name.replace("_", "-")
 
 
 def _named(name: str, value, flag: Optional[str] = None) -> str:
-    """``name (--flag=value)``: a field, its command-line flag (``_flag(name)`` unless given) and its value, as the
+    """``name (--flag=value)``: a field, its command-line flag (``flag_name(name)`` unless given) and its value, as the
     error messages name them."""
-    return f"{name} ({flag or _flag(name)}={value!r})"
+    return f"{name} ({flag or flag_name(name)}={value!r})"
 
 
 @dataclass
@@ -118,7 +119,7 @@ class TransformerConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TransformerConfig.{name} must be a positive int ({_flag(name)}), got {value!r}")
+                raise ValueError(f"TransformerConfig.{name} must be a positive int ({flag_name(name)}), got {value!r}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:
@@ -173,10 +174,10 @@ class TransformerConfig:
                              f"'alltoall', got {self.moe_token_dispatcher_type!r}")
         for name in ("pipeline_model_parallel_size",):
             if getattr(self, name) != 1:
-                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork has no pipeline parallelism")
+                raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no pipeline parallelism")
         for name in ("context_parallel_size",):
             if getattr(self, name) != 1:
-                raise ValueError(f"{name} must be 1 ({_flag(name)}): this fork has no context parallelism")
+                raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
         if self.virtual_pipeline_model_parallel_size not in (None, 1):
             raise ValueError("virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage) is not supported")
         if self.recompute_granularity is not None:
