@@ -13,7 +13,7 @@ A pickle names callables that the unpickler calls; a checkpoint that names ``os.
   rebuild functions, dtypes/layouts); subclasses set their own allowlist (the DCP ``.metadata`` reader in
   ``dist_checkpointing/strategies/filesystem.py`` is one). ``safe_pickle_load`` wraps it with a clear error.
 - ``safe_load_from_bytes``: what ``pickle.dumps(tensor)`` names to rebuild a storage
-  (``torch.storage._load_from_bytes`` does ``torch.load(weights_only=False)``: ``SafeUnpickler`` substitutes this).
+  (``torch.storage._load_from_bytes`` unpickles with full pickle: ``SafeUnpickler`` substitutes this).
 - ``safe_np_load(file, what)``: ``numpy.load(allow_pickle=False)`` with a clear error.
 """
 import argparse
@@ -119,7 +119,7 @@ def safe_torch_load(f, what: str, map_location: Any = "cpu", extra: Iterable[Any
 
 
 def safe_load_from_bytes(b: bytes) -> Any:
-    """``torch.storage._load_from_bytes`` (named by ``pickle.dumps(tensor)``) without ``weights_only=False``."""
+    """``torch.storage._load_from_bytes`` (named by ``pickle.dumps(tensor)``), but through the weights-only loader."""
     return torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
 
 

@@ -389,7 +389,7 @@ class ChecksummedFileSystemReader(FileSystemReader):
     def read_data(self, plan, planner):
         """As ``FileSystemReader.read_data``; with ``safe_objects`` (default) every bytes item is first unpickled
         with ``safe_torch_load`` (``weights_only=True`` + ``SAFE_GLOBALS``) before the planner sees it: DCP's
-        ``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``, so a planted object would run
+        ``DefaultLoadPlanner.load_bytes`` unpickles with full pickle, so a planted object would run
         there. An object refused here is a ``CheckpointingException`` naming the key, file and byte range."""
         stored = sum(int(self.storage_data[item.storage_index].length) for item in plan.items)
         self._progress = _Progress(f"loading {self.path}", stored)

@@ -93,6 +93,6 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        """Keep an object item's raw bytes (DCP's default would ``torch.load(weights_only=False)`` them: code
+        """Keep an object item's raw bytes (DCP's default would unpickle them with full pickle: code
         execution); ``object_from_bytes`` reads them safely."""
         self.state_dict[read_item.dest_index.fqn] = value.read()
