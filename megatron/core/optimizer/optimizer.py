@@ -85,7 +85,8 @@ def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -
         if g is None or not param_is_not_tensor_parallel_duplicate(mp):
             continue
         kind = "dense" if getattr(mp, "allreduce", True) else "expert"
-        sums[kind] += g.detach().double().pow(2).sum().to(device)
+        # one fp32 norm per tensor (the reduction upcasts as it reads: no float64 copy of a large gradient)
+        sums[kind] += torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32).to(device, torch.float64) ** 2
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         for t in sums.values():
             dist.all_reduce(t, group=shard_group)
