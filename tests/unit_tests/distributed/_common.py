@@ -71,3 +71,17 @@ def full_tensor(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def step_on_rank_slice(model, opt, global_batch: int, seed: int = 3) -> None:
+    """One optimizer step of a DP-wrapped model on this rank's slice of one global batch (Adam moments then exist
+    and differ from zeros)."""
+    import torch.distributed as dist
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tok, lab = batches(1, global_batch, seed=seed)[0]
+    per = global_batch // ws
+    sl = slice(rank * per, (rank + 1) * per)
+    model(tok[sl], position_ids(per), labels=lab[sl]).mean().backward()
+    model.finish_grad_sync()
+    assert opt.step()[0]

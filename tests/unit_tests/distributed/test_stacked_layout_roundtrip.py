@@ -11,11 +11,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed._common import (
-    batches,
     build_gpt,
     full_tensor,
-    position_ids,
     set_expert_bias_sentinel,
+    step_on_rank_slice,
     tiny_config,
 )
 
@@ -75,12 +74,7 @@ def _save_body(rank, ws, tmp, kind, fully_parallel):
 
     model, opt = _wrap(kind, 5)
     set_expert_bias_sentinel(model.module)
-    tok, lab = batches(1, GLOBAL_BATCH, seed=3)[0]
-    per = GLOBAL_BATCH // ws
-    sl = slice(rank * per, (rank + 1) * per)
-    model(tok[sl], position_ids(per), labels=lab[sl]).mean().backward()
-    model.finish_grad_sync()
-    assert opt.step()[0]  # Adam moments exist and differ from zeros
+    step_on_rank_slice(model, opt, GLOBAL_BATCH)
     model_sd = model.sharded_state_dict()
     save_kw, _ = _strategies(fully_parallel)
     dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)},

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit_tests.dist_utils import run_distributed
-from tests.unit_tests.distributed._common import batches, build_gpt, position_ids, set_expert_bias_sentinel, tiny_config
+from tests.unit_tests.distributed._common import build_gpt, set_expert_bias_sentinel, step_on_rank_slice, tiny_config
 from tests.unit_tests.models.upstream_fixtures import copy_fixture_ckpt, needs_fixtures, reference, routers
 
 GLOBAL_BATCH = 8
@@ -54,12 +54,7 @@ def _save_body(rank, ws, tmp, ep):
 
     model, opt = _setup(ep, 5)
     set_expert_bias_sentinel(model.module)
-    tok, lab = batches(1, GLOBAL_BATCH, seed=3)[0]
-    per = GLOBAL_BATCH // ws
-    sl = slice(rank * per, (rank + 1) * per)
-    model(tok[sl], position_ids(per), labels=lab[sl]).mean().backward()
-    model.finish_grad_sync()
-    assert opt.step()[0]
+    step_on_rank_slice(model, opt, GLOBAL_BATCH)
     model_sd = model.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)},
                             os.path.join(tmp, "ckpt"))
