@@ -95,6 +95,45 @@ def test_round_trip_and_checksums_match_file_bytes(tmp_path, algorithm):
     assert torch.equal(out2["w"], sd["w"]) and out2["obj"] == sd["obj"]
 
 
+def test_writer_skips_torch_zip_crc_and_restores_it(tmp_path, monkeypatch):
+    """Items are written without torch.save's zip CRC-32 (our CRC32C covers them; torch never checks it), the
+    global torch option is restored afterwards, and torch's own reader still loads the items."""
+    import zipfile
+
+    if not hasattr(torch.serialization, "set_crc32_options"):
+        pytest.skip("torch without set_crc32_options")
+    ckpt = str(tmp_path / "ckpt")
+    sd = _state()
+    assert torch.serialization.get_crc32_options() is True
+    dcp_save(sd, storage_writer=ChecksummedFileSystemWriter(ckpt))
+    assert torch.serialization.get_crc32_options() is True
+    _, info = _item(ckpt, "w")
+    with open(os.path.join(ckpt, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        archive = zipfile.ZipFile(__import__("io").BytesIO(f.read(info.length)))
+    crcs = {i.filename.split("/", 1)[1]: i.CRC for i in archive.infolist()}
+    assert crcs["data/0"] == 0 and crcs["data.pkl"] == 0, crcs
+    out = _empty_like(sd)
+    dcp_load(out, storage_reader=FileSystemReader(ckpt))
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["h"], sd["h"])
+
+
+def test_writer_starts_writeback_as_it_writes(tmp_path, monkeypatch):
+    """Every WRITEBACK_BYTES written, the file's new range is handed to the kernel's writeback
+    (posix_fadvise DONTNEED), covering the data file without gaps; the checkpoint is intact."""
+    calls = []
+    monkeypatch.setattr(fs_mod, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(fs_mod, "_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    ckpt = str(tmp_path / "ckpt")
+    sd = {f"w{i}": torch.randn(64, 64) for i in range(4)}  # 4 x 16 KiB items in one file: several writebacks
+    dcp_save(sd, storage_writer=ChecksummedFileSystemWriter(ckpt, thread_count=1))
+    assert len(calls) >= 3 and all(a == os.POSIX_FADV_DONTNEED for _, _, a in calls)
+    assert [off for off, _, _ in calls] == [0] + [off + n for off, n, _ in calls[:-1]]  # contiguous ranges
+    out = {k: torch.zeros(64, 64) for k in sd}
+    dcp_load(out, storage_reader=ChecksummedFileSystemReader(ckpt))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
 @pytest.mark.parametrize("fqn", ["w", "obj"])
 def test_flipped_bytes_named(tmp_path, monkeypatch, fqn):
     monkeypatch.setattr(fs_mod, "_READ_CHUNK", 1000)  # several chunks per item
