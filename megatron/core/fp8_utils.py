@@ -253,10 +253,6 @@ def chunk_row_multiple(t) -> Optional[int]:
     kind = quantization_kind(t)
     if kind not in _TE_ROW_MULTIPLE:
         return None
-    if kind == TENSORWISE and not hasattr(t._quantizer, "scale"):
-        # TE 2.20's Float8CurrentScalingQuantizer keeps no ``scale`` (H200 run, 2026-12-03: the chunked path raised
-        # AttributeError): such a destination streams whole, through the path measured on the GPU.
-        return None
     if kind == MXFP8 and getattr(t, "_with_gemm_swizzled_scales", False):
         return None  # swizzled scales: a row range is not a slice of the scale buffers
     if kind == BLOCKWISE and not getattr(t, "_is_2D_scaled", True):
@@ -267,8 +263,13 @@ def chunk_row_multiple(t) -> Optional[int]:
 def chunk_extra_bytes_per_element(t) -> int:
     """Transient bytes per element of a row range that :func:`quantize_rows_into` allocates besides the caller's
     high-precision source (TE MXFP8/blockwise: the temporary rowwise + columnwise FP8 data)."""
-    if _is_te_quantized(t) and quantization_kind(t) in (MXFP8, BLOCKWISE):
+    if not _is_te_quantized(t):
+        return 0
+    kind = quantization_kind(t)
+    if kind in (MXFP8, BLOCKWISE):
         return 2
+    if kind == TENSORWISE:  # a high-precision copy of the rows (+ the amax row) and its FP8 cast (see below)
+        return high_precision_dtype(t).itemsize + 1
     return 0
 
 
@@ -328,31 +329,39 @@ def finish_rows_quantize(dst: torch.Tensor) -> None:
 
 
 # ---- TE implementation of the row-range quantize (GPU; checked by tests marked gpu and the benchmark's err) ---
-def _te_tensorwise_scale(dst, amax: torch.Tensor):
-    """(scale, scale_inv) a whole-tensor current-scaling quantize of a tensor with this amax computes: TE computes
-    them itself from the one-element tensor [amax] (the amax is an element's magnitude, exact in the input dtype)."""
+def _te_tensorwise_rows(dst, r0: int, src2d: torch.Tensor, amax: torch.Tensor) -> None:
+    """Rows ``[r0, r0 + n)`` of a current-scaling (tensorwise) destination as a whole-tensor quantize writes them.
+
+    TE (2.20) keeps no scale on its current-scaling quantizer and computes the scale from the amax of what it is
+    given. So the rows are quantized by a fresh quantizer of the destination's settings together with one extra row
+    holding the whole tensor's amax: that input has the whole tensor's amax (the amax is one of its elements'
+    magnitudes, exact in the input dtype), so TE computes the whole tensor's scale, and the cast is elementwise."""
     q = dst._quantizer
-    probe_q = _te.Float8CurrentScalingQuantizer(
+    n, cols = src2d.shape
+    padded = torch.zeros((n + 1, cols), dtype=src2d.dtype, device=dst.device)
+    padded[:n].copy_(src2d)
+    padded[n, 0] = amax.reshape(()).to(src2d.dtype)
+    cast_q = _te.Float8CurrentScalingQuantizer(
         q.dtype, dst.device, rowwise=True, columnwise=False,
         force_pow_2_scales=getattr(q, "force_pow_2_scales", False), amax_epsilon=getattr(q, "amax_epsilon", 0.0),
     )
-    probe = probe_q(amax.to(device=dst.device, dtype=high_precision_dtype(dst)).reshape(1, 1))
-    return probe_q.scale.clone(), probe._scale_inv.clone()
+    out = cast_q(padded)
+    del padded
+    dst._data.view(-1, cols)[r0:r0 + n].copy_(out._data.view(n + 1, cols)[:n])
+    dst._scale_inv.copy_(out._scale_inv)
 
 
 def _te_quantize_rows(dst, r0: int, src2d: torch.Tensor, amax) -> None:
     kind = quantization_kind(dst)
     n, cols = src2d.shape
     src2d = src2d.to(high_precision_dtype(dst)).contiguous()
-    if kind in (DELAYED, TENSORWISE):
+    if kind == TENSORWISE:
+        _te_tensorwise_rows(dst, r0, src2d, amax)
+        return
+    if kind == DELAYED:
         q = dst._quantizer
-        if kind == DELAYED:
-            scale = q.scale
-            scale_inv = None
-        else:
-            scale, scale_inv = _te_tensorwise_scale(dst, amax)
         cast_q = _te.Float8Quantizer(
-            scale=scale, amax=torch.zeros(1, dtype=torch.float32, device=dst.device), fp8_dtype=q.dtype,
+            scale=q.scale, amax=torch.zeros(1, dtype=torch.float32, device=dst.device), fp8_dtype=q.dtype,
             rowwise=True, columnwise=False,
         )
         rows_view = dst._data.view(-1, cols)[r0:r0 + n]
@@ -362,9 +371,7 @@ def _te_quantize_rows(dst, r0: int, src2d: torch.Tensor, amax) -> None:
             requires_grad=False, data_transpose=None, quantizer=cast_q,
         )
         cast_q.update_quantized(src2d, out)
-        dst._scale_inv.copy_(out._scale_inv if scale_inv is None else scale_inv)
-        if kind == TENSORWISE:  # as the whole-tensor quantize leaves its workspace
-            q.scale.copy_(scale)
+        dst._scale_inv.copy_(out._scale_inv)
         return
     tmp = dst._quantizer(src2d)
     if kind == MXFP8:

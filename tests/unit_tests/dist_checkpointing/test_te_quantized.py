@@ -142,7 +142,7 @@ def test_te_delayed_amax_snapshot_restore():
 
 
 # ---- loads through dist_checkpointing ---------------------------------------------------------------------------
-def _load(ckpt, refs, kind, stream, prepend=0, extra=None):
+def _load(ckpt, refs, kind, stream, prepend=0, extra=None, chunk_mb=None):
     dests = [_dest(r, kind) for r in refs]
     sd = {
         f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", d, prepend_axis_num=prepend) for i, d in enumerate(dests)
@@ -153,7 +153,8 @@ def _load(ckpt, refs, kind, stream, prepend=0, extra=None):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True) if stream else TorchDistLoadShardedStrategy()
+    kwargs = {} if chunk_mb is None else {"stream_ckpt_dequant_chunk_mb": chunk_mb}
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=stream, **kwargs)
     loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
@@ -233,3 +234,23 @@ def test_te_prepended_axis(tmp_path, kind):
         assert torch.equal(got, want), (kind, stream, float((got.float() - want.float()).abs().max()))
         _check_transpose(dests[0], (kind, stream))
         assert tuple(loaded["w0"].shape) == tuple(refs[0].shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_te_chunked_equals_whole(tmp_path, kind):
+    """--stream-ckpt-dequant-chunk-mb smaller than the destination: the chunks quantize to exactly the bytes of one
+    whole-tensor quantize (tensorwise: TE's own scale of the whole tensor's amax), within the chunk's memory."""
+    _need(kind)
+    refs = _refs(6, [(2048, 512)])  # 2 MiB of bf16
+    sd = {"w0": ShardedTensor.from_rank_offsets("w0", refs[0], prepend_axis_num=1)}
+    dist_checkpointing.save(sd, str(tmp_path))
+    chunk_mb = 0.25
+    dests, _, peak, scratch_peak = _load(str(tmp_path), refs, kind, True, prepend=1, chunk_mb=chunk_mb)
+    got = fp8_utils.dequantize(dests[0])
+    want = fp8_utils.dequantize(_reference(refs[0], kind, dests[0]))
+    assert torch.equal(got, want), (kind, float((got.float() - want.float()).abs().max()))
+    if hasattr(dests[0], "_scale_inv"):
+        assert torch.equal(dests[0]._scale_inv, _reference(refs[0], kind, dests[0])._scale_inv)
+    _check_transpose(dests[0], kind)
+    assert 0 < scratch_peak <= chunk_mb * 2**20, scratch_peak
+    assert peak <= chunk_mb * 2**20 + 2**20, (kind, peak)
