@@ -119,6 +119,9 @@ def test_chunked_planner_exact_and_bounded(tmp_path, kind):
     planner.finish_quantized_load()
     assert planner.quantized_load_state_is_empty()
     assert planner.chunked_destinations_committed == 1 and planner.quantized_destinations_committed == 1
+    # one saved item over the whole destination: split into one read item per chunk, read straight into each chunk
+    # (tensorwise needs the whole amax first: the host-staged path)
+    assert planner.direct_chunked_destinations_committed == int(kind != "tensorwise")
     assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0
     assert FakeQuantizedTensor.rows_quantize_calls == 8  # 1000 rows in chunks of 128 (the last 104)
     assert 0 < planner.scratch_bytes_peak <= CHUNK
@@ -160,7 +163,7 @@ def test_small_destination_keeps_whole_path(tmp_path):
 def test_incomplete_chunked_destination_named(tmp_path):
     full = _full()
     dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
-    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "delayed")
+    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "tensorwise")
     planner = _Planner(stream_chunk_bytes=CHUNK)
     reader = dcp.FileSystemReader(str(tmp_path))
     planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
@@ -171,6 +174,32 @@ def test_incomplete_chunked_destination_named(tmp_path):
         target.add_(1)
     with pytest.raises(CheckpointingException, match="w"):
         planner.finish_quantized_load()  # resolved, never committed
+    assert planner.quantized_load_state_is_empty()
+
+
+def test_direct_chunks_split_read_items(tmp_path):
+    """Delayed scaling, one saved item: the plan has one read item per 128-row chunk, with storage offsets shifted
+    alike; each resolves to that chunk's own scratch (a plain tensor the reader copies into). A load that stops
+    half way is named and leaves no scratch behind."""
+    full = _full()
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "delayed")
+    planner = _Planner(stream_chunk_bytes=CHUNK)
+    reader = dcp.FileSystemReader(str(tmp_path))
+    planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
+    plan = planner.finish_plan(planner.create_local_plan())
+    rows = [(int(i.dest_offsets[0]), int(i.storage_offsets[0]), int(i.lengths[0]), int(i.lengths[1]))
+            for i in plan.items]
+    assert rows == [(r, r, min(128, 1000 - r), 256) for r in range(0, 1000, 128)]
+    target = planner.resolve_tensor(plan.items[1])
+    assert type(target) is torch.Tensor and tuple(target.shape) == (128, 256)
+    assert planner.scratch_bytes_live == 128 * 256 * 2
+    target.copy_(full[128:256])
+    planner.commit_tensor(plan.items[1], target)
+    assert planner.scratch_bytes_live == 0 and FakeQuantizedTensor.rows_quantize_calls >= 1
+    planner.resolve_tensor(plan.items[2])
+    with pytest.raises(CheckpointingException, match="'w'"):
+        planner.finish_quantized_load()
     assert planner.quantized_load_state_is_empty()
 
 
@@ -207,7 +236,7 @@ def _save_body(rank, world_size, ckpt, full, axis):
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", local, (axis, rank, world_size))}, ckpt)
 
 
-def _load_body(rank, world_size, ckpt, full, axis):
+def _load_body(rank, world_size, ckpt, full, axis, direct):
     n = full.shape[axis] // world_size
     local = full.narrow(axis, rank * n, n).contiguous()
     amax = float(full.float().abs().max())
@@ -221,6 +250,8 @@ def _load_body(rank, world_size, ckpt, full, axis):
         assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0, kind
         stats = strategy.last_load_stats
         assert stats.streamed and stats.chunked_destinations == 1 and stats.quantized_destinations == 1, kind
+        # read items starting and ending on chunk boundaries are read straight into the chunks (not tensorwise)
+        assert stats.direct_chunked_destinations == int(direct and kind != "tensorwise"), kind
         assert stats.streaming_state_empty
         # the bound: one chunk, or one aligned block of rows where that is larger (blockwise: 128 rows x 512 cols)
         bound = max(CHUNK, fp8_utils.chunk_row_multiple(dest) * local.shape[1] * 2)
@@ -231,18 +262,18 @@ def _load_body(rank, world_size, ckpt, full, axis):
 
 
 @pytest.mark.parametrize(
-    "save_ranks,load_ranks,axis,shape",
+    "save_ranks,load_ranks,axis,shape,direct",
     [
-        (1, 2, 0, (1536, 256)),  # 1 -> 2: each read item a narrow of the saved item, covering several chunks
-        (2, 1, 1, (1000, 512)),  # 2 -> 1 along columns: every chunk gets part of each of two read items
-        (4, 1, 0, (1000, 256)),  # read items of 250 rows straddle the 128-row chunks (and blockwise blocks)
-        (4, 2, 0, (1280, 256)),  # 320-row items into 640-row destinations: partial chunks on both sides
+        (1, 2, 0, (1536, 256), True),  # 1 -> 2: each read item a narrow of the saved item, covering 6 whole chunks
+        (2, 1, 1, (1000, 512), False),  # 2 -> 1 along columns: every chunk gets part of each of two read items
+        (4, 1, 0, (1000, 256), False),  # read items of 250 rows straddle the 128-row chunks (and blockwise blocks)
+        (4, 2, 0, (1280, 256), False),  # 320-row items into 640-row destinations: partial chunks on both sides
     ],
 )
-def test_resharded_chunked_exact(tmp_path, save_ranks, load_ranks, axis, shape):
+def test_resharded_chunked_exact(tmp_path, save_ranks, load_ranks, axis, shape, direct):
     full = _full(*shape, seed=save_ranks * 10 + load_ranks)
     run_distributed(_save_body, save_ranks, str(tmp_path), full, axis)
-    run_distributed(_load_body, load_ranks, str(tmp_path), full, axis)
+    run_distributed(_load_body, load_ranks, str(tmp_path), full, axis, direct)
 
 
 class _NoReshapeView(FakeQuantizedTensor):

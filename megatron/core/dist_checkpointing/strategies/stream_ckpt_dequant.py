@@ -19,8 +19,12 @@ Chunked streaming (``stream_chunk_bytes``, ``--stream-ckpt-dequant-chunk-mb``, d
 whose high-precision bytes exceed the chunk, and whose kind has a row-range quantize (``fp8_utils.chunk_row_multiple``:
 delayed, tensorwise, MXFP8, blockwise), never gets a whole scratch. Its leading axis (of the original tensor, after
 any prepended axes) is cut into chunks of ``chunk_len`` indices, aligned to the kind's scaling blocks, each at most
-``stream_chunk_bytes`` of high-precision scratch plus the adapter's temporaries. ``resolve_tensor`` hands DCP a
-``_CaptureTarget`` (a storage-free tensor whose ``copy_`` records the source the reader loaded, zero copy);
+``stream_chunk_bytes`` of high-precision scratch plus the adapter's temporaries. Direct chunks (the usual case: one
+saved item per destination, or resharding along rows at chunk-aligned offsets; not tensorwise): when every read item
+of the destination covers whole rows from one chunk boundary to another, ``finish_plan`` splits the read items at the
+chunk boundaries; each resolves to its own chunk's scratch, a plain tensor the reader copies into (from its staging
+buffers), and its commit quantizes those rows and frees the scratch. Otherwise (captured chunks) ``resolve_tensor``
+hands DCP a ``_CaptureTarget`` (a storage-free tensor whose ``copy_`` records the source the reader loaded, zero copy);
 ``commit_tensor`` cuts that source along the leading axis into the chunks it covers (a read item may cover several
 chunks or part of one: resharding) and keeps the pieces (host memory the reader already allocated; a piece of a much
 larger saved item is cloned so the item is not kept alive). When all bytes of a chunk landed, the chunk's scratch is
@@ -37,6 +41,7 @@ base back. Where a quantized tensor cannot add axes by view at all (TE blockwise
 
 All knowledge of quantized tensors is in ``megatron.core.fp8_utils``; plain destinations get DCP's default behaviour.
 """
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -134,7 +139,8 @@ class LoadStats:
     ``streamed``: the streaming path was used. ``scratch_bytes_peak``: most high-precision scratch bytes alive at
     once on the streaming path (0 on the upfront path, whose transient is ``dequantized_upfront_bytes``: every
     quantized destination at once). ``quantized_destinations``: destinations quantized back (streaming) or
-    dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk. ``streaming_state_empty``: the
+    dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk; ``direct_chunked_destinations``:
+    of those, read straight into each chunk's scratch (read items split at chunk boundaries). ``streaming_state_empty``: the
     streaming planner's bookkeeping (pending read items, scratches, chunk pieces, live scratch bytes) was empty after
     the load (always True on the upfront path). ``seconds``: wall time of the read (the DCP load and the copies after
     it) on this rank."""
@@ -143,6 +149,7 @@ class LoadStats:
     scratch_bytes_peak: int = 0
     quantized_destinations: int = 0
     chunked_destinations: int = 0
+    direct_chunked_destinations: int = 0
     dequantized_upfront_bytes: int = 0
     streaming_state_empty: bool = True
     seconds: float = 0.0
@@ -240,6 +247,8 @@ class _ChunkedDest:
         self.landed: Dict[int, int] = {}
         self.done = 0  # chunks quantized (or, tensorwise, whose amax is in)
         self.whole_amax = fp8_utils.needs_whole_tensor_amax(dest)
+        self.direct = False  # read items split at chunk boundaries: the reader fills each chunk's scratch itself
+        self.bufs: Dict[int, torch.Tensor] = {}  # direct: the live scratch of chunk i
         self.amax: Optional[torch.Tensor] = None
         self.snap = fp8_utils.snapshot_amax(dest)
         self.hp = fp8_utils.high_precision_dtype(dest)
@@ -276,6 +285,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         self._quantized_scratch: Dict[DestKey, _Scratch] = {}
         self._chunked: Dict[DestKey, _ChunkedDest] = {}
         self.chunked_destinations_committed = 0
+        self.direct_chunked_destinations_committed = 0
         self.scratch_bytes_live = 0
         self.scratch_bytes_peak = 0
         self.quantized_destinations_committed = 0
@@ -292,22 +302,67 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
 
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)
-        pending: Dict[DestKey, int] = {}
+        quantized: Dict[DestKey, List] = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 continue
             key = self._dest_key(item.dest_index)
-            if key in pending:
-                pending[key] += 1
+            if key in quantized:
+                quantized[key].append(item)
                 continue
             dest = self.lookup_tensor(item.dest_index)
             if self._is_quantized_destination(dest):
-                pending[key] = 1
+                quantized[key] = [item]
                 chunked = self._chunked_destination(key, dest)
                 if chunked is not None:
                     self._chunked[key] = chunked
+        for key, c in self._chunked.items():
+            c.direct = not c.whole_amax and all(self._splits_at_chunks(c, item) for item in quantized[key])
+        if any(c.direct for c in self._chunked.values()):
+            items = []
+            for item in plan.items:
+                c = None if item.type == LoadItemType.BYTE_IO else self._chunked.get(self._dest_key(item.dest_index))
+                items.extend(self._split_at_chunks(c, item) if c is not None and c.direct else [item])
+            plan = dataclasses.replace(plan, items=items)
+        pending: Dict[DestKey, int] = {}
+        for item in plan.items:
+            key = None if item.type == LoadItemType.BYTE_IO else self._dest_key(item.dest_index)
+            if key in quantized:
+                pending[key] = pending.get(key, 0) + 1
         self._quantized_pending = pending
         return plan
+
+    @staticmethod
+    def _splits_at_chunks(c: "_ChunkedDest", item) -> bool:
+        """True when ``item`` covers whole rows of the destination (every trailing axis in full) from one chunk
+        boundary to another (or to the end): cut at the chunk boundaries, each piece is exactly one chunk."""
+        lens = [int(n) for n in item.lengths][c.lead:]
+        o = int(item.dest_offsets[c.lead])
+        e = o + lens[0]
+        full_rows = lens[1:] == [int(d) for d in c.dest.shape[1:]]
+        return full_rows and o % c.chunk_len == 0 and (e % c.chunk_len == 0 or e == c.dim0)
+
+    @staticmethod
+    def _split_at_chunks(c: "_ChunkedDest", item) -> List:
+        """``item`` as one read item per chunk it covers (same storage item, offsets shifted along the row axis)."""
+        ax = c.lead
+        o = int(item.dest_offsets[ax])
+        e = o + int(item.lengths[ax])
+        out = []
+        for i in range(o // c.chunk_len, -(-e // c.chunk_len)):
+            a, b = c.chunk_bounds(i)
+
+            def at(v, x, ax=ax):
+                v = list(v)
+                v[ax] = x
+                return torch.Size(v)
+
+            out.append(dataclasses.replace(
+                item, dest_offsets=at(item.dest_offsets, a),
+                storage_offsets=at(item.storage_offsets, int(item.storage_offsets[ax]) + a - o),
+                lengths=at(item.lengths, b - a),
+            ))
+        return out
 
     def _chunked_destination(self, key: DestKey, dest) -> Optional[_ChunkedDest]:
         """A _ChunkedDest when ``dest`` (as DCP sees it) takes the chunked path, else None."""
@@ -340,6 +395,10 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         if key not in self._quantized_pending:
             return super().resolve_tensor(read_item)  # plain destination: DCP's default
         chunked = self._chunked.get(key)
+        if chunked is not None and chunked.direct:
+            i = int(read_item.dest_offsets[chunked.lead]) // chunked.chunk_len
+            buf = chunked.bufs[i] = self._new_chunk(chunked, i)
+            return buf.view(tuple(read_item.lengths))
         if chunked is not None:
             return _CaptureTarget(read_item.lengths, chunked.hp, [], f"{key[0]} (offset {key[1]})")
         scratch = self._quantized_scratch.get(key)
@@ -358,7 +417,9 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         if key not in self._quantized_pending:
             return super().commit_tensor(read_item, tensor)  # plain destination: DCP's default
         chunked = self._chunked.get(key)
-        if chunked is not None:
+        if chunked is not None and chunked.direct:
+            self._commit_direct(chunked, read_item)
+        elif chunked is not None:
             self._commit_chunked(chunked, read_item, tensor)
         elif key not in self._quantized_scratch:
             raise CheckpointingException(
@@ -420,11 +481,25 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
             if c.landed[i] == c.chunk_numel(i):
                 self._chunk_complete(c, i)
 
-    def _fill_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
+    def _commit_direct(self, c: _ChunkedDest, read_item) -> None:
+        i = int(read_item.dest_offsets[c.lead]) // c.chunk_len
+        buf = c.bufs.pop(i, None)
+        if buf is None:
+            raise CheckpointingException(f"{c.key[0]}: chunk {i} committed without a scratch (resolve_tensor was "
+                                         "not called for it)")
+        fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, None)
+        self._free_chunk(buf)
+        c.done += 1
+
+    def _new_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
         a, b = c.chunk_bounds(i)
         buf = torch.empty((b - a,) + tuple(c.dest.shape[1:]), dtype=c.hp, device=c.dest.device)
         self.scratch_bytes_live += _nbytes(buf)
         self.scratch_bytes_peak = max(self.scratch_bytes_peak, self.scratch_bytes_live)
+        return buf
+
+    def _fill_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
+        buf = self._new_chunk(c, i)
         for offsets, piece in c.pieces[i]:
             _narrow(buf, offsets, piece.shape).copy_(piece)
         return buf
@@ -462,6 +537,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         del self._chunked[c.key]
         self.quantized_destinations_committed += 1
         self.chunked_destinations_committed += 1
+        self.direct_chunked_destinations_committed += int(c.direct)
 
     def finish_quantized_load(self) -> None:
         """Call after the read. Raises CheckpointingException naming the keys of quantized destinations that did
@@ -469,6 +545,9 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         incomplete = sorted(set(self._quantized_pending) | set(self._quantized_scratch) | set(self._chunked), key=str)
         for key in list(self._quantized_scratch):
             self._release(key).buf.untyped_storage().resize_(0)
+        for c in self._chunked.values():
+            for buf in c.bufs.values():
+                self._free_chunk(buf)
         self._quantized_pending = {}
         self._chunked = {}
         if incomplete:

@@ -706,6 +706,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             scratch_bytes_peak=planner.scratch_bytes_peak,
             quantized_destinations=planner.quantized_destinations_committed,
             chunked_destinations=planner.chunked_destinations_committed,
+            direct_chunked_destinations=planner.direct_chunked_destinations_committed,
             streaming_state_empty=planner.quantized_load_state_is_empty(),
         )
 
