@@ -262,11 +262,15 @@ def main(argv=None):
             table, summaries[m] = _profile(steps[m], batch, a.profile_steps, dev, a.rows)
             print(f"\n## {m}: top {a.rows} ops by self {'device' if cuda else 'CPU'} time ({a.profile_steps} steps)")
             print(table)
-        print("\n| mode | wall ms/step | device busy ms/step | aten host ms/step | py ms/step | host syncs/step |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("\n| mode | wall ms/step | device busy ms/step | aten host ms/step | CUDA runtime ms/step | py ms/step "
+              "| .item()s/step | CUDA syncs/step |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for m, s in summaries.items():
-            print(f"| {m} | {s['wall_ms']:.1f} | {s['device_ms']:.1f} | {s['aten_ms']:.1f} | {s['py_ms']:.1f} | "
-                  f"{s['syncs']:.1f} |")
+            print(f"| {m} | {s['wall_ms']:.1f} | {s['device_ms']:.1f} | {s['aten_ms']:.1f} | {s['runtime_ms']:.1f} | "
+                  f"{s['py_ms']:.1f} | {s['items']:.1f} | {s['syncs']:.1f} |")
+        print("(py ms: wall - aten - CUDA runtime: Python, hooks, DTensor/FSDP2/optimizer bookkeeping; .item()s "
+              "include reads of CPU tensors such as torch Adam's step counters; the window ends with one "
+              "synchronize)")
     dist.destroy_process_group()
 
 

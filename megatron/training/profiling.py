@@ -19,7 +19,10 @@ from typing import Dict, Iterable, Optional
 import torch
 
 SYNC_OPS = ("aten::_local_scalar_dense",)
-"""The aten op every ``.item()``, ``float(t)``, ``bool(t)``, ``if t:`` goes through: a host sync on CUDA."""
+"""The aten op every ``.item()``, ``float(t)``, ``bool(t)``, ``if t:`` goes through: a host sync on a CUDA tensor
+(not on a CPU one, e.g. torch's Adam ``step`` counters)."""
+CUDA_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+"""CUDA runtime calls that block the host until the device is done."""
 
 
 def device_time_attr(key_averages) -> str:
@@ -46,11 +49,13 @@ def host_summary(events: Iterable, key_averages, wall_s: float, steps: int, cuda
     - ``runtime_ms``: host time in CUDA runtime calls (kernel launches, and the waits of synchronisations);
     - ``py_ms``: the rest of the wall time: Python and bookkeeping outside aten ops and the CUDA runtime (module
       hooks, DTensor dispatch, FSDP2 and optimizer logic);
-    - ``syncs``: host syncs (``aten::_local_scalar_dense``: ``.item()``, ``float()``/``bool()`` of a tensor).
+    - ``items``: host reads of tensor values (``aten::_local_scalar_dense``: ``.item()``, ``float()``/``bool()`` of a
+      tensor; host syncs when the tensor is on the device);
+    - ``syncs``: CUDA synchronisations (runtime calls that wait for the device; 0 on CPU).
     """
     n = max(int(steps), 1)
     aten_us = runtime_us = 0.0
-    syncs = 0
+    items = syncs = 0
     for e in key_averages:
         if getattr(e, "device_type", None) is not None and str(e.device_type).endswith(("CUDA", "PrivateUse1")):
             continue
@@ -59,6 +64,8 @@ def host_summary(events: Iterable, key_averages, wall_s: float, steps: int, cuda
         elif _is_runtime(e.key):
             runtime_us += e.self_cpu_time_total
         if e.key in SYNC_OPS:
+            items += e.count
+        if e.key in CUDA_SYNC_CALLS:
             syncs += e.count
     device_us = 0.0
     if cuda:
@@ -68,7 +75,7 @@ def host_summary(events: Iterable, key_averages, wall_s: float, steps: int, cuda
     wall_ms = 1000.0 * wall_s / n
     aten_ms, runtime_ms = aten_us / 1000.0 / n, runtime_us / 1000.0 / n
     return dict(wall_ms=wall_ms, device_ms=device_us / 1000.0 / n, aten_ms=aten_ms, runtime_ms=runtime_ms,
-                py_ms=max(wall_ms - aten_ms - runtime_ms, 0.0), syncs=syncs / n)
+                py_ms=max(wall_ms - aten_ms - runtime_ms, 0.0), items=items / n, syncs=syncs / n)
 
 
 def top_ops_table(prof, row_limit: int = 25) -> str:
