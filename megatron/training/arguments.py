@@ -314,6 +314,17 @@ def _add_logging_args(parser):
                    help="Write memory figures to TensorBoard (written with --tensorboard-dir in any case).")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Also write the validation perplexity to TensorBoard.")
+    # profiling (upstream's names and defaults; megatron/training/profiling.py)
+    g.add_argument("--profile", action="store_true",
+                   help="Profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks: the CUDA "
+                        "profiler API (nsys profile --capture-range=cudaProfilerApi), or torch.profiler with "
+                        "--use-pytorch-profiler.")
+    g.add_argument("--profile-step-start", type=int, default=10, help="First profiled iteration (iterations done).")
+    g.add_argument("--profile-step-end", type=int, default=12, help="Profiling stops when this many iterations are done.")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="With --profile: torch.profiler; the trace goes to --tensorboard-dir (else <--save>/"
+                        "torch_profile, else the current directory) and the top-ops table is printed.")
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks that profile.")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -636,6 +647,11 @@ def validate_args(args, defaults={}):
             _fail("--wandb-project needs the wandb package (pip install wandb), which is not installed")
     if args.tensorboard_log_interval <= 0:
         _fail(f"--tensorboard-log-interval must be positive (got {args.tensorboard_log_interval})")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        _fail(f"--profile-step-start ({args.profile_step_start}) and --profile-step-end ({args.profile_step_end}) "
+              "must satisfy 0 <= start < end")
+    if args.use_pytorch_profiler and not args.profile:
+        print("WARNING: --use-pytorch-profiler does nothing without --profile (as upstream)", flush=True)
     if args.eval_interval is not None and args.eval_interval <= 0:
         _fail(f"--eval-interval must be positive (got {args.eval_interval})")
     if args.eval_iters < 0:

@@ -28,6 +28,7 @@ from megatron.training.checkpoint_safety import check_save_dir
 from megatron.training.checkpointing import load_checkpoint, maybe_finalize_async_save, save_checkpoint
 from megatron.training.global_vars import get_args, get_scalar_writer
 from megatron.training.initialize import initialize_megatron
+from megatron.training.profiling import TrainingProfiler
 from megatron.training.utils import (
     average_losses_across_data_parallel_group,
     current_rss_bytes,
@@ -376,11 +377,14 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     skipped, nan_iters = 0, 0  # per log interval, as upstream
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
+    profiler = TrainingProfiler(args, get_rank(), iteration, printer=print)  # --profile (profiling.py)
     while iteration < args.train_iters:
         t_step = time.time()
         loss_scale = _loss_scale_value(optimizer)  # the scale this iteration's backward used
+        profiler.before_step(iteration)
         loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
                                          opt_param_scheduler)
+        profiler.after_step(iteration + 1)
         iteration += 1
         args.iteration = iteration
         args.consumed_train_samples += args.global_batch_size
@@ -418,6 +422,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
             break
+    profiler.close()
     return iteration, saved_at
 
 

@@ -32,7 +32,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
-from megatron.core.optimizer.optimizer import MegatronOptimizer, _is_dtensor, _is_quantized_param, global_grad_norm
+from megatron.core.optimizer.optimizer import (
+    MegatronOptimizer,
+    _is_dtensor,
+    _is_quantized_param,
+    global_grad_norm,
+    scale_tensors_,
+)
 
 SHARDING_TYPE = "fully_sharded_model_space"
 
@@ -178,8 +184,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if clip_grad > 0 and math.isfinite(norm):
             coef = clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                for g in self._grads():
-                    g.mul_(coef)
+                scale_tensors_(self._grads(), coef)
         return norm
 
     @torch.no_grad()

@@ -47,6 +47,21 @@ def _fp32_main_param(p: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(local, requires_grad=p.requires_grad)
 
 
+@torch.no_grad()
+def scale_tensors_(tensors: List[torch.Tensor], factor: float) -> None:
+    """Multiply plain (local) tensors in place by ``factor``: the fp32 ones (main grads: the usual case) with one
+    ``torch._foreach_mul_`` per device (the same products as ``t.mul_(factor)``, without a launch and, for DTensors,
+    a dispatch per tensor); others one by one (``_foreach_mul_`` rounds a scalar factor differently for bf16)."""
+    groups: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        if t.dtype == torch.float32:
+            groups.setdefault(t.device, []).append(t)
+        else:
+            t.mul_(factor)
+    for ts in groups.values():
+        torch._foreach_mul_(ts, factor)
+
+
 def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
     ``param`` is a DTensor)."""
@@ -70,6 +85,22 @@ def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sum_of_squared_norms(tensors: List[torch.Tensor], device) -> torch.Tensor:
+    """``sum(||t||_2 ** 2)`` over plain (local) tensors as a float64 scalar on ``device``, without a host sync: one
+    fp32 norm per tensor (the reduction upcasts as it reads: no float64 copy of a large gradient), computed by
+    ``torch._foreach_norm`` per (device, dtype) group (a few fused launches instead of four per tensor), then squared
+    and summed in float64."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for ts in groups.values():
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        total += torch.stack(norms).to(device, torch.float64).square().sum()
+    return total
+
+
+@torch.no_grad()
 def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -> float:
     """L2 norm over ``entries`` = ``(model parameter, local gradient or None)`` pairs with each value counted once:
     a TP-split parameter on every TP rank, a TP-replicated one on TP rank 0 only
@@ -80,13 +111,12 @@ def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
     device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
-    sums = {kind: torch.zeros((), dtype=torch.float64, device=device) for kind in ("dense", "expert")}
+    grads = {"dense": [], "expert": []}
     for mp, g in entries:
         if g is None or not param_is_not_tensor_parallel_duplicate(mp):
             continue
-        kind = "dense" if getattr(mp, "allreduce", True) else "expert"
-        # one fp32 norm per tensor (the reduction upcasts as it reads: no float64 copy of a large gradient)
-        sums[kind] += torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32).to(device, torch.float64) ** 2
+        grads["dense" if getattr(mp, "allreduce", True) else "expert"].append(g.detach())
+    sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()}
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         for t in sums.values():
             dist.all_reduce(t, group=shard_group)
@@ -220,8 +250,7 @@ class MegatronOptimizer:
         if clip_grad > 0 and math.isfinite(norm):
             coef = clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                for p in params:
-                    p.grad.mul_(coef)
+                scale_tensors_([_local(p.grad) for p in params], coef)
         return norm
 
     @torch.no_grad()

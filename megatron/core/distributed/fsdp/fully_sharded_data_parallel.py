@@ -108,9 +108,6 @@ class FullyShardedDataParallel(MegatronModule):
                 "'optim' shards only the optimizer state: wrap with megatron.core.distributed.wrap_data_parallel "
                 "(DistributedDataParallel + DistributedOptimizer)"
             )
-        if reshard_after_forward is None:
-            # ZeRO-2 keeps the parameters gathered from forward to the end of backward; ZeRO-3 regathers them
-            reshard_after_forward = strategy != "optim_grads"
         from torch.distributed.device_mesh import DeviceMesh
 
         self.ddp_config = ddp_config
@@ -118,6 +115,11 @@ class FullyShardedDataParallel(MegatronModule):
         self.process_group = process_group if process_group is not None else parallel_state.get_data_parallel_group()
         if self.process_group is None or not dist.is_initialized():
             raise RuntimeError("FullyShardedDataParallel (--use-megatron-fsdp) needs torch.distributed initialised")
+        if reshard_after_forward is None:
+            # ZeRO-2 keeps the parameters gathered from forward to the end of backward; ZeRO-3 regathers them. With
+            # one data-parallel rank a shard is the whole parameter: resharding would only free the compute-dtype
+            # copy after forward to cast and "gather" it again in backward (pure overhead), so it is kept instead
+            reshard_after_forward = strategy != "optim_grads" and dist.get_world_size(self.process_group) > 1
         if parallel_state.get_expert_model_parallel_world_size() > 1:
             # experts differ across EP ranks: they would need their own FSDP units over the expert-data-parallel
             # group; sharding them over the data-parallel group would mix different experts' gradients

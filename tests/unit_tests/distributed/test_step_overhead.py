@@ -1,0 +1,96 @@
+"""Step-overhead changes keep the numbers: the fused grad norm equals the per-tensor one, the foreach clip equals
+per-tensor ``mul_``, clipping DTensor (Megatron-FSDP) grads on 2 ranks equals clipping the full gradients, and a
+one-rank Megatron-FSDP keeps its parameters gathered from forward to backward (nothing to reshard)."""
+import math
+
+import pytest
+import torch
+
+from megatron.core.optimizer.optimizer import scale_tensors_, sum_of_squared_norms
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed._common import batches, build_gpt, full_tensor, position_ids, tiny_config
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(7, 5, generator=g), torch.randn(33, generator=g).bfloat16(), torch.empty(0, 4),
+            torch.randn(3, 2, 2, generator=g) * 1e3, torch.randn(9, generator=g).bfloat16()]
+
+
+def test_fused_sum_of_squared_norms_equals_per_tensor_formula():
+    ts = _tensors()
+    old = torch.zeros((), dtype=torch.float64)
+    for t in ts:  # the formula global_grad_norm used before (one vector_norm per tensor, float64 sum)
+        old += torch.linalg.vector_norm(t, 2, dtype=torch.float32).to(torch.float64) ** 2
+    new = sum_of_squared_norms(ts, torch.device("cpu"))
+    assert new.dtype == torch.float64 and new.shape == ()
+    assert float(new) == pytest.approx(float(old), rel=1e-14)
+    assert float(new) == pytest.approx(sum(float(t.double().pow(2).sum()) for t in ts), rel=1e-6)
+    assert float(sum_of_squared_norms([], torch.device("cpu"))) == 0.0
+    assert math.isinf(float(sum_of_squared_norms([torch.tensor([1.0, float("inf")])], torch.device("cpu"))))
+
+
+def test_foreach_scale_equals_per_tensor_mul():
+    ts = _tensors()
+    ref = [t.clone() for t in ts]
+    for t in ref:
+        t.mul_(0.123456789)
+    scale_tensors_(ts, 0.123456789)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ts, ref))
+
+
+def _clip_body(rank, world_size):
+    from torch.distributed.tensor import DTensor
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False)
+        model = FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), build_gpt(cfg, 5))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=0.0, clip_grad=1e-3, weight_decay=0.0), [model])
+        tok, lab = batches(1, 4, seed=rank)[0]
+        model(tok, position_ids(4), labels=lab).float().mean().backward()
+        grads = {n: full_tensor(p.grad).clone() for n, p in model.module.named_parameters()}
+        assert all(isinstance(p.grad, DTensor) for p in model.module.parameters())
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+        got = opt.clip_grad_norm(1e-3)
+        assert got == pytest.approx(norm, rel=1e-6) and norm > 1e-3
+        coef = 1e-3 / (got + 1e-6)
+        for n, p in model.module.named_parameters():  # the same products as a per-parameter mul_ by coef
+            assert torch.equal(full_tensor(p.grad), grads[n].mul_(coef)), n
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_clip_of_dtensor_grads_equals_clip_of_full_grads():
+    run_distributed(_clip_body, 2)
+
+
+def _reshard_body(rank, world_size, expect_gathered):
+    from torch.distributed.tensor import DTensor
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False)
+        model = FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), build_gpt(cfg, 5))
+        layer = model.module.decoder.layers[0]
+        tok, lab = batches(1, 2, seed=rank)[0]
+        loss = model(tok, position_ids(2), labels=lab).float().mean()
+        # between forward and backward: still gathered (plain tensors) on one rank, resharded (DTensors) on two
+        gathered = [not isinstance(p, DTensor) for p in layer.parameters()]
+        assert all(gathered) if expect_gathered else not any(gathered), gathered
+        loss.backward()
+        assert all(isinstance(p, DTensor) for p in layer.parameters())  # resharded after backward in any case
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_one_rank_keeps_params_gathered_between_forward_and_backward(ws):
+    run_distributed(_reshard_body, ws, ws == 1)
