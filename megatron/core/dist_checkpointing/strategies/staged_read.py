@@ -233,7 +233,7 @@ class ItemBytes:
         self._pos = 0
 
     def _grow(self, part: str, n: int) -> None:
-        n = min(self.length - len(self.head) - len(self.tail), max(n, 2 * len(getattr(self, part)) + 4096))
+        n = min(self.length - len(self.head) - len(self.tail), n + 512)  # a little more: the next record's header
         if part == "head":
             self.head += self._fetch(len(self.head), n)
         else:
@@ -251,10 +251,11 @@ class ItemBytes:
             if len(self.head) + len(self.tail) >= self.length:  # everything read: the head is the whole item
                 self.head, self.tail = self.head + self.tail, bytearray()
                 continue
-            if pos + n <= self.max_part:
-                self._grow("head", pos + n - len(self.head))
+            after_head, before_tail = pos + n - len(self.head), tail_start - pos
+            if after_head <= before_tail and pos + n <= self.max_part:
+                self._grow("head", after_head)
             elif pos >= self.length - self.max_part:
-                self._grow("tail", tail_start - pos)
+                self._grow("tail", before_tail)
             else:
                 raise _Unsupported(f"a record at bytes [{pos}, {pos + n}) far from both ends of the item")
 
