@@ -124,10 +124,10 @@ def _rank_file_bytes(ckpt_dir):
 
 # ---- read counting -------------------------------------------------------------------------------------------
 class _ReadCounter:
-    """Patch DCP's FileSystemReader.read_data in this process: records (fqn, offsets, lengths) of what it reads."""
+    """Patch the torch_dist reader's read_data in this process: records (fqn, offsets, lengths) of what it reads."""
 
     def __init__(self):
-        from torch.distributed.checkpoint import FileSystemReader
+        from megatron.core.dist_checkpointing.strategies.filesystem import ChecksummedFileSystemReader as FileSystemReader
 
         self.cls = FileSystemReader
         self.orig = FileSystemReader.read_data

@@ -22,9 +22,11 @@ torch's ``_write_item`` calls ``tell()`` right before and right after each item,
 by (file, offset, length) to the ``WriteResult``. Should an item not match one segment (a future torch writing
 differently), its bytes are read back from the file once to checksum it (correct, slower, said once in the log).
 
-The read side (``_slice_file``, the hook through which DCP reads each item) checksums the item's byte range in
-chunks before DCP parses it; a mismatch raises ``CheckpointingException`` naming the key, the file and the byte
-range.
+The read side: ``ChecksummedFileSystemReader.read_data`` runs ``staged_read.read_staged`` (tensor items read with a
+few I/O threads into staging buffers, no ``torch.load``, each item's checksum computed once from the bytes read);
+object items and what that module does not read take the per-item path (``_read_item_unstaged``: ``_slice_file``
+checksums the item's byte range in chunks before it is parsed). A mismatch raises ``CheckpointingException``
+naming the key, the file and the byte range.
 """
 import io
 import logging
@@ -39,8 +41,10 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystem, SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from ... import dist_utils
@@ -392,10 +396,7 @@ def _checksum_range(path: str, start: int, end: int, update: Callable[[Any, int]
         while pos < end:
             n = f.readinto(buf[: min(len(buf), end - pos)])
             if not n:
-                raise CheckpointingException(
-                    f"checkpoint data file {path} is truncated: it ends at byte {pos}, an item needs bytes "
-                    f"[{start}, {end})"
-                )
+                raise CheckpointingException(truncated_message(path, pos, start, end))
             value = update(buf[:n], value)
             pos += n
         return value
@@ -404,6 +405,15 @@ def _checksum_range(path: str, start: int, end: int, update: Callable[[Any, int]
         return _run(stream)
     with open(path, "rb") as f:
         return _run(f)
+
+
+def truncated_message(path, pos: int, start: int, end: int) -> str:
+    return (f"checkpoint data file {path} is truncated: it ends at byte {pos}, an item needs bytes [{start}, {end})")
+
+
+def checksum_message(key: str, path, start: int, end: int, algorithm: str, stored: int, actual: int) -> str:
+    return (f"checkpoint item {key} in {path}, bytes [{start}, {end}), fails its checksum ({algorithm} stored "
+            f"{stored:08x}, read {actual:08x}): the file was changed or damaged after it was written")
 
 
 # ---- read ------------------------------------------------------------------------------------------------------
@@ -424,15 +434,68 @@ class ChecksummedFileSystemReader(FileSystemReader):
         super().__init__(path, *args, **kwargs)
         self.safe_objects = safe_objects
         self._index_of: Dict[int, MetadataIndex] = {}
+        self.last_read_stats = None  # staged_read.ReadStats of the last read_data
 
     def read_data(self, plan, planner):
-        """As ``FileSystemReader.read_data``; with ``safe_objects`` (default) every bytes item is first unpickled
-        with ``safe_torch_load`` (``weights_only=True`` + ``SAFE_GLOBALS``) before the planner sees it: DCP's
-        ``DefaultLoadPlanner.load_bytes`` unpickles with full pickle, so a planted object would run
-        there. An object refused here is a ``CheckpointingException`` naming the key, file and byte range."""
+        """As ``FileSystemReader.read_data`` (read items handled in plan order: ``resolve_tensor``, ``copy_``,
+        ``commit_tensor``), through ``staged_read.read_staged``. With ``safe_objects`` (default) every bytes item is
+        first unpickled with ``safe_torch_load`` (``weights_only=True`` + ``SAFE_GLOBALS``) before the planner sees
+        it: DCP's ``DefaultLoadPlanner.load_bytes`` unpickles with full pickle, so a planted object would run there.
+        An object refused here is a ``CheckpointingException`` naming the key, file and byte range. A checksum
+        mismatch of a tensor item may be raised after its bytes were copied into the destination: the load fails
+        either way."""
+        from .staged_read import read_staged
+
         stored = sum(int(self.storage_data[item.storage_index].length) for item in plan.items)
         self._progress = _Progress(f"loading {self.path}", stored)
-        return super().read_data(plan, _SafeBytesPlanner(planner, self) if self.safe_objects else planner)
+        self.last_read_stats = read_staged(self, plan.items,
+                                           _SafeBytesPlanner(planner, self) if self.safe_objects else planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item_unstaged(self, stream, req, planner) -> None:
+        """One read item the way torch's reader does it: the item's bytes (``_slice_file``: progress, checksum),
+        DCP's stream transforms, then ``load_bytes`` or ``torch.load`` (weights only), narrow, ``copy_``."""
+        sinfo = self.storage_data[req.storage_index]
+        data = self.transforms.transform_load_stream(req, sinfo.transform_descriptors or (),
+                                                     self._slice_file(stream, sinfo))
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data.read(-1)))
+            return
+        if not data.seekable():
+            data = io.BytesIO(data.read(-1))
+        loaded = torch.load(data, map_location="cpu", weights_only=True)
+        loaded = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != loaded.size():
+            raise CheckpointingException(
+                f"{self._where(req.storage_index)}: the destination of the read item has shape "
+                f"{tuple(target.size())}, the stored region {tuple(loaded.size())}")
+        target.copy_(loaded)
+        planner.commit_tensor(req, target)
+
+    def _progress_add(self, nbytes: int) -> None:
+        if getattr(self, "_progress", None) is not None:
+            self._progress.add(nbytes)
+
+    def _item_check(self, sinfo, path) -> Optional[Tuple[str, int, Callable[[Any, int], int]]]:
+        """(algorithm, stored value, update) of an item's checksum; None when it has none or its algorithm is not
+        available here (said once in the log)."""
+        expected = getattr(sinfo, CHECKSUM_ATTR, None)
+        if expected is None:
+            return None
+        algorithm, value = parse_checksum(expected)
+        update = ALGORITHMS.get(algorithm)
+        if update is None:
+            _log_once(
+                ("algorithm", algorithm),
+                logging.WARNING,
+                f"{self.path}: item checksums use {algorithm!r}, which is not available here (install the crc32c or "
+                f"google-crc32c package): the items are read unverified",
+            )
+            return None
+        return algorithm, value, update
 
     def _where(self, storage_index) -> str:
         sinfo = self.storage_data[storage_index]
@@ -454,33 +517,19 @@ class ChecksummedFileSystemReader(FileSystemReader):
             report_unverified(metadata, str(self.path))
 
     def _slice_file(self, file, sinfo):
-        if getattr(self, "_progress", None) is not None:
-            self._progress.add(int(sinfo.length))
-        expected = getattr(sinfo, CHECKSUM_ATTR, None)
-        if expected is not None:
-            self._verify(file, sinfo, expected)
+        self._progress_add(int(sinfo.length))
+        path = getattr(file, "name", None) or str(self.fs.concat_path(self.path, sinfo.relative_path))
+        check = self._item_check(sinfo, path)
+        if check is not None:
+            self._verify(file, sinfo, path, *check)
         return super()._slice_file(file, sinfo)
 
-    def _verify(self, file, sinfo, expected) -> None:
-        algorithm, value = parse_checksum(expected)
-        update = ALGORITHMS.get(algorithm)
-        path = getattr(file, "name", None) or str(self.fs.concat_path(self.path, sinfo.relative_path))
-        if update is None:
-            _log_once(
-                ("algorithm", algorithm),
-                logging.WARNING,
-                f"{self.path}: item checksums use {algorithm!r}, which is not available here (install the crc32c or "
-                f"google-crc32c package): the items are read unverified",
-            )
-            return
+    def _verify(self, file, sinfo, path, algorithm, value, update) -> None:
         start, end = int(sinfo.offset), int(sinfo.offset) + int(sinfo.length)
         actual = _checksum_range(path, start, end, update, stream=file)
         if actual != value:
             key = _describe_index(self._index_of.get(id(sinfo)))
-            raise CheckpointingException(
-                f"checkpoint item {key} in {path}, bytes [{start}, {end}), fails its checksum ({algorithm} stored "
-                f"{value:08x}, read {actual:08x}): the file was changed or damaged after it was written"
-            )
+            raise CheckpointingException(checksum_message(key, path, start, end, algorithm, value, actual))
 
 
 class _SafeBytesPlanner:

@@ -1,0 +1,365 @@
+"""strategies/staged_read.py: tensor items read without torch.load, by I/O threads into a fixed staging pool.
+
+Checked: the CRC combine equals the libraries' checksum of the joined bytes; the archive parser finds the bytes of
+contiguous, transposed, offset-storage, 0-d, empty and float8 (``_rebuild_tensor_v3``) tensors and sends parameters
+and multi-storage archives to the fallback; the reader loads exactly what torch's ``FileSystemReader`` loads (many
+items, all paths: small, pieces, bounding rows, strided, objects), with and without checksums, with the staging pool
+never over its size; resharded loads on 2 gloo ranks (2 -> whole, whole -> 2 along dim 0 and dim 1); partial reads
+read fewer bytes than the item; a flipped byte in a tensor's data (staged and small items), header, or in bytes
+only the checksum needs is named by key, file and byte range; a planted pickle in data.pkl is refused unrun; CUDA
+destinations (pinned staging, streaming planner) equal a CPU load (``gpu``)."""
+import io
+import os
+import pickle
+import warnings
+import zipfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem as fs_mod
+from megatron.core.dist_checkpointing.strategies import staged_read as sr
+from megatron.core.dist_checkpointing.strategies.filesystem import (
+    ALGORITHMS,
+    CHECKSUM_ATTR,
+    ChecksummedFileSystemReader,
+    ChecksummedFileSystemWriter,
+)
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.test_safe_globals import Payload
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def _inner(exc: BaseException) -> BaseException:
+    if isinstance(exc, CheckpointingException):
+        return exc
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        e = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(e, CheckpointingException):
+            return e
+    raise AssertionError(f"no CheckpointingException in {type(exc).__name__}: {exc}")
+
+
+@pytest.fixture
+def small_pool(monkeypatch):
+    """A tiny staging pool, so that ordinary test tensors take every path (pieces, recycling, bounding rows)."""
+    monkeypatch.setattr(sr, "STAGING_BUFFER_BYTES", 4096)
+    monkeypatch.setattr(sr, "STAGING_BUFFERS", 2)
+    monkeypatch.setattr(sr, "SMALL_ITEM_BYTES", 2048)
+    monkeypatch.setattr(sr, "HEAD_BYTES", 512)
+    monkeypatch.setattr(sr, "TAIL_BYTES", 256)
+    monkeypatch.setattr(sr, "GAP_CHUNK_BYTES", 1000)
+
+
+@pytest.fixture
+def readers(monkeypatch):
+    """Every ChecksummedFileSystemReader that read data (for its ``last_read_stats``)."""
+    seen = []
+    orig = ChecksummedFileSystemReader.read_data
+
+    def read_data(self, plan, planner):
+        seen.append(self)
+        return orig(self, plan, planner)
+
+    monkeypatch.setattr(ChecksummedFileSystemReader, "read_data", read_data)
+    return seen
+
+
+# ---- pieces -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", sorted(set(ALGORITHMS) & set(sr.CRC_POLYNOMIALS)))
+def test_crc_combine_equals_checksum_of_joined_bytes(algorithm):
+    update = ALGORITHMS[algorithm]
+    g = torch.Generator().manual_seed(1)
+    for la, lb in ((0, 5), (5, 0), (1, 1), (1000, 333), (4096, 70000)):
+        a = bytes(torch.randint(0, 256, (la,), generator=g, dtype=torch.uint8).tolist())
+        b = bytes(torch.randint(0, 256, (lb,), generator=g, dtype=torch.uint8).tolist())
+        assert sr.crc_combine(algorithm, update(a, 0), update(b, 0), lb) == update(a + b, 0), (la, lb)
+
+
+def _archive(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _item_bytes(data: bytes, head=64, tail=64) -> sr.ItemBytes:
+    reads = []
+
+    def fetch(pos, n):
+        reads.append((pos, n))
+        return bytearray(data[pos:pos + n])
+
+    item = sr.ItemBytes(len(data), fetch, head, tail, 1 << 20)
+    item.reads = reads
+    return item
+
+
+def _tensor_from(data: bytes, rec: sr.TensorRecord) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(data[rec.data_start:rec.data_start + rec.data_nbytes]) or bytearray(1),
+                           dtype=torch.uint8)[: rec.data_nbytes]
+    t = raw.view(rec.dtype)
+    return t.as_strided(rec.size, rec.stride, rec.storage_offset)
+
+
+@pytest.mark.parametrize("case", ["contiguous", "transposed", "offset_storage", "scalar", "empty", "float8", "bf16_3d"])
+def test_tensor_record_finds_the_bytes(case):
+    base = torch.arange(2000, dtype=torch.float32).view(40, 50)
+    t = {
+        "contiguous": base,
+        "transposed": base.t(),
+        "offset_storage": base[3:7, 5:9],  # torch.save keeps the whole storage, with a storage offset
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 7),
+        "float8": (base / 100).to(torch.float8_e4m3fn),
+        "bf16_3d": base.view(4, 10, 50).to(torch.bfloat16),
+    }[case]
+    data = _archive(t)
+    item = _item_bytes(data)
+    rec = sr.tensor_record(item, "x")
+    assert rec.dtype == t.dtype and rec.size == tuple(t.shape) and rec.stride == t.stride()
+    assert rec.storage_offset == t.storage_offset() and rec.data_start % 64 == 0
+    got = _tensor_from(data, rec)
+    assert torch.equal(got.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else got,
+                       t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+    assert rec.is_c_contiguous() == (case not in ("transposed", "offset_storage"))
+    # only the ends of a large archive were read (header + central directory), not its data
+    if len(data) > 4096:
+        assert sum(n for _, n in item.reads) < 4096, item.reads
+
+
+@pytest.mark.parametrize("obj", ["parameter", "two_tensors", "not_an_archive"])
+def test_tensor_record_unsupported_falls_back(obj):
+    data = {
+        "parameter": lambda: _archive(torch.nn.Parameter(torch.ones(3))),
+        "two_tensors": lambda: _archive((torch.ones(3), torch.zeros(2))),
+        "not_an_archive": lambda: b"\x00" * 300,
+    }[obj]()
+    with pytest.raises(sr._Unsupported):
+        sr.tensor_record(_item_bytes(data), "x")
+
+
+def test_planted_pickle_refused_unrun(tmp_path):
+    marker = tmp_path / "ran"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps(Payload(marker), protocol=2))
+        z.writestr("archive/data/0", b"\x00" * 64)
+    with pytest.raises(CheckpointingException) as e:
+        sr.tensor_record(_item_bytes(buf.getvalue()), "checkpoint item 'w'")
+    msg = str(e.value)
+    assert msg.startswith("checkpoint item 'w'") and "open" in msg and "nothing from it was run" in msg, msg
+    assert not marker.exists()
+
+
+def test_plan_pieces_cover_the_region():
+    rec = sr.TensorRecord(torch.float32, (10, 6, 4), (24, 4, 1), 0, 64, 960)
+    cap = 4 * 24 * 3  # three rows of dim 0
+    full = torch.arange(240, dtype=torch.float32).view(10, 6, 4)
+    raw = torch.cat([torch.zeros(16), full.flatten()]).view(torch.uint8)  # 64 header bytes, then the data
+    for offsets, lengths, contiguous in (((0, 0, 0), (10, 6, 4), True), ((2, 0, 0), (7, 6, 4), True),
+                                         ((3, 2, 0), (1, 3, 4), True), ((1, 2, 0), (5, 3, 4), False),
+                                         ((0, 0, 1), (10, 6, 2), False)):
+        pieces = sr.plan_pieces(rec, offsets, lengths, cap, whole=False)
+        target = torch.full(lengths, -1.0)
+        for p in pieces:
+            assert p.nbytes <= cap
+            src = p.source(raw[p.start:p.start + p.nbytes].clone(), torch.float32)
+            dst = target if p.tgt_box is None else target[tuple(slice(o, o + n) for o, n in zip(*p.tgt_box))]
+            dst.copy_(src)
+        want = full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        assert torch.equal(target, want), (offsets, lengths)
+        if contiguous:  # only the region's own bytes
+            assert sum(p.nbytes for p in pieces) == want.numel() * 4, (offsets, lengths)
+
+
+# ---- the reader ---------------------------------------------------------------------------------------------------
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        **{f"w{i}": torch.randn(37 + i, 29, generator=g) for i in range(6)},  # pieces (4 KiB buffers)
+        "b": torch.randn(64, generator=g).to(torch.bfloat16),  # small item
+        "wide": torch.randn(3, 2000, generator=g),  # one row > a buffer: pieces inside a row
+        "tr": torch.randn(40, 30, generator=g).t(),  # stored transposed: the strided whole read
+        "cube": torch.randn(6, 9, 11, generator=g).to(torch.float64),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "i64": torch.arange(900, dtype=torch.int64),
+        "obj": (7, "x" * 50),
+    }
+
+
+def _zeros(sd):
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("writer", ["checksummed", "plain"])
+def test_reader_equals_torch_reader(tmp_path, small_pool, readers, writer):
+    ckpt = str(tmp_path / "ckpt")
+    sd = _state()
+    dcp_save(sd, storage_writer=(ChecksummedFileSystemWriter if writer == "checksummed" else FileSystemWriter)(ckpt))
+    ref, out = _zeros(sd), _zeros(sd)
+    dcp_load(ref, storage_reader=FileSystemReader(ckpt))
+    dcp_load(out, storage_reader=ChecksummedFileSystemReader(ckpt))
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out[k], ref[k]) and torch.equal(out[k], v), k
+        else:
+            assert out[k] == ref[k] == v
+    stats = readers[-1].last_read_stats
+    tensors = [v for v in sd.values() if isinstance(v, torch.Tensor) and v.numel()]  # DCP skips empty ones
+    assert stats.items_fallback == 0 and stats.items_staged == len(tensors)
+    assert stats.pool_buffers == sr.STAGING_BUFFERS and 1 <= stats.pool_peak_in_use <= sr.STAGING_BUFFERS
+    assert stats.bytes_read > 4 * sr.STAGING_BUFFERS * sr.STAGING_BUFFER_BYTES  # buffers were recycled
+
+
+def _strip_checksums(ckpt):
+    meta = os.path.join(ckpt, ".metadata")
+    with open(meta, "rb") as f:
+        md = pickle.load(f)
+    for info in md.storage_data.values():
+        info.__dict__.pop(CHECKSUM_ATTR, None)
+    with open(meta, "wb") as f:
+        pickle.dump(md, f)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_partial_read_reads_fewer_bytes(tmp_path, readers, checksums):
+    """Loading half of a stored tensor (resharding along dim 0) reads that half only (no checksums) or the item once
+    (checksums: the rest for the checksum only); before, every read item was read twice (checksum + torch.load)."""
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    full = torch.randn(512, 1024)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", full)}, ckpt)
+    if not checksums:
+        _strip_checksums(ckpt)
+    out = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(256, 1024), (0, 1, 2))},
+                                  ckpt, validate_access_integrity=False)  # one process loads the half of rank 1
+    assert torch.equal(out["w"], full[256:])
+    md = fs_mod.read_dcp_metadata_file(os.path.join(ckpt, ".metadata"))
+    length = sum(int(i.length) for x, i in md.storage_data.items() if x.fqn == "w")
+    stats = readers[-1].last_read_stats
+    assert stats.items_staged == 1 and stats.items_fallback == 0
+    if checksums:
+        assert length <= stats.bytes_read <= length + sr.HEAD_BYTES + sr.TAIL_BYTES
+    else:
+        assert stats.bytes_read <= length // 2 + sr.HEAD_BYTES + sr.TAIL_BYTES
+
+
+def _flip(path, pos, n=4):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        data = f.read(n)
+        f.seek(pos)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _stored(ckpt, fqn):
+    """(storage info, data file path, TensorRecord) of the stored item of ``fqn``."""
+    md = fs_mod.read_dcp_metadata_file(os.path.join(ckpt, ".metadata"))
+    info = next(info for index, info in md.storage_data.items() if index.fqn == fqn)
+    path = os.path.join(ckpt, info.relative_path)
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    return info, path, sr.tensor_record(_item_bytes(data), fqn)
+
+
+def _assert_named(exc, fqn, path, info):
+    msg = str(_inner(exc))
+    assert repr(fqn) in msg and path in msg, msg
+    assert f"bytes [{info.offset}, {info.offset + info.length})" in msg and "fails its checksum" in msg, msg
+
+
+@pytest.mark.parametrize("where", ["data_middle", "header", "tail", "small_item"])
+def test_flipped_byte_named(tmp_path, small_pool, where):
+    ckpt = str(tmp_path / "ckpt")
+    sd = _state()
+    dcp_save(sd, storage_writer=ChecksummedFileSystemWriter(ckpt))
+    fqn = "b" if where == "small_item" else "w3"
+    info, path, rec = _stored(ckpt, fqn)
+    pos = {"data_middle": rec.data_start + rec.data_nbytes // 2, "header": 100, "tail": info.length - 30,
+           "small_item": rec.data_start + 10}[where]
+    _flip(path, info.offset + pos)
+    with pytest.raises(BaseException) as e:
+        dcp_load(_zeros(sd), storage_reader=ChecksummedFileSystemReader(ckpt))
+    _assert_named(e.value, fqn, path, info)
+
+
+def test_flipped_byte_in_rows_not_loaded_named(tmp_path, small_pool, readers):
+    """A partial load (the second half of the rows) still checks the first half, read for the checksum only."""
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    full = torch.randn(64, 40)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", full)}, ckpt)
+    info, path, rec = _stored(ckpt, "w")
+    _flip(path, info.offset + rec.data_start + 8)  # row 0
+    half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(32, 40), (0, 1, 2))}
+    with pytest.raises(CheckpointingException) as e:
+        dist_checkpointing.load(half, ckpt, validate_access_integrity=False)
+    _assert_named(e.value, "w", path, info)
+    assert readers[-1].last_read_stats is None or readers[-1].last_read_stats.items_fallback == 0
+
+
+# ---- resharding on 2 gloo ranks -------------------------------------------------------------------------------------
+def _reshard_body(rank, world, ckpt, save_axis, load_axis):
+    sr.STAGING_BUFFER_BYTES, sr.SMALL_ITEM_BYTES, sr.STAGING_BUFFERS = 1024, 1024, 2  # this process only
+    full = torch.arange(48 * 30, dtype=torch.float32).view(48, 30)
+
+    def sharded(t, axis):
+        if axis is None:  # the whole tensor on every rank (rank 0's copy is the main replica)
+            return ShardedTensor.from_rank_offsets("w", t.clone(), replica_id=rank)
+        return ShardedTensor.from_rank_offsets("w", t.chunk(world, axis)[rank].clone(), (axis, rank, world))
+
+    dist_checkpointing.save({"w": sharded(full, save_axis)}, ckpt)
+    dist.barrier()
+    dest = sharded(torch.zeros_like(full), load_axis)
+    loaded = dist_checkpointing.load({"w": dest}, ckpt)
+    want = full if load_axis is None else full.chunk(world, load_axis)[rank]
+    assert torch.equal(loaded["w"], want)
+
+
+@pytest.mark.parametrize("save_axis,load_axis", [(0, None), (None, 0), (None, 1), (0, 1)])
+def test_resharded_loads_2_ranks(tmp_path, save_axis, load_axis):
+    os.makedirs(tmp_path / "ckpt")
+    run_distributed(_reshard_body, 2, str(tmp_path / "ckpt"), save_axis, load_axis)
+
+
+# ---- CUDA destinations ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_destinations_equal_cpu_load(tmp_path, readers):
+    """Plain bf16 CUDA destinations (pinned staging, asynchronous copies) and quantized CUDA destinations through the
+    streaming planner (whole and chunked) load exactly what a CPU load gives."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor
+
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    g = torch.Generator().manual_seed(0)
+    src = {f"w{i}": torch.randn(1024 + 64 * i, 2048, generator=g).to(torch.bfloat16) for i in range(4)}
+    src["q"] = torch.randn(4096, 1024, generator=g).to(torch.bfloat16)
+    dist_checkpointing.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in src.items()}, ckpt)
+
+    cpu = dist_checkpointing.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in src.items()},
+                                  ckpt)
+    gpu = dist_checkpointing.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v, device="cuda")) for k, v in src.items()}, ckpt)
+    torch.cuda.synchronize()
+    assert readers[-1].last_read_stats.pinned and readers[-1].last_read_stats.items_fallback == 0
+    for k in src:
+        assert gpu[k].is_cuda and torch.equal(gpu[k].cpu(), cpu[k]) and torch.equal(cpu[k], src[k]), k
+
+    for chunk_mb in (0, 1):  # whole scratch; chunks of 1 MiB (the reader gives the capture target whole tensors)
+        strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=chunk_mb)
+        dest = FakeQuantizedTensor.quantize(torch.zeros(4096, 1024, dtype=torch.bfloat16, device="cuda"), "tensorwise")
+        dist_checkpointing.load({"q": ShardedTensor.from_rank_offsets("q", dest)}, ckpt, sharded_strategy=strategy)
+        want = FakeQuantizedTensor.quantize(cpu["q"].cuda(), "tensorwise")
+        assert torch.equal(dest._data.view(torch.uint8), want._data.view(torch.uint8)), chunk_mb
+        assert torch.equal(dest._scale_inv, want._scale_inv), chunk_mb
