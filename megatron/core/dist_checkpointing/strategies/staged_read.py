@@ -290,8 +290,11 @@ def tensor_record(item: ItemBytes, what: str) -> TensorRecord:
         if len(pkl) != 1:
             raise _Unsupported("no single data.pkl")
         prefix = pkl[0][: -len("data.pkl")]
-        pickled = archive.read(pkl[0])  # zipfile checks the record's own CRC-32
-        byteorder = archive.read(prefix + "byteorder") if prefix + "byteorder" in infos else b"little"
+        # not archive.read: it checks the record's zip CRC-32, which our writer leaves 0 (torch.save without it; no
+        # torch checks it); the item's own checksum covers these bytes
+        pickled = bytes(item.at(*_record_span(item, infos[pkl[0]])))
+        byteorder = (bytes(item.at(*_record_span(item, infos[prefix + "byteorder"])))
+                     if prefix + "byteorder" in infos else b"little")
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, NotImplementedError) as e:
         raise _Unsupported(f"{type(e).__name__}: {e}") from None
     unpickler = _RecordUnpickler(io.BytesIO(pickled), what=what)
@@ -335,13 +338,23 @@ def tensor_record(item: ItemBytes, what: str) -> TensorRecord:
         raise _Unsupported("storage record missing, compressed or encrypted")
     if info.file_size != nbytes or info.compress_size != nbytes:
         raise _Unsupported("storage record size")
+    start, _ = _record_span(item, info)
+    if start % itemsize:
+        raise _Unsupported("storage record alignment")
+    return TensorRecord(dtype, tuple(rebuilt.size), tuple(rebuilt.stride), rebuilt.offset, start, nbytes)
+
+
+def _record_span(item: ItemBytes, info: zipfile.ZipInfo) -> Tuple[int, int]:
+    """(start, length) of the bytes of the uncompressed zip record ``info`` within ``item``, from its local header."""
+    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.file_size != info.compress_size:
+        raise _Unsupported(f"record {info.filename} compressed or encrypted")
     header = info.header_offset
     sig, *_rest, nlen, elen = _LOCAL_HEADER.unpack(item.at(header, _LOCAL_HEADER.size))
     name = bytes(item.at(header + _LOCAL_HEADER.size, nlen))
     start = header + _LOCAL_HEADER.size + nlen + elen
-    if sig != _LOCAL_SIG or name != info.filename.encode() or start + nbytes > item.length or start % itemsize:
-        raise _Unsupported("storage record header, bounds or alignment")
-    return TensorRecord(dtype, tuple(rebuilt.size), tuple(rebuilt.stride), rebuilt.offset, start, nbytes)
+    if sig != _LOCAL_SIG or name != info.filename.encode() or start + info.file_size > item.length:
+        raise _Unsupported(f"record {info.filename}: local header or bounds")
+    return start, info.file_size
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
@@ -598,7 +611,10 @@ class _Run:
             rec = tensor_record(item, what)
         except _Unsupported as e:
             logger.debug("%s: read by torch.load (%s)", what, e)
-            return None
+            return None  # the per-item path verifies the checksum before parsing
+        except CheckpointingException:
+            self._verify_whole(st)  # a damaged header is reported as what it is: a checksum mismatch
+            raise
         if st.check is not None:
             algorithm, value, update = st.check
             if small:
@@ -615,6 +631,16 @@ class _Run:
         if small:
             st.whole = item.head
         return rec
+
+    def _verify_whole(self, st: _Stored) -> None:
+        """Raise the checksum error of ``st`` if its bytes fail their checksum (read once more, whole)."""
+        if st.check is None:
+            return
+        algorithm, value, update = st.check
+        actual = fsmod._checksum_range(st.path, st.offset, st.offset + st.length, update)
+        if actual != value:
+            raise CheckpointingException(fsmod.checksum_message(fsmod._describe_index(st.index), st.path, *st.span,
+                                                                algorithm, value, actual))
 
     def _piece_task(self, st: _Stored, p: _Piece, buf: Optional[torch.Tensor]) -> torch.Tensor:
         if buf is None:
