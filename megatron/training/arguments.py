@@ -111,6 +111,10 @@ def _add_training_args(parser):
                    help="Samples to train in total: --train-samples / --global-batch-size iterations (instead of "
                         "--train-iters); the learning-rate schedule is then counted in samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="Do not stop when the lm loss is not finite (default: stop with an error after that "
+                        "iteration, whose update is skipped: its gradient norm is not finite either); the log then "
+                        "counts such iterations.")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
     g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")

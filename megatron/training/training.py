@@ -394,6 +394,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if not ok:
             skipped += 1
             result.skipped_iterations += 1
+        if not math.isfinite(value) and getattr(args, "check_for_nan_in_loss_and_grad", True):
+            raise RuntimeError(
+                f"lm loss is {value} at iteration {iteration} (not finite); that iteration's update was "
+                f"{'skipped' if not ok else 'applied'} (--no-check-for-nan-in-loss-and-grad to go on)"
+            )
         nan_iters += int(not math.isfinite(value))
         result.losses[iteration] = value
         result.grad_norms[iteration] = grad_norm

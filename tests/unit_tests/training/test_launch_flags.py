@@ -183,3 +183,44 @@ def test_tensorboard_event_files(tmp_path):
     assert ppl == pytest.approx(math.exp(v), rel=1e-5)
     resumed = _scalars(str(tmp_path / "tb2"))
     assert [s for s, _ in resumed["load-checkpoint-time"]] == [3] and [s for s, _ in resumed["lm loss"]] == [4]
+
+
+# ---- --check-for-nan-in-loss-and-grad (default on): once per iteration, after the (skipped) update -------------
+def _nan_body(rank, world_size, stop: bool):
+    import pretrain_gpt
+    from megatron.training.training import pretrain
+
+    calls = {"n": 0}
+
+    def forward_step(data_iterator, model):
+        output, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+        calls["n"] += 1
+        if calls["n"] == 2:  # iteration 2 (one micro-batch per iteration): a non-finite loss
+            output = output * float("nan")
+        return output, loss_func
+
+    argv = TINY + ["--train-iters", 4, "--global-batch-size", 2 * world_size, "--log-interval", 1] + NO_DROPOUT
+    if not stop:
+        argv.append("--no-check-for-nan-in-loss-and-grad")
+    seen = []
+
+    def record(iteration, model, loss):
+        seen.append(iteration)
+
+    run = lambda: pretrain(pretrain_gpt.train_valid_test_datasets_provider,  # noqa: E731
+                           pretrain_gpt.model_provider, None, forward_step, args=[str(a) for a in argv],
+                           on_iteration_end=record)
+    if stop:
+        with pytest.raises(RuntimeError, match=r"lm loss is nan at iteration 2 .*skipped.*"
+                                               r"--no-check-for-nan-in-loss-and-grad"):
+            run()
+        assert seen == [1]
+        return
+    res = run()
+    assert seen == [1, 2, 3, 4] and math.isnan(res.losses[2]) and math.isfinite(res.losses[3])
+    assert res.skipped_iterations == 1  # the NaN iteration's update was skipped (non-finite grad norm)
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_nan_loss_checked_once_per_iteration(stop):
+    run_distributed(_nan_body, 2, stop)
