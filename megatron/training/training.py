@@ -378,56 +378,59 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
     profiler = TrainingProfiler(args, get_rank(), iteration, printer=print)  # --profile (profiling.py)
-    while iteration < args.train_iters:
-        t_step = time.time()
-        loss_scale = _loss_scale_value(optimizer)  # the scale this iteration's backward used
-        profiler.before_step(iteration)
-        loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
-                                         opt_param_scheduler)
-        profiler.after_step(iteration + 1)
-        iteration += 1
-        args.iteration = iteration
-        args.consumed_train_samples += args.global_batch_size
-        args.num_floating_point_operations_so_far += flops_per_iteration
-        value = float(loss)
-        result.loss_scales[iteration] = loss_scale
-        if not ok:
-            skipped += 1
-            result.skipped_iterations += 1
-        if not math.isfinite(value) and getattr(args, "check_for_nan_in_loss_and_grad", True):
-            raise RuntimeError(
-                f"lm loss is {value} at iteration {iteration} (not finite); that iteration's update was "
-                f"{'skipped' if not ok else 'applied'} (--no-check-for-nan-in-loss-and-grad to go on)"
-            )
-        nan_iters += int(not math.isfinite(value))
-        result.losses[iteration] = value
-        result.grad_norms[iteration] = grad_norm
-        lr = optimizer.param_groups[0]["lr"]
-        result.learning_rates[iteration] = lr
-        interval_losses.append(value)
-        iters += 1
-        write_training_scalars(iteration, value, lr, grad_norm, time.time() - t_step, loss_scale)
-        if on_iteration_end is not None:
-            on_iteration_end(iteration, model, value)
-        if iteration % args.log_interval == 0:
-            training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0, iters,
-                         loss_scale, skipped, nan_iters)
-            interval_losses, t0, iters = [], time.time(), 0
-            skipped, nan_iters = 0, 0
-        t_extra = time.time()  # evaluation and saving are not counted in the iteration time
-        if args.async_save:  # advance the tracker of background saves that finished on every rank
-            maybe_finalize_async_save(blocking=False)
-        if valid_dataset is not None and args.eval_iters > 0 and args.eval_interval and iteration % args.eval_interval == 0:
-            v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
-            result.valid_losses[iteration] = v
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
-            saved_at = iteration
-        t0 += time.time() - t_extra
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
-            break
-    profiler.close()
+    try:
+        while iteration < args.train_iters:
+            t_step = time.time()
+            loss_scale = _loss_scale_value(optimizer)  # the scale this iteration's backward used
+            profiler.before_step(iteration)
+            loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
+                                             opt_param_scheduler)
+            profiler.after_step(iteration + 1)
+            iteration += 1
+            args.iteration = iteration
+            args.consumed_train_samples += args.global_batch_size
+            args.num_floating_point_operations_so_far += flops_per_iteration
+            value = float(loss)
+            result.loss_scales[iteration] = loss_scale
+            if not ok:
+                skipped += 1
+                result.skipped_iterations += 1
+            if not math.isfinite(value) and getattr(args, "check_for_nan_in_loss_and_grad", True):
+                raise RuntimeError(
+                    f"lm loss is {value} at iteration {iteration} (not finite); that iteration's update was "
+                    f"{'skipped' if not ok else 'applied'} (--no-check-for-nan-in-loss-and-grad to go on)"
+                )
+            nan_iters += int(not math.isfinite(value))
+            result.losses[iteration] = value
+            result.grad_norms[iteration] = grad_norm
+            lr = optimizer.param_groups[0]["lr"]
+            result.learning_rates[iteration] = lr
+            interval_losses.append(value)
+            iters += 1
+            write_training_scalars(iteration, value, lr, grad_norm, time.time() - t_step, loss_scale)
+            if on_iteration_end is not None:
+                on_iteration_end(iteration, model, value)
+            if iteration % args.log_interval == 0:
+                training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0,
+                             iters, loss_scale, skipped, nan_iters)
+                interval_losses, t0, iters = [], time.time(), 0
+                skipped, nan_iters = 0, 0
+            t_extra = time.time()  # evaluation and saving are not counted in the iteration time
+            if args.async_save:  # advance the tracker of background saves that finished on every rank
+                maybe_finalize_async_save(blocking=False)
+            if (valid_dataset is not None and args.eval_iters > 0 and args.eval_interval
+                    and iteration % args.eval_interval == 0):
+                v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
+                result.valid_losses[iteration] = v
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+                saved_at = iteration
+            t0 += time.time() - t_extra
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
+                break
+    finally:  # an error (a non-finite loss, a failed save) still ends the profile and writes its trace
+        profiler.close()
     return iteration, saved_at
 
 

@@ -290,7 +290,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     dest.copy_(value.reshape(dest.shape))
             st = self.optimizer.state.get(main)
             if st and "step" in st:
-                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+                st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
         self._copy_main_params_to_model()
 
 

@@ -317,7 +317,9 @@ class MegatronOptimizer:
                 if len(st) > 0:
                     continue
                 if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # fused / capturable Adam keep the step count on the parameter's device (as torch's lazy init)
+                    on_device = group.get("fused") or group.get("capturable")
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32, device=_local(p).device if on_device else None)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group.get("amsgrad", False):

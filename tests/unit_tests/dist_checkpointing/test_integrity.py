@@ -103,19 +103,23 @@ def test_writer_skips_torch_zip_crc_and_restores_it(tmp_path, monkeypatch):
     if not hasattr(torch.serialization, "set_crc32_options"):
         pytest.skip("torch without set_crc32_options")
     ckpt = str(tmp_path / "ckpt")
-    sd = _state()
+    sd = {f"w{i}": torch.randn(16, 8) for i in range(4)}
     assert torch.serialization.get_crc32_options() is True
-    dcp_save(sd, storage_writer=ChecksummedFileSystemWriter(ckpt))
+    dcp_save(sd, storage_writer=ChecksummedFileSystemWriter(ckpt, thread_count=2))  # torch's option is per thread
     assert torch.serialization.get_crc32_options() is True
-    _, info = _item(ckpt, "w")
-    with open(os.path.join(ckpt, info.relative_path), "rb") as f:
-        f.seek(info.offset)
-        archive = zipfile.ZipFile(__import__("io").BytesIO(f.read(info.length)))
-    crcs = {i.filename.split("/", 1)[1]: i.CRC for i in archive.infolist()}
-    assert crcs["data/0"] == 0 and crcs["data.pkl"] == 0, crcs
-    out = _empty_like(sd)
+    files = set()
+    for fqn in sd:
+        _, info = _item(ckpt, fqn)
+        files.add(info.relative_path)
+        with open(os.path.join(ckpt, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            archive = zipfile.ZipFile(__import__("io").BytesIO(f.read(info.length)))
+        crcs = {i.filename.split("/", 1)[1]: i.CRC for i in archive.infolist()}
+        assert crcs["data/0"] == 0 and crcs["data.pkl"] == 0, (fqn, crcs)
+    assert len(files) == 2  # both writer threads' files
+    out = {k: torch.zeros(16, 8) for k in sd}
     dcp_load(out, storage_reader=FileSystemReader(ckpt))
-    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["h"], sd["h"])
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
 def test_writer_starts_writeback_as_it_writes(tmp_path, monkeypatch):

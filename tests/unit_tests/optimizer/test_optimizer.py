@@ -245,3 +245,38 @@ def test_quantized_weights_get_fp32_main_params():
     ref = FakeQuantizedTensor.quantize(expected_main.to(torch.bfloat16), "tensorwise").dequantize()
     assert torch.equal(model.weight.dequantize(), ref)
     assert torch.allclose(model.bias.detach(), bias_before - 0.5)
+
+
+def _cuda_loss(model, seed=0, batch=4):
+    tok, lab = batches(1, batch, seed=seed)[0]
+    return model(tok.cuda(), position_ids(batch).cuda(), labels=lab.cuda()).float().mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_params_get_fused_adamw():
+    """On CUDA, AdamW is torch's fused one: the same updates as the foreach one (to fp32 rounding), lazy init and a
+    state_dict round trip keep the next step bitwise, the step count lives on the device."""
+    cfg = tiny_config(moe=False)
+    a, b, c = (build_gpt(cfg, 8).cuda() for _ in range(3))
+    oa, ob, oc = (get_megatron_optimizer(OptimizerConfig(lr=1e-2), m) for m in (a, b, c))
+    assert oa.optimizer.defaults["fused"] is True
+    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in oc.optimizer.param_groups]
+    oc.optimizer = torch.optim.AdamW(groups, foreach=True)  # the reference: same groups, foreach AdamW
+    ob.init_state()
+    assert all(st["step"].device.type == "cuda" for st in ob.optimizer.state.values())
+    for seed in range(2):
+        for m, o in ((a, oa), (b, ob), (c, oc)):
+            o.zero_grad()
+            _cuda_loss(m, seed).backward()
+            o.step()
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=n)
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    for m, o in ((a, oa), (b, ob)):
+        o.zero_grad()
+        _cuda_loss(m, 5).backward()
+        o.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n

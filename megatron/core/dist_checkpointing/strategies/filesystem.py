@@ -209,7 +209,8 @@ _fadvise = getattr(os, "posix_fadvise", None)
 def _torch_save_without_zip_crc():
     """torch.save computes a CRC-32 of every record of its zip archive (a serial pass at ~2 GB/s, about half of a
     DCP item's serialization time). No torch version checks it on load (PyTorch builds miniz with
-    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``) and every item here carries its own CRC32C: skip it while writing."""
+    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``) and every item here carries its own CRC32C: skip it while writing.
+    torch keeps this option per thread: entered in each writer thread (``create_stream``)."""
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or set_ is None:
@@ -314,7 +315,8 @@ class _ChecksummingFileSystem(FileSystem):
             segments.clear()
             wrapped = _ChecksummingStream(stream, self._update, segments)
             wrapped.progress = self.progress
-            yield wrapped
+            with _torch_save_without_zip_crc():  # here: DCP's writer threads each open their own stream
+                yield wrapped
             if not wrapped.closed:
                 wrapped._close_segment()
 
@@ -355,8 +357,7 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
 
     def write_data(self, plan, planner) -> Future:
         self.fs.progress = _Progress(f"saving {self.path}", _planned_write_bytes(plan.items))
-        with _torch_save_without_zip_crc():
-            results = super().write_data(plan, planner).wait()
+        results = super().write_data(plan, planner).wait()
         # torch's extra writer threads die silently on an error (their items just have no result): refuse that
         written = {wr.index for wr in results}
         lost = [item.index for item in plan.items if item.index not in written]
