@@ -487,8 +487,10 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         if buf is None:
             raise CheckpointingException(f"{c.key[0]}: chunk {i} committed without a scratch (resolve_tensor was "
                                          "not called for it)")
-        fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, None)
-        self._free_chunk(buf)
+        try:
+            fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, None)
+        finally:
+            self._free_chunk(buf)
         c.done += 1
 
     def _new_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
