@@ -18,6 +18,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair (dtype conversion as ``copy_``), one ``torch._foreach_copy_`` per (device,
+    dtype, source dtype) group."""
+    groups: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
 def _is_quantized_param(p: torch.Tensor) -> bool:
     """A TE quantized weight (``--fp8-param-gather`` / ``--fp4-param-gather``), plain or as a DTensor's shard."""
     from megatron.core.fp8_utils import is_quantized_tensor
@@ -188,6 +200,7 @@ class MegatronOptimizer:
         from megatron.core.distributed.fsdp.meta_init import _final, remap_param_keyed_maps
 
         self.model_params = [_final(old_to_new, p) for p in self.model_params]
+        self._model_param_quantized = None  # recomputed for the new objects
         self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
         if self.main_params is None:
             remap_param_keyed_maps(old_to_new, self.optimizer)
@@ -195,23 +208,49 @@ class MegatronOptimizer:
     # ---- gradients ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
+        """main.grad = the model grad in fp32: into one persistent fp32 buffer per main param, all copied by one
+        ``torch._foreach_copy_`` over the local tensors (not a new tensor and a DTensor dispatch per param)."""
         if self.main_params is None:
             return
-        for mp, main in zip(self.model_params, self.main_params):
+        bufs = getattr(self, "_main_grad_bufs", None)
+        if bufs is None:
+            bufs = self._main_grad_bufs = [None] * len(self.main_params)
+        dst, src = [], []
+        for i, (mp, main) in enumerate(zip(self.model_params, self.main_params)):
             g = getattr(mp, "main_grad", None)
             if g is None:
                 g = mp.grad
-            main.grad = None if g is None else g.detach().float()
+            if g is None or main is mp:
+                if main is not mp:
+                    main.grad = None
+                continue
+            if bufs[i] is None or bufs[i].shape != main.shape:
+                bufs[i] = torch.empty_like(main, dtype=torch.float32)
+            dst.append(_local(bufs[i]))
+            src.append(_local(g.detach()))
+            main.grad = bufs[i]
+        _foreach_copy(dst, src)
 
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
+        """The updated fp32 main params into the model params: plain (bf16/fp16) ones by one ``_foreach_copy_`` of
+        the local tensors (the same rounding as ``copy_``), quantized weights one by one (each quantizes on
+        ``copy_`` with its own quantizer)."""
         if self.main_params is None:
             return
-        for mp, main in zip(self.model_params, self.main_params):
+        quantized = getattr(self, "_model_param_quantized", None)
+        if quantized is None:
+            quantized = self._model_param_quantized = [_is_quantized_param(mp) for mp in self.model_params]
+        dst, src = [], []
+        for mp, main, q in zip(self.model_params, self.main_params, quantized):
             if mp is main:
                 continue
-            # into the local shard: a quantized weight quantizes on copy_ (its own quantizer)
-            _local(mp).copy_(_local(main).to(_local(mp).dtype))
+            if q:
+                _local(mp).copy_(_local(main).to(_local(mp).dtype))
+            else:
+                dst.append(_local(mp))
+                src.append(_local(main))
+        _foreach_copy(dst, src)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
