@@ -32,20 +32,11 @@ from megatron.core.dist_checkpointing.strategies.filesystem import (
     ChecksummedFileSystemReader,
     ChecksummedFileSystemWriter,
 )
+from tests.unit_tests.dist_checkpointing.test_integrity import _inner
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.test_safe_globals import Payload
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-
-
-def _inner(exc: BaseException) -> BaseException:
-    if isinstance(exc, CheckpointingException):
-        return exc
-    for failure in (getattr(exc, "failures", None) or {}).values():
-        e = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(e, CheckpointingException):
-            return e
-    raise AssertionError(f"no CheckpointingException in {type(exc).__name__}: {exc}")
 
 
 @pytest.fixture

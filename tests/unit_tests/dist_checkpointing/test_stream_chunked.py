@@ -160,14 +160,19 @@ def test_small_destination_keeps_whole_path(tmp_path):
     _assert_whole_equal(dest, full, "blockwise")
 
 
-def test_incomplete_chunked_destination_named(tmp_path):
+def _planned(tmp_path, kind):
+    """(full, planner, final plan) of a chunked load of one saved 1000 x 256 tensor into a ``kind`` destination."""
     full = _full()
     dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
-    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "tensorwise")
+    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), kind)
     planner = _Planner(stream_chunk_bytes=CHUNK)
     reader = dcp.FileSystemReader(str(tmp_path))
     planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
-    plan = planner.finish_plan(planner.create_local_plan())
+    return full, planner, planner.finish_plan(planner.create_local_plan())
+
+
+def test_incomplete_chunked_destination_named(tmp_path):
+    _, planner, plan = _planned(tmp_path, "tensorwise")
     target = planner.resolve_tensor(plan.items[0]).detach()
     assert type(target).__name__ == "_CaptureTarget" and tuple(target.shape) == (1000, 256)
     with pytest.raises(CheckpointingException, match=r"w .*only accepts copy_"):
@@ -181,13 +186,7 @@ def test_direct_chunks_split_read_items(tmp_path):
     """Delayed scaling, one saved item: the plan has one read item per 128-row chunk, with storage offsets shifted
     alike; each resolves to that chunk's own scratch (a plain tensor the reader copies into). A load that stops
     half way is named and leaves no scratch behind."""
-    full = _full()
-    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
-    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), "delayed")
-    planner = _Planner(stream_chunk_bytes=CHUNK)
-    reader = dcp.FileSystemReader(str(tmp_path))
-    planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
-    plan = planner.finish_plan(planner.create_local_plan())
+    full, planner, plan = _planned(tmp_path, "delayed")
     rows = [(int(i.dest_offsets[0]), int(i.storage_offsets[0]), int(i.lengths[0]), int(i.lengths[1]))
             for i in plan.items]
     assert rows == [(r, r, min(128, 1000 - r), 256) for r in range(0, 1000, 128)]
