@@ -541,6 +541,7 @@ class _Run:
     def __init__(self, reader, items, planner):
         self.reader, self.items, self.planner = reader, list(items), planner
         self.stats = ReadStats()
+        self.closing = False  # set by close(): running gap reads stop early
         self._lock = threading.Lock()
         self._local = threading.local()
         self.stored: Dict[Any, _Stored] = {}
@@ -663,6 +664,8 @@ class _Run:
             scratch = self._local.scratch = memoryview(bytearray(GAP_CHUNK_BYTES))
         update, value, pos = st.check[2], 0, a
         while pos < b:
+            if self.closing:  # the load failed: do not read on (a gap may be gigabytes)
+                return
             n = min(len(scratch), b - pos)
             self._read(st, scratch[:n], pos)
             value = update(scratch[:n], value)
@@ -869,6 +872,7 @@ class _Run:
             self._release_done_copies(wait_one=True)
 
     def close(self) -> None:
+        self.closing = True
         self.executor.shutdown(wait=True, cancel_futures=True)
         try:
             self._release_all()
