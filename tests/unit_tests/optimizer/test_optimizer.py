@@ -270,9 +270,13 @@ def test_cuda_params_get_fused_adamw():
             o.zero_grad()
             _cuda_loss(m, seed).backward()
             o.step()
-    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
-        assert torch.equal(p, q), n
-        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=n)
+        if seed == 0:  # one step from the same state and the same gradients: fused == foreach to fp32 rounding
+            # (later steps see gradients that differ by rounding; near-zero ones, e.g. key biases, are then noise
+            # that Adam scales up to ~lr * |g| / eps)
+            for (n, p), r in zip(a.named_parameters(), c.parameters()):
+                torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n  # lazy init == init_state, bitwise
     ob.load_state_dict(copy.deepcopy(oa.state_dict()))
     for m, o in ((a, oa), (b, ob)):
         o.zero_grad()
