@@ -160,20 +160,33 @@ def test_small_destination_keeps_whole_path(tmp_path):
     _assert_whole_equal(dest, full, "blockwise")
 
 
-def _planned(tmp_path, kind):
+def _planned(tmp_path, kind, chunk=CHUNK):
     """(full, planner, final plan) of a chunked load of one saved 1000 x 256 tensor into a ``kind`` destination."""
     full = _full()
-    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save({"w": full, "plain": torch.zeros(3)}, checkpoint_id=str(tmp_path), no_dist=True)
     dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), kind)
-    planner = _Planner(stream_chunk_bytes=CHUNK)
+    planner = _Planner(stream_chunk_bytes=chunk)
     reader = dcp.FileSystemReader(str(tmp_path))
-    planner.set_up_planner({"w": dest}, reader.read_metadata(), True)
+    planner.set_up_planner({"w": dest, "plain": torch.ones(3)}, reader.read_metadata(), True)
     return full, planner, planner.finish_plan(planner.create_local_plan())
+
+
+@pytest.mark.parametrize("kind,chunk,plain", [("delayed", 0, True), ("delayed", CHUNK, True),
+                                              ("tensorwise", CHUNK, False)])
+def test_reader_told_which_targets_are_plain(tmp_path, kind, chunk, plain):
+    """resolves_to_plain_tensor (asked by the staged reader before it reads) matches what resolve_tensor gives:
+    scratch views and direct chunks are plain tensors (pinned row pieces), captured chunks are not."""
+    _, planner, plan = _planned(tmp_path, kind, chunk)
+    for item in plan.items:
+        target = planner.resolve_tensor(item)
+        is_plain = type(target) in (torch.Tensor, torch.nn.Parameter)
+        assert planner.resolves_to_plain_tensor(item) is is_plain, (item.dest_index.fqn, type(target))
+        assert is_plain is (plain or item.dest_index.fqn == "plain")
 
 
 def test_incomplete_chunked_destination_named(tmp_path):
     _, planner, plan = _planned(tmp_path, "tensorwise")
-    target = planner.resolve_tensor(plan.items[0]).detach()
+    target = planner.resolve_tensor(next(i for i in plan.items if i.dest_index.fqn == "w")).detach()
     assert type(target).__name__ == "_CaptureTarget" and tuple(target.shape) == (1000, 256)
     with pytest.raises(CheckpointingException, match=r"w .*only accepts copy_"):
         target.add_(1)
@@ -187,16 +200,16 @@ def test_direct_chunks_split_read_items(tmp_path):
     alike; each resolves to that chunk's own scratch (a plain tensor the reader copies into). A load that stops
     half way is named and leaves no scratch behind."""
     full, planner, plan = _planned(tmp_path, "delayed")
-    rows = [(int(i.dest_offsets[0]), int(i.storage_offsets[0]), int(i.lengths[0]), int(i.lengths[1]))
-            for i in plan.items]
+    items = [i for i in plan.items if i.dest_index.fqn == "w"]
+    rows = [(int(i.dest_offsets[0]), int(i.storage_offsets[0]), int(i.lengths[0]), int(i.lengths[1])) for i in items]
     assert rows == [(r, r, min(128, 1000 - r), 256) for r in range(0, 1000, 128)]
-    target = planner.resolve_tensor(plan.items[1])
+    target = planner.resolve_tensor(items[1])
     assert type(target) is torch.Tensor and tuple(target.shape) == (128, 256)
     assert planner.scratch_bytes_live == 128 * 256 * 2
     target.copy_(full[128:256])
-    planner.commit_tensor(plan.items[1], target)
+    planner.commit_tensor(items[1], target)
     assert planner.scratch_bytes_live == 0 and FakeQuantizedTensor.rows_quantize_calls >= 1
-    planner.resolve_tensor(plan.items[2])
+    planner.resolve_tensor(items[2])
     with pytest.raises(CheckpointingException, match="'w'"):
         planner.finish_quantized_load()
     assert planner.quantized_load_state_is_empty()

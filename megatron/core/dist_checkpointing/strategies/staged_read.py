@@ -562,7 +562,10 @@ class _Run:
                     self.order.append(st)
             st.positions.append(pos)
             dest = self._lookup(req)
-            self.plain_guess[pos] = dest is None or _is_plain(dest)
+            # what resolve_tensor will hand over: the planner says where it knows (the streaming planner's scratches
+            # are plain tensors for quantized destinations); else the destination's own type
+            plain = getattr(planner, "resolves_to_plain_tensor", None)
+            self.plain_guess[pos] = plain(req) if plain is not None else (dest is None or _is_plain(dest))
             cuda = cuda or (dest is not None and getattr(dest, "is_cuda", False))
         if not cuda and torch.cuda.is_available() and not hasattr(planner, "lookup_tensor"):
             cuda = True

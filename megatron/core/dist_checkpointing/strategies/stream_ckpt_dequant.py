@@ -386,6 +386,18 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         chunk_len = max(step, (self.stream_chunk_bytes // per_index) // step * step)
         return _ChunkedDest(key, base, lead, min(chunk_len, int(base.shape[0])))
 
+    def resolves_to_plain_tensor(self, read_item) -> bool:
+        """Whether ``resolve_tensor(read_item)`` will be a plain tensor (a scratch view, a direct chunk's scratch or a
+        plain destination) a reader can copy row pieces into, or a ``_CaptureTarget`` (captured chunks) that takes
+        one whole ``copy_``. Asked by the staged reader (``staged_read.py``) after the plan is final."""
+        key = self._dest_key(read_item.dest_index)
+        chunked = self._chunked.get(key)
+        if chunked is not None:
+            return chunked.direct
+        if key in self._quantized_pending:
+            return True
+        return type(self.lookup_tensor(read_item.dest_index)) in (torch.Tensor, torch.nn.Parameter)
+
     @staticmethod
     def _is_quantized_destination(dest) -> bool:
         return fp8_utils.is_quantized_tensor(dest) or quantized_base(dest) is not None
