@@ -5,13 +5,15 @@ records are *stored* (not compressed): ``<prefix>/data.pkl`` (a small pickle: ``
 or ``_v3`` applied to one persistent storage id, the storage offset, size and stride), a few tiny records
 (``byteorder``...), ``<prefix>/data/<key>`` (the storage's raw bytes, 64-byte aligned), the central directory.
 
-``tensor_record`` finds the raw bytes without ``torch.load``: it walks the local file headers at the start of the
-item (data offset = header offset + 30 + name length + extra length; a few KiB read) and reads ``data.pkl`` with
-``_RecordUnpickler`` (a ``SafeUnpickler``: the rebuild function, the storage id and the storage type become a plain
-``TensorRecord``; nothing from the pickle is called). A global that torch's weights-only loader would admit but this
-reader does not know (a parameter, a tensor subclass) or anything unexpected (several storages, a compressed record,
-a data descriptor, big-endian data) sends the item to the previous path (``torch.load`` of the item: never wrong,
-only slower); a global outside every allowlist is refused (``CheckpointingException``, nothing run).
+``tensor_record`` finds the raw bytes without ``torch.load``: the zip directory (from the item's last bytes), each
+record's local header (data offset = header offset + 30 + name length + extra length; a few KiB read; the zip's own
+CRC-32s are not checked: our writer leaves them 0, torch never checks them, the item's checksum covers the bytes)
+and ``data.pkl`` read with ``_RecordUnpickler`` (a ``SafeUnpickler``: the rebuild function, the storage id and the
+storage type become a plain ``TensorRecord``; nothing from the pickle is called). Any other global (a parameter, a
+tensor subclass, a planted payload) or anything unexpected (several storages, a compressed record, big-endian data,
+an odd record) sends the item to the previous path, ``torch.load(weights_only=True)`` of the item (never wrong, only
+slower; it refuses what is unsafe). Every read region is checked against the stored tensor's shape first: a
+``.metadata`` that asks for more than the item holds is refused, naming the key.
 
 How ``read_staged`` runs a load plan:
 
