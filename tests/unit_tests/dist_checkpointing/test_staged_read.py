@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem import (
     ChecksummedFileSystemReader,
     ChecksummedFileSystemWriter,
 )
-from tests.unit_tests.dist_checkpointing.test_integrity import _inner
+from tests.unit_tests.dist_checkpointing.test_integrity import _flip, _inner
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.test_safe_globals import Payload
 
@@ -248,14 +248,6 @@ def test_partial_read_reads_fewer_bytes(tmp_path, readers, checksums):
         assert stats.bytes_read <= length // 2 + sr.HEAD_BYTES + sr.TAIL_BYTES
 
 
-def _flip(path, pos, n=4):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        data = f.read(n)
-        f.seek(pos)
-        f.write(bytes(b ^ 0xFF for b in data))
-
-
 def _stored(ckpt, fqn):
     """(storage info, data file path, TensorRecord) of the stored item of ``fqn``."""
     md = fs_mod.read_dcp_metadata_file(os.path.join(ckpt, ".metadata"))
@@ -282,7 +274,7 @@ def test_flipped_byte_named(tmp_path, small_pool, where):
     info, path, rec = _stored(ckpt, fqn)
     pos = {"data_middle": rec.data_start + rec.data_nbytes // 2, "header": 100, "tail": info.length - 30,
            "small_item": rec.data_start + 10}[where]
-    _flip(path, info.offset + pos)
+    _flip(path, info.offset + pos, n=4)
     with pytest.raises(BaseException) as e:
         dcp_load(_zeros(sd), storage_reader=ChecksummedFileSystemReader(ckpt))
     _assert_named(e.value, fqn, path, info)
@@ -295,7 +287,7 @@ def test_flipped_byte_in_rows_not_loaded_named(tmp_path, small_pool, readers):
     full = torch.randn(64, 40)
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", full)}, ckpt)
     info, path, rec = _stored(ckpt, "w")
-    _flip(path, info.offset + rec.data_start + 8)  # row 0
+    _flip(path, info.offset + rec.data_start + 8, n=4)  # row 0
     half = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(32, 40), (0, 1, 2))}
     with pytest.raises(CheckpointingException) as e:
         dist_checkpointing.load(half, ckpt, validate_access_integrity=False)
