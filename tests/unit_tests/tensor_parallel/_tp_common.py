@@ -1,6 +1,7 @@
 """Helpers of the tensor-parallel tests: tiny GPT configs, slicing a TP=1 model's tensors into a TP rank's pieces."""
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -105,3 +106,43 @@ def save_model_and_optimizer(model, opt, path):
     dist.barrier()
     sd = model.sharded_state_dict()
     dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, path)
+
+
+def checkpoint_references(layouts, setup, data, root):
+    """{layout: (path, eval loss, eval loss after one more step)}: per layout, ``setup(*layout, seed=5)`` trained two
+    steps and saved (model + optimizer) under ``root``; the losses are what a resume must reproduce."""
+    ref = {}
+    for layout in layouts:
+        model, opt = setup(*layout, seed=5)
+        for tok, lab in data[:2]:
+            train_step(model, opt, tok, lab)
+        path = os.path.join(root, "_".join(map(str, layout)))
+        save_model_and_optimizer(model, opt, path)
+        before = eval_loss(model, data)
+        train_step(model, opt, *data[2])
+        ref[layout] = (path, before, eval_loss(model, data))
+    return ref
+
+
+def check_resume(model, opt, reference, data, again, what, check_keys):
+    """Load ``reference`` (from ``checkpoint_references``) into ``model``/``opt`` (another layout), save it again at
+    ``again``: rank 0 finds every full tensor equal (``check_keys(keys)`` asserts on the keys first); the eval loss
+    equals the saved one, and after one more step the reference run's."""
+    from tests.unit_tests.models.upstream_fixtures import read_full_tensors
+
+    path, before, after = reference
+    sd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": sd, "optimizer": opt.sharded_state_dict(sd, is_loading=True)}, path)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    save_model_and_optimizer(model, opt, again)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        a, b = read_full_tensors(path), read_full_tensors(again)
+        assert a.keys() == b.keys(), what
+        check_keys(a)
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+    assert eval_loss(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
+    train_step(model, opt, *data[2])
+    assert eval_loss(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import (
@@ -23,17 +22,15 @@ from tests.unit_tests.models.upstream_fixtures import (
     copy_fixture_ckpt,
     logits_on_reference,
     needs_fixtures,
-    read_full_tensors,
     reference,
     routers,
 )
 from tests.unit_tests.tensor_parallel._tp_common import (
     build,
-    eval_loss,
+    check_resume,
+    checkpoint_references,
     make_config,
-    save_model_and_optimizer,
     train_data,
-    train_step,
 )
 
 LAYOUTS = [("ddp", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2)]  # (wrapper, TP); DP = 4 / TP
@@ -58,39 +55,18 @@ def _setup(kind, tp, seed):
 
 def _body(rank, ws, root):
     data = train_data()
-    ref = {}
+    ref = checkpoint_references(LAYOUTS, _setup, data, root)
+
+    def check_keys(a):
+        assert any(k.startswith("optimizer.state.exp_avg.") for k in a), sorted(a)[:5]
+
     for kind, tp in LAYOUTS:
-        model, opt = _setup(kind, tp, seed=5)
-        for tok, lab in data[:2]:
-            train_step(model, opt, tok, lab)
-        path = os.path.join(root, f"{kind}{tp}")
-        save_model_and_optimizer(model, opt, path)
-        before = eval_loss(model, data)
-        train_step(model, opt, *data[2])
-        ref[(kind, tp)] = (path, before, eval_loss(model, data))
-    for kind, tp in LAYOUTS:
-        for (skind, stp), (path, before, after) in ref.items():
+        for (skind, stp), saved_ref in ref.items():
             if ((skind, stp), (kind, tp)) not in PAIRS:
                 continue
-            what = f"saved {skind} TP={stp}, loaded {kind} TP={tp}"
             model, opt = _setup(kind, tp, seed=1000 + tp)
-            sd = model.sharded_state_dict()
-            loaded = dist_checkpointing.load({"model": sd, "optimizer": opt.sharded_state_dict(sd, is_loading=True)},
-                                             path)
-            model.load_state_dict(loaded["model"])
-            opt.load_state_dict(loaded["optimizer"])
-            again = os.path.join(root, f"again_{skind}{stp}_{kind}{tp}")
-            save_model_and_optimizer(model, opt, again)
-            dist.barrier()
-            if rank == 0:
-                a, b = read_full_tensors(path), read_full_tensors(again)
-                assert a.keys() == b.keys(), what
-                assert any(k.startswith("optimizer.state.exp_avg.") for k in a), sorted(a)[:5]
-                for k in a:
-                    assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-            assert eval_loss(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
-            train_step(model, opt, *data[2])
-            assert eval_loss(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what
+            check_resume(model, opt, saved_ref, data, os.path.join(root, f"again_{skind}{stp}_{kind}{tp}"),
+                         f"saved {skind} TP={stp}, loaded {kind} TP={tp}", check_keys)
 
 
 def test_checkpoint_across_tp_dp(tmp_path):

@@ -7,28 +7,26 @@ load at (1, 1, 4) and (2, 1, 2), and the reverse: the re-saved checkpoint holds 
 gives the saver's loss and the next step's."""
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import update_expert_bias
 from tests.unit_tests.dist_utils import run_distributed
-from tests.unit_tests.models.upstream_fixtures import read_full_tensors, routers
+from tests.unit_tests.models.upstream_fixtures import routers
 from tests.unit_tests.tensor_parallel._tp_common import (
     SEQ,
     VOCAB,
     build,
-    eval_loss,
+    check_resume,
+    checkpoint_references,
     make_config,
     position_ids,
     tp_piece,
-    save_model_and_optimizer,
     train_data,
-    train_step,
 )
 
 NUM_EXPERTS = 4
@@ -158,37 +156,16 @@ def _setup(tp, ep, seed):
 
 def _checkpoint_body(rank, ws, root):
     data = train_data()
-    ref = {}
-    for tp, ep in LAYOUTS:
-        model, opt = _setup(tp, ep, seed=5)
-        for tok, lab in data[:2]:
-            train_step(model, opt, tok, lab)
-        path = os.path.join(root, f"tp{tp}ep{ep}")
-        save_model_and_optimizer(model, opt, path)
-        before = eval_loss(model, data)
-        train_step(model, opt, *data[2])
-        ref[(tp, ep)] = (path, before, eval_loss(model, data))
+    ref = checkpoint_references(LAYOUTS, _setup, data, root)
+    fc1 = "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"
+
+    def check_keys(a):
+        assert fc1 in a and tuple(a[fc1].shape) == (2, NUM_EXPERTS, 40, 32), sorted(a)[:5]
+
     for saved, (tp, ep) in PAIRS:
-        path, before, after = ref[saved]
-        what = f"saved (TP, EP)={saved}, loaded ({tp}, {ep})"
         model, opt = _setup(tp, ep, seed=1000 + tp + ep)
-        sd = model.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": sd, "optimizer": opt.sharded_state_dict(sd, is_loading=True)}, path)
-        model.load_state_dict(loaded["model"])
-        opt.load_state_dict(loaded["optimizer"])
-        again = os.path.join(root, f"again_{saved[0]}{saved[1]}_{tp}{ep}")
-        save_model_and_optimizer(model, opt, again)
-        dist.barrier()
-        if rank == 0:
-            a, b = read_full_tensors(path), read_full_tensors(again)
-            assert a.keys() == b.keys(), what
-            fc1 = "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"
-            assert fc1 in a and tuple(a[fc1].shape) == (2, NUM_EXPERTS, 40, 32), sorted(a)[:5]
-            for k in a:
-                assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-        assert eval_loss(model, data) == pytest.approx(before, rel=1e-5, abs=1e-6), what
-        train_step(model, opt, *data[2])
-        assert eval_loss(model, data) == pytest.approx(after, rel=1e-5, abs=1e-6), what
+        check_resume(model, opt, ref[saved], data, os.path.join(root, f"again_{saved[0]}{saved[1]}_{tp}{ep}"),
+                     f"saved (TP, EP)={saved}, loaded ({tp}, {ep})", check_keys)
 
 
 def test_checkpoint_across_tp_ep_layouts(tmp_path):
