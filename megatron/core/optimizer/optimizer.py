@@ -159,6 +159,8 @@ class MegatronOptimizer:
         self.model_params = list(model_params)  # in optimizer param order (groups concatenated)
         self.main_params = list(main_params) if main_params is not None else None
         self.param_to_name = dict(param_to_name)
+        self._main_grad_bufs: Optional[List[Optional[torch.Tensor]]] = None  # fp32 main grads, made on first step
+        self._model_param_quantized: Optional[List[bool]] = None  # per model param, computed on first step
         opt_order = [p for g in optimizer.param_groups for p in g["params"]]
         expected = self.main_params if self.main_params is not None else self.model_params
         if len(opt_order) != len(expected) or any(a is not b for a, b in zip(opt_order, expected)):
@@ -212,7 +214,7 @@ class MegatronOptimizer:
         ``torch._foreach_copy_`` over the local tensors (not a new tensor and a DTensor dispatch per param)."""
         if self.main_params is None:
             return
-        bufs = getattr(self, "_main_grad_bufs", None)
+        bufs = self._main_grad_bufs
         if bufs is None:
             bufs = self._main_grad_bufs = [None] * len(self.main_params)
         dst, src = [], []
@@ -238,7 +240,7 @@ class MegatronOptimizer:
         ``copy_`` with its own quantizer)."""
         if self.main_params is None:
             return
-        quantized = getattr(self, "_model_param_quantized", None)
+        quantized = self._model_param_quantized
         if quantized is None:
             quantized = self._model_param_quantized = [_is_quantized_param(mp) for mp in self.model_params]
         dst, src = [], []
