@@ -21,7 +21,7 @@ present, the FP8 (delayed scaling, hybrid) rows: ``ddp_fp8`` (DDP + FP8 autocast
 The ratio column is tokens/s over the DDP row of the same precision.
 
 ``--profile``: after timing, each mode runs ``--profile-steps`` steps under ``torch.profiler`` and prints its
-top-20 ops by self device time (self CPU time on CPU) and a summary: wall ms/step, device busy ms/step (sum of
+top-20 ops by self device time (self CPU time on CPU or with ``--sort cpu``) and a summary: wall ms/step, device busy ms/step (sum of
 kernel times), host-side ms/step outside aten ops (Python, DTensor/FSDP2 bookkeeping: "py ms"), and host syncs
 per step (``aten::_local_scalar_dense``: ``.item()``, ``float()``/``bool()`` of a tensor).
 
@@ -152,7 +152,7 @@ def _timed(step, batch, n: int, dev) -> float:
     return time.perf_counter() - t0
 
 
-def _profile(step, batch, n: int, dev, rows: int):
+def _profile(step, batch, n: int, dev, rows: int, sort_by: str = "device"):
     """(top-ops table, summary dict) of ``n`` steps under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -168,7 +168,7 @@ def _profile(step, batch, n: int, dev, rows: int):
         _sync(dev)
         wall = time.perf_counter() - t0
     ka = prof.key_averages()
-    sort = device_time_attr(ka) if dev.type == "cuda" else "self_cpu_time_total"
+    sort = device_time_attr(ka) if dev.type == "cuda" and sort_by == "device" else "self_cpu_time_total"
     table = ka.table(sort_by=sort, row_limit=rows)
     return table, host_summary(prof.events(), ka, wall, n, cuda=dev.type == "cuda")
 
@@ -192,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="per mode: top ops and host-overhead summary")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=20, help="rows of each top-ops table")
+    ap.add_argument("--sort", choices=("device", "cpu"), default="device",
+                    help="order of the top-ops tables: self device time (CPU: always self CPU time) or self CPU time")
     ap.add_argument("--small", action="store_true", help="CPU size: 2 layers, hidden 256, seq 128, vocab 1024")
     a = ap.parse_args(argv)
     if a.small:
@@ -270,7 +272,7 @@ def main(argv=None):
     if a.profile:
         summaries = {}
         for m in modes:
-            table, summaries[m] = _profile(steps[m], batch, a.profile_steps, dev, a.rows)
+            table, summaries[m] = _profile(steps[m], batch, a.profile_steps, dev, a.rows, a.sort)
             print(f"\n## {m}: top {a.rows} ops by self {'device' if cuda else 'CPU'} time ({a.profile_steps} steps)")
             print(table)
         print("\n| mode | wall ms/step | device busy ms/step | aten host ms/step | CUDA runtime ms/step | py ms/step "
