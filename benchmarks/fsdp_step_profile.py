@@ -273,7 +273,7 @@ def main(argv=None):
         summaries = {}
         for m in modes:
             table, summaries[m] = _profile(steps[m], batch, a.profile_steps, dev, a.rows, a.sort)
-            print(f"\n## {m}: top {a.rows} ops by self {'device' if cuda else 'CPU'} time ({a.profile_steps} steps)")
+            print(f"\n## {m}: top {a.rows} ops by self {'device' if cuda and a.sort == 'device' else 'CPU'} time ({a.profile_steps} steps)")
             print(table)
         print("\n| mode | wall ms/step | device busy ms/step | aten host ms/step | CUDA runtime ms/step | py ms/step "
               "| .item()s/step | CUDA syncs/step |")
