@@ -37,7 +37,11 @@ How ``read_staged`` runs a load plan:
   handled. A mismatch raises ``CheckpointingException`` naming key, file and byte range; it may come after the
   item's bytes were copied into the destination (the load fails either way).
 - Object (bytes) items, items with DCP stream transforms and the fallback items take the previous per-item path
-  (``ChecksummedFileSystemReader._read_item_unstaged``).
+  (``ChecksummedFileSystemReader._read_item_unstaged``: checksum, ``torch.load``). A stored item split into several
+  read items (the chunked streaming planner: one per chunk) is loaded once for its consecutive read items, which
+  are served from it in plan order; it is dropped after its last read item or when the next fallback item is
+  loaded (at most one loaded item is kept: read items of one stored item that are not consecutive in the plan load
+  it again).
 
 ``last_read_stats`` on the reader (a ``ReadStats``) tells what a load did: bytes read, items staged and fallen back,
 the staging pool's peak.
@@ -477,6 +481,7 @@ class ReadStats:
     bytes_read: int = 0
     items_staged: int = 0  # read items read by this module
     items_fallback: int = 0  # tensor read items read by the previous path (torch.load of the item)
+    fallback_loads: int = 0  # stored items loaded (read, checksummed, torch.load) by that path
     pool_buffers: int = 0  # staging buffers allocated (at most STAGING_BUFFERS)
     pool_peak_in_use: int = 0
     pool_buffer_bytes: int = 0
@@ -581,6 +586,7 @@ class _Run:
         self.plan_pos = 0
         self.sub_next: Dict[int, int] = {}  # plan position -> next piece to submit
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="mcore-ckpt-read")
+        self.loaded: Optional[Tuple[_Stored, Any]] = None  # the fallback item loaded last, while it has read items
 
     def _lookup(self, req):
         lookup = getattr(self.planner, "lookup_tensor", None)
@@ -867,10 +873,21 @@ class _Run:
             path = str(self.reader.fs.concat_path(self.reader.path, sinfo.relative_path))
             if path not in streams:
                 streams[path] = stack.enter_context(self.reader.fs.create_stream(path, "rb"))
-            self.reader._read_item_unstaged(streams[path], req, self.planner)
-            if st is not None:
-                self.stats.items_fallback += 1
+            self._read_fallback(pos, req, st, streams[path])
         self._release_all()
+
+    def _read_fallback(self, pos: int, req, st: Optional[_Stored], stream) -> None:
+        """One read item by the per-item path; a tensor item is loaded once for its consecutive read items."""
+        loaded = self.loaded[1] if st is not None and self.loaded is not None and self.loaded[0] is st else None
+        if loaded is None and st is not None:
+            self.loaded = None  # at most one loaded item: the previous one goes before the next is loaded
+        elif loaded is not None:
+            self.reader._progress_add(st.length)  # as a load of it would
+        whole = self.reader._read_item_unstaged(stream, req, self.planner, loaded)
+        if st is not None:
+            self.stats.items_fallback += 1
+            self.stats.fallback_loads += loaded is None
+            self.loaded = None if pos == st.positions[-1] else (st, whole)
 
     def _release_all(self) -> None:
         while self.copies:
