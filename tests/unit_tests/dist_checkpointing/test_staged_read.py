@@ -7,10 +7,17 @@ items, all paths: small, pieces, bounding rows, strided, objects), with and with
 never over its size; resharded loads on 2 gloo ranks (2 -> whole, whole -> 2 along dim 0 and dim 1); partial reads
 read fewer bytes than the item; a flipped byte in a tensor's data (staged and small items), header, or in bytes
 only the checksum needs is named by key, file and byte range; a planted pickle in data.pkl is refused unrun; CUDA
-destinations (pinned staging, streaming planner) equal a CPU load (``gpu``)."""
+destinations (pinned staging, streaming planner) equal a CPU load (``gpu``). A fallback item (DCP stream transform,
+unparsed archive) split into several read items (chunked streaming planner, row halves) is read, checksummed and
+torch.loaded once for its consecutive read items, exactly. Overlapping and duplicate read items on one stored item
+load exactly and verified, ten times over; a flipped byte in the overlap is named; a read of a shared range that
+returns different bytes is detected whether it finishes before or after the other reads (forced orders)."""
+import dataclasses
 import io
 import os
 import pickle
+import threading
+import time
 import warnings
 import zipfile
 
@@ -20,6 +27,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -398,3 +408,248 @@ def test_upstream_written_checkpoint_read_staged(name):
     assert stats.items_fallback == 0 and stats.items_staged == sum(len(m.chunks) for m in keys.values()), stats
     for k in keys:
         assert torch.equal(ours[k], ref[k]), k
+
+
+# ---- fallback items split into several read items: one torch.load per stored item ---------------------------------
+class _Xor(StreamTransformExtension):
+    """A DCP stream transform (bytes XOR 0x5A): its items are not zip archives on disk, so they take the fallback."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "mcore_test.xor"
+
+    @staticmethod
+    def from_descriptor(version: str) -> "_Xor":
+        return _Xor()
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1"
+
+    def transform_to(self, output):
+        class Writer(io.RawIOBase):
+            def writable(self):
+                return True
+
+            def write(self, b):
+                data = bytes(memoryview(b).cast("B"))
+                output.write(bytes(x ^ 0x5A for x in data))
+                return len(data)
+
+            def flush(self):
+                output.flush()
+
+        return Writer()
+
+    def transform_from(self, input):
+        return io.BytesIO(bytes(x ^ 0x5A for x in input.read()))
+
+
+def _unparsed(item, what):
+    """``tensor_record`` for an archive this reader does not parse (an unknown global, an odd record)."""
+    raise sr._Unsupported("test: not parsed")
+
+
+@pytest.mark.parametrize("why", ["stream_transform", "unparsed_archive"])
+def test_split_fallback_item_loaded_once(tmp_path, monkeypatch, readers, why):
+    """The chunked streaming planner splits the one saved item of a quantized destination into one read item per
+    chunk (8 here); when that item falls back to torch.load, it is read, checksummed and unpickled once for all 8
+    (before: 8 times each), and every chunk lands exactly."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    from tests.unit_tests.dist_checkpointing.test_stream_chunked import (
+        CHUNK,
+        _assert_whole_equal,
+        _dest,
+        _full,
+        _Planner,
+    )
+
+    ckpt = str(tmp_path / "ckpt")
+    full = _full()  # 1000 x 256 bf16: 8 chunks of 128 rows
+    registry = ExtensionRegistry()
+    registry.register(_Xor)
+    extensions = [_Xor()] if why == "stream_transform" else None
+    dcp_save({"w": full, "plain": torch.arange(10.0)},
+             storage_writer=ChecksummedFileSystemWriter(ckpt, _extensions=extensions))
+    if why == "unparsed_archive":
+        monkeypatch.setattr(sr, "tensor_record", _unparsed)
+    calls = {"load": 0, "checksum": 0}
+    orig_load, orig_range = torch.load, fs_mod._checksum_range
+
+    def counting_load(*args, **kwargs):
+        calls["load"] += 1
+        return orig_load(*args, **kwargs)
+
+    def counting_range(*args, **kwargs):
+        calls["checksum"] += 1
+        return orig_range(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    monkeypatch.setattr(fs_mod, "_checksum_range", counting_range)
+    dest = _dest(full, "delayed", float(full.float().abs().max()))
+    scale = dest._quantizer.scale.clone()
+    plain = torch.zeros(10)
+    planner = _Planner(stream_chunk_bytes=CHUNK)
+    dcp_load({"w": dest, "plain": plain}, planner=planner, no_dist=True,
+             storage_reader=ChecksummedFileSystemReader(ckpt, _extension_registry=registry))
+    planner.finish_quantized_load()
+    stats = readers[-1].last_read_stats
+    assert stats.items_staged == 0 and stats.items_fallback == 8 + 1, stats  # 8 chunks of w, plain
+    assert stats.fallback_loads == 2, stats
+    assert calls == {"load": 2, "checksum": 2}, calls  # one torch.load and one checksum read per stored item
+    assert torch.equal(plain, torch.arange(10.0))
+    _assert_whole_equal(dest, full, "delayed", scale, why)
+
+
+class _RowSplitPlanner(DefaultLoadPlanner):
+    """Every tensor read item split in two along dim 0 (as the chunked streaming planner splits); ``interleave``:
+    the halves of different items alternate in the plan."""
+
+    def __init__(self, interleave=False):
+        super().__init__()
+        self.interleave = interleave
+
+    def finish_plan(self, plan):
+        plan = super().finish_plan(plan)
+        halves = []
+        for item in plan.items:
+            n = int(item.lengths[0])
+            first = dataclasses.replace(item, lengths=torch.Size([n // 2, *item.lengths[1:]]))
+            second = dataclasses.replace(
+                item, dest_offsets=torch.Size([int(item.dest_offsets[0]) + n // 2, *item.dest_offsets[1:]]),
+                storage_offsets=torch.Size([int(item.storage_offsets[0]) + n // 2, *item.storage_offsets[1:]]),
+                lengths=torch.Size([n - n // 2, *item.lengths[1:]]))
+            halves.append((first, second))
+        if self.interleave:
+            items = [h[0] for h in halves] + [h[1] for h in halves]
+        else:
+            items = [x for h in halves for x in h]
+        return dataclasses.replace(plan, items=items)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_row_split_fallback_items_exact(tmp_path, monkeypatch, readers, interleave):
+    """Two fallback items, each split in two read items: consecutive (a, a, b, b), each is loaded once; interleaved
+    in the plan (a, b, a, b), at most one loaded item is kept, so each is loaded again. Every half lands exactly."""
+    ckpt = str(tmp_path / "ckpt")
+    a, b = torch.randn(12, 5), torch.randn(8, 3)
+    dcp_save({"a": a, "b": b}, storage_writer=ChecksummedFileSystemWriter(ckpt))
+    monkeypatch.setattr(sr, "tensor_record", _unparsed)
+    out = {"a": torch.zeros(12, 5), "b": torch.zeros(8, 3)}
+    dcp_load(out, planner=_RowSplitPlanner(interleave), no_dist=True, storage_reader=ChecksummedFileSystemReader(ckpt))
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+    stats = readers[-1].last_read_stats
+    assert stats.items_fallback == 4 and stats.fallback_loads == (4 if interleave else 2), stats
+
+
+# ---- overlapping read items on one stored item: every read verified, whatever order the threads finish in --------
+class _OverlapPlanner(DefaultLoadPlanner):
+    """Besides the saved 64 x 40 ``w`` (one stored item) into ``w``: the same item again into ``dup`` (identical
+    byte ranges) and its rows [16, 56) into ``part`` (overlapping both): three read items on one stored item."""
+
+    def __init__(self):
+        super().__init__(allow_partial_load=True)  # dup and part are not in the checkpoint
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        (w,) = [i for i in plan.items if i.dest_index.fqn == "w"]
+        dup = dataclasses.replace(w, dest_index=MetadataIndex("dup", w.dest_index.offset))
+        part = dataclasses.replace(w, dest_index=MetadataIndex("part", w.dest_index.offset),
+                                   storage_offsets=torch.Size([16, 0]), lengths=torch.Size([40, 40]))
+        return dataclasses.replace(plan, items=[w, dup, part])
+
+
+@pytest.fixture
+def one_piece_per_item(monkeypatch):
+    """Each of the three read items is one piece (all in flight at once); the item is not read whole."""
+    monkeypatch.setattr(sr, "SMALL_ITEM_BYTES", 2048)
+    monkeypatch.setattr(sr, "HEAD_BYTES", 512)
+    monkeypatch.setattr(sr, "TAIL_BYTES", 256)
+    monkeypatch.setattr(sr, "STAGING_BUFFER_BYTES", 16384)
+    monkeypatch.setattr(sr, "STAGING_BUFFERS", 4)
+
+
+def _overlap_ckpt(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = torch.randn(64, 40, generator=torch.Generator().manual_seed(3))
+    dcp_save({"w": full}, storage_writer=ChecksummedFileSystemWriter(ckpt))
+    return ckpt, full
+
+
+def _overlap_load(ckpt):
+    out = {"w": torch.zeros(64, 40), "dup": torch.zeros(64, 40), "part": torch.zeros(40, 40)}
+    dcp_load(out, planner=_OverlapPlanner(), no_dist=True, storage_reader=ChecksummedFileSystemReader(ckpt))
+    return out
+
+
+def test_overlapping_read_items_verified_repeatedly(tmp_path, monkeypatch, one_piece_per_item, readers):
+    ckpt, full = _overlap_ckpt(tmp_path)
+    combines = []
+    orig = sr.crc_combine
+    monkeypatch.setattr(sr, "crc_combine", lambda *a: combines.append(a) or orig(*a))
+    for _ in range(10):
+        combines.clear()
+        out = _overlap_load(ckpt)
+        assert torch.equal(out["w"], full) and torch.equal(out["dup"], full) and torch.equal(out["part"], full[16:56])
+        stats = readers[-1].last_read_stats
+        assert stats.items_staged == 3 and stats.items_fallback == 0, stats
+        assert len(combines) >= 4  # the item's checksum was combined from its parts (head, 3 data ranges, tail)
+
+
+def test_corrupted_overlap_on_disk_named(tmp_path, one_piece_per_item):
+    ckpt, _ = _overlap_ckpt(tmp_path)
+    info, path, rec = _stored(ckpt, "w")
+    _flip(path, info.offset + rec.data_start + 30 * 40 * 4, n=4)  # row 30: read by all three read items
+    with pytest.raises(BaseException) as e:
+        _overlap_load(ckpt)
+    _assert_named(e.value, "w", path, info)
+
+
+@pytest.mark.parametrize("victim,finishes", [("part", "first"), ("part", "last"), ("dup", "first"), ("dup", "last")])
+def test_differing_reads_of_one_range_detected(tmp_path, monkeypatch, one_piece_per_item, victim, finishes):
+    """Two read items read the same bytes, and one read returns different bytes (a transient I/O fault, the file
+    changed in between): the load fails naming the item, whether the bad read finishes before or after the good
+    reads of the same range (before: the interval's checksum was the last thread's, so a bad read that finished
+    first went unverified into its destination)."""
+    ckpt, _ = _overlap_ckpt(tmp_path)
+    info, path, rec = _stored(ckpt, "w")
+    data_at = info.offset + rec.data_start
+    row = 40 * 4
+    ranges = {"part": (data_at + 16 * row, 40 * row), "dup": (data_at, 64 * row)}
+    lock, seen = threading.Lock(), {"dup": 0}
+    others_done, victim_done = threading.Event(), threading.Event()
+    orig = sr._pread_into
+
+    def pread_into(fd, mv, offset, path_, item):
+        if (offset, len(mv)) not in ranges.values():  # header and tail reads
+            return orig(fd, mv, offset, path_, item)
+        with lock:
+            if (offset, len(mv)) == ranges[victim] and victim == "dup":
+                seen["dup"] += 1
+                bad = seen["dup"] == 1  # the first of the two identical reads
+            else:
+                bad = (offset, len(mv)) == ranges[victim]
+        if bad:
+            if finishes == "last":
+                assert others_done.wait(5)
+                time.sleep(0.2)  # and their threads checksummed what they read
+            orig(fd, mv, offset, path_, item)
+            mv[30 * row - (offset - data_at)] ^= 0xFF  # a byte of row 30 comes back different
+            victim_done.set()
+        else:
+            if finishes == "first":
+                assert victim_done.wait(5)
+                time.sleep(0.2)  # and the victim's thread checksummed what it read
+            orig(fd, mv, offset, path_, item)
+            with lock:
+                seen["others"] = seen.get("others", 0) + 1
+                if seen["others"] == 2:
+                    others_done.set()
+
+    monkeypatch.setattr(sr, "_pread_into", pread_into)
+    with pytest.raises(BaseException) as e:
+        _overlap_load(ckpt)
+    _assert_named(e.value, "w", path, info)
+    lo, hi = data_at + 16 * row, data_at + 56 * row  # the range of row 30 that all three read items share
+    assert f"overlapping at bytes [{lo}, {hi}) of the file read them differently" in str(_inner(e.value))
+    assert victim_done.is_set()

@@ -455,19 +455,22 @@ class ChecksummedFileSystemReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _read_item_unstaged(self, stream, req, planner) -> None:
+    def _read_item_unstaged(self, stream, req, planner, loaded: Optional[torch.Tensor] = None):
         """One read item the way torch's reader does it: the item's bytes (``_slice_file``: progress, checksum),
-        DCP's stream transforms, then ``load_bytes`` or ``torch.load`` (weights only), narrow, ``copy_``."""
-        sinfo = self.storage_data[req.storage_index]
-        data = self.transforms.transform_load_stream(req, sinfo.transform_descriptors or (),
-                                                     self._slice_file(stream, sinfo))
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(data.read(-1)))
-            return
-        if not data.seekable():
-            data = io.BytesIO(data.read(-1))
-        loaded = torch.load(data, map_location="cpu", weights_only=True)
-        loaded = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
+        DCP's stream transforms, then ``load_bytes`` or ``torch.load`` (weights only), narrow, ``copy_``. Returns
+        the stored item's whole loaded tensor (None for a bytes item); ``loaded``: that tensor as an earlier call
+        for the same stored item returned (then nothing is read, verified or unpickled again)."""
+        if loaded is None:
+            sinfo = self.storage_data[req.storage_index]
+            data = self.transforms.transform_load_stream(req, sinfo.transform_descriptors or (),
+                                                         self._slice_file(stream, sinfo))
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data.read(-1)))
+                return None
+            if not data.seekable():
+                data = io.BytesIO(data.read(-1))
+            loaded = torch.load(data, map_location="cpu", weights_only=True)
+        whole, loaded = loaded, narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != loaded.size():
             raise CheckpointingException(
@@ -475,6 +478,7 @@ class ChecksummedFileSystemReader(FileSystemReader):
                 f"{tuple(target.size())}, the stored region {tuple(loaded.size())}")
         target.copy_(loaded)
         planner.commit_tensor(req, target)
+        return whole
 
     def _progress_add(self, nbytes: int) -> None:
         if getattr(self, "_progress", None) is not None:

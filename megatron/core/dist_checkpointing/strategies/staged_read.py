@@ -34,10 +34,17 @@ How ``read_staged`` runs a load plan:
 - Checksums (``mcore_checksum``): each stored item is verified once, over its whole byte range, from the bytes read:
   the header, the pieces, and the bytes no read item needs (read only for this) are checksummed in their threads,
   cut at common boundaries, and combined in byte order (``crc_combine``) when the item's last read item was
-  handled. A mismatch raises ``CheckpointingException`` naming key, file and byte range; it may come after the
-  item's bytes were copied into the destination (the load fails either way).
+  handled. Each piece keeps the checksums of its own ranges: where read items overlap (the same bytes read twice,
+  into two destinations), every read of a range must give the same checksum, so no read escapes verification,
+  whatever order the threads finish in (no second pass over the bytes). A mismatch raises
+  ``CheckpointingException`` naming key, file and byte range; it may come after the item's bytes were copied into
+  the destination (the load fails either way).
 - Object (bytes) items, items with DCP stream transforms and the fallback items take the previous per-item path
-  (``ChecksummedFileSystemReader._read_item_unstaged``).
+  (``ChecksummedFileSystemReader._read_item_unstaged``: checksum, ``torch.load``). A stored item split into several
+  read items (the chunked streaming planner: one per chunk) is loaded once for its consecutive read items, which
+  are served from it in plan order; it is dropped after its last read item or when the next fallback item is
+  loaded (at most one loaded item is kept: read items of one stored item that are not consecutive in the plan load
+  it again).
 
 ``last_read_stats`` on the reader (a ``ReadStats``) tells what a load did: bytes read, items staged and fallen back,
 the staging pool's peak.
@@ -415,6 +422,7 @@ class _Piece:
     future: Optional[Future] = None
     buf: Optional[torch.Tensor] = None
     cuts: Tuple[Tuple[int, int], ...] = ()  # checksum sub-ranges (item-relative) this piece computes
+    crcs: Tuple[int, ...] = ()  # their checksums, set by the piece's read task
 
     def source(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = buf[: self.nbytes].view(dtype)
@@ -477,6 +485,7 @@ class ReadStats:
     bytes_read: int = 0
     items_staged: int = 0  # read items read by this module
     items_fallback: int = 0  # tensor read items read by the previous path (torch.load of the item)
+    fallback_loads: int = 0  # stored items loaded (read, checksummed, torch.load) by that path
     pool_buffers: int = 0  # staging buffers allocated (at most STAGING_BUFFERS)
     pool_peak_in_use: int = 0
     pool_buffer_bytes: int = 0
@@ -525,10 +534,10 @@ class _Stored:
         self.planned = False
         self.legacy = False
         self.pieces: Dict[int, List[_Piece]] = {}
-        self.crcs: Dict[Tuple[int, int], int] = {}
+        self.crcs: Dict[Tuple[int, int], int] = {}  # the header's and tail's checksums (set by the header read)
         self.intervals: List[Tuple[int, int]] = []
         self.tail_start = self.length  # the item's last bytes [tail_start, length) were read with its header
-        self.gaps: List[Future] = []
+        self.gaps: List[Tuple[Tuple[int, int], Future]] = []  # (range, future of its checksum)
 
     @property
     def span(self) -> Tuple[int, int]:
@@ -581,6 +590,7 @@ class _Run:
         self.plan_pos = 0
         self.sub_next: Dict[int, int] = {}  # plan position -> next piece to submit
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="mcore-ckpt-read")
+        self.loaded: Optional[Tuple[_Stored, Any]] = None  # the fallback item loaded last, while it has read items
 
     def _lookup(self, req):
         lookup = getattr(self.planner, "lookup_tensor", None)
@@ -659,23 +669,22 @@ class _Run:
         self._read(st, mv, p.start)
         if st.check is not None:
             update = st.check[2]
-            for a, b in p.cuts:
-                st.crcs[(a, b)] = update(mv[a - p.start:b - p.start], 0)
+            p.crcs = tuple(update(mv[a - p.start:b - p.start], 0) for a, b in p.cuts)
         return buf
 
-    def _gap_task(self, st: _Stored, a: int, b: int) -> None:
+    def _gap_task(self, st: _Stored, a: int, b: int) -> Optional[int]:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
             scratch = self._local.scratch = memoryview(bytearray(GAP_CHUNK_BYTES))
         update, value, pos = st.check[2], 0, a
         while pos < b:
             if self.closing:  # the load failed: do not read on (a gap may be gigabytes)
-                return
+                return None
             n = min(len(scratch), b - pos)
             self._read(st, scratch[:n], pos)
             value = update(scratch[:n], value)
             pos += n
-        st.crcs[(a, b)] = value
+        return value
 
     # ---- scheduling (calling thread) -------------------------------------------------------------------------
     def _fd(self, path: str) -> int:
@@ -732,7 +741,8 @@ class _Run:
             for p in pieces:
                 p.cuts = tuple(iv for iv in st.intervals if p.start <= iv[0] and iv[1] <= p.start + p.nbytes)
                 covered.update(p.cuts)
-        st.gaps = [self.executor.submit(self._gap_task, st, a, b) for a, b in st.intervals if (a, b) not in covered]
+        st.gaps = [((a, b), self.executor.submit(self._gap_task, st, a, b)) for a, b in st.intervals
+                   if (a, b) not in covered]
 
     def _release_done_copies(self, wait_one: bool = False) -> bool:
         released = False
@@ -834,19 +844,44 @@ class _Run:
             self._finish_stored(st)
 
     def _finish_stored(self, st: _Stored) -> None:
-        for fut in st.gaps:
-            fut.result()
+        readings = {iv: [crc] for iv, crc in st.crcs.items()}  # every checksum of each range, as read
+        for iv, fut in st.gaps:
+            readings[iv] = [fut.result()]
         if st.check is not None and st.whole is None:
-            algorithm, value, _ = st.check
+            for pos in st.positions:  # plan order (not the order the threads finished in)
+                for p in st.pieces.get(pos, ()):
+                    for iv, crc in zip(p.cuts, p.crcs):
+                        readings.setdefault(iv, []).append(crc)
+            self._verify_readings(st, readings)
+        st.whole, st.crcs, st.pieces, st.gaps = None, {}, {}, []
+
+    def _verify_readings(self, st: _Stored, readings: Dict[Tuple[int, int], List[int]]) -> None:
+        """Raise the checksum error of ``st`` unless every read of each of its ranges gave the same checksum and
+        their combination is the stored one."""
+        algorithm, value, _ = st.check
+        missing = [iv for iv in st.intervals if not readings.get(iv)]
+        if missing:  # never: every range is read by the header, a piece or a gap read
+            raise AssertionError(f"staged read: bytes {missing[0]} of {self.reader._where(st.index)} not checksummed")
+
+        def combined(pick) -> int:
             actual = None
             for a, b in st.intervals:
-                crc = st.crcs[(a, b)]
+                crc = pick(readings[(a, b)])
                 actual = crc if actual is None else crc_combine(algorithm, actual, crc, b - a)
-            if actual != value:
-                raise CheckpointingException(
-                    fsmod.checksum_message(fsmod._describe_index(st.index), st.path, *st.span, algorithm, value,
-                                           actual))
-        st.whole, st.crcs, st.pieces, st.gaps = None, {}, {}, []
+            return actual
+
+        actual = combined(lambda crcs: crcs[0])
+        differ = [iv for iv in st.intervals if len(set(readings[iv])) > 1]
+        if differ and actual == value:  # report the checksum with the other reading(s)
+            actual = combined(lambda crcs: next((c for c in crcs if c != crcs[0]), crcs[0]))
+        if actual == value and not differ:
+            return
+        msg = fsmod.checksum_message(fsmod._describe_index(st.index), st.path, *st.span, algorithm, value, actual)
+        if differ:
+            a, b = differ[0]
+            msg += (f" (read items overlapping at bytes [{st.offset + a}, {st.offset + b}) of the file read them "
+                    f"differently)")
+        raise CheckpointingException(msg)
 
     def run(self, stack: ExitStack) -> None:
         streams: Dict[str, Any] = {}
@@ -867,10 +902,21 @@ class _Run:
             path = str(self.reader.fs.concat_path(self.reader.path, sinfo.relative_path))
             if path not in streams:
                 streams[path] = stack.enter_context(self.reader.fs.create_stream(path, "rb"))
-            self.reader._read_item_unstaged(streams[path], req, self.planner)
-            if st is not None:
-                self.stats.items_fallback += 1
+            self._read_fallback(pos, req, st, streams[path])
         self._release_all()
+
+    def _read_fallback(self, pos: int, req, st: Optional[_Stored], stream) -> None:
+        """One read item by the per-item path; a tensor item is loaded once for its consecutive read items."""
+        loaded = self.loaded[1] if st is not None and self.loaded is not None and self.loaded[0] is st else None
+        if loaded is None and st is not None:
+            self.loaded = None  # at most one loaded item: the previous one goes before the next is loaded
+        elif loaded is not None:
+            self.reader._progress_add(st.length)  # as a load of it would
+        whole = self.reader._read_item_unstaged(stream, req, self.planner, loaded)
+        if st is not None:
+            self.stats.items_fallback += 1
+            self.stats.fallback_loads += loaded is None
+            self.loaded = None if pos == st.positions[-1] else (st, whole)
 
     def _release_all(self) -> None:
         while self.copies:
