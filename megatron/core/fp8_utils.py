@@ -219,18 +219,23 @@ def te_quantize(x: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = N
 # when the range starts (and, except for the last one, ends) on a multiple of ``chunk_row_multiple``:
 # - delayed: the quantizer's fixed per-tensor scale is used for every range (TE: a Float8Quantizer over that scale,
 #   writing into row views of ``_data``); scale_inv is set from it.
-# - tensorwise: the caller passes the whole tensor's amax (max |x| over all ranges, an exact float32); the scale is
-#   computed from it as the whole-tensor quantize would (TE: by TE itself, quantizing the one-element tensor [amax]
-#   with a fresh current-scaling quantizer of the same settings; then each range is cast with that scale).
+# - tensorwise: the caller passes the whole tensor's amax (max |x| over all ranges, exact in the source's dtype);
+#   the rows are quantized together with one extra row holding that amax, so the quantizer, computing its scale
+#   from the amax of what it is given (current scaling), computes the whole tensor's scale, and the cast is
+#   elementwise (TE: a fresh current-scaling quantizer of the destination's settings, so TE computes the scale
+#   itself). A caller that allocates its source with that extra row (``padded=True``, n + 1 rows, the last one free)
+#   saves the (n + 1)-row copy; the amax row is always written here.
 # - mxfp8 (1x32 rowwise, 32x1 columnwise blocks) and blockwise (128x128 blocks): ranges aligned to the blocks are
 #   independent; TE: the range is quantized by the tensor's quantizer into a temporary and its buffers copied into
 #   the destination's rows (rowwise data/scales) and columns (blockwise's transposed columnwise data/scales).
 # After the last range ``finish_rows_quantize`` makes derived caches consistent (TE Float8Tensor: a ``_transpose``
 # that exists is recomputed from ``_data`` into its own buffer, no new memory).
-# Protocol tensors provide ``chunk_row_multiple`` (int), ``quantize_rows_(row_start, src2d, amax=None)`` and
-# optionally ``finish_rows_quantize_()``. Kinds without a chunked path here (nvfp4: global amax plus 16-element
-# blocks and a random Hadamard transform; MXFP8 with GEMM-swizzled scales; unknown layouts) return None from
-# ``chunk_row_multiple``: the caller quantizes them whole.
+# Protocol tensors provide ``chunk_row_multiple`` (int), ``quantize_rows_(row_start, src2d, padded=False)``
+# (tensorwise: always ``padded``: ``src2d`` has n + 1 rows, the last holding the whole tensor's amax; the tensor
+# computes its scale from max |src2d| and writes the first n rows) and optionally ``finish_rows_quantize_()``. Kinds
+# without a chunked path here (nvfp4: global amax plus 16-element blocks and a random Hadamard transform; MXFP8
+# with GEMM-swizzled scales; unknown layouts) return None from ``chunk_row_multiple``: the caller quantizes them
+# whole.
 _TE_ROW_MULTIPLE = {DELAYED: 1, TENSORWISE: 1, MXFP8: 128, BLOCKWISE: 128}
 
 
@@ -261,15 +266,16 @@ def chunk_row_multiple(t) -> Optional[int]:
 
 
 def chunk_extra_bytes_per_element(t) -> int:
-    """Transient bytes per element of a row range that :func:`quantize_rows_into` allocates besides the caller's
-    high-precision source (TE MXFP8/blockwise: the temporary rowwise + columnwise FP8 data)."""
+    """Transient bytes per element of the source that :func:`quantize_rows_into` allocates besides the caller's
+    high-precision source (TE MXFP8/blockwise: the temporary rowwise + columnwise FP8 data; TE tensorwise: the FP8
+    cast of the padded source, which the caller allocates with its extra row: ``padded=True``)."""
     if not _is_te_quantized(t):
         return 0
     kind = quantization_kind(t)
     if kind in (MXFP8, BLOCKWISE):
         return 2
-    if kind == TENSORWISE:  # a high-precision copy of the rows (+ the amax row) and its FP8 cast (see below)
-        return high_precision_dtype(t).itemsize + 1
+    if kind == TENSORWISE:
+        return 1
     return 0
 
 
@@ -279,35 +285,49 @@ def needs_whole_tensor_amax(t) -> bool:
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a one-element float32 tensor on ``x``'s device (exact: the largest element's magnitude)."""
+    """max |x| as a one-element float32 tensor on ``x``'s device (exact: the largest element's magnitude). One
+    min/max reduction, no temporary of ``x``'s size (``abs()`` would allocate one), no host sync."""
     if x.numel() == 0:
         return torch.zeros(1, dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().to(torch.float32).reshape(1)
+    lo, hi = torch.aminmax(x.detach().reshape(-1))
+    return torch.maximum(hi, lo.neg()).to(torch.float32).reshape(1)
 
 
 def quantize_rows_into(dst: torch.Tensor, row_start: int, src: torch.Tensor,
-                       amax: Optional[torch.Tensor] = None) -> None:
+                       amax: Optional[torch.Tensor] = None, *, padded: bool = False) -> None:
     """Quantize ``src`` (high precision, ``n`` rows of ``dst``'s 2-D view, any shape of that numel) into rows
-    ``[row_start, row_start + n)`` of ``dst`` in place. ``amax``: the whole tensor's (tensorwise only). Amax
-    bookkeeping of delayed scaling is untouched by this path (callers snapshot/restore anyway)."""
+    ``[row_start, row_start + n)`` of ``dst`` in place. ``amax``: the whole tensor's (tensorwise only; exact in the
+    source's dtype, as max |x| of values of that dtype is). ``padded``: ``src`` holds ``n + 1`` rows (contiguous),
+    the last one free: this function writes the amax row there (tensorwise) instead of copying the rows into a new
+    (n + 1)-row buffer, and quantizes the first ``n``. Amax bookkeeping of delayed scaling is untouched by this path
+    (callers snapshot/restore anyway)."""
     rows, cols = rows_cols(dst)
     mult = chunk_row_multiple(dst)
     if mult is None:
         raise ValueError(f"quantize_rows_into: {type(dst).__name__} ({quantization_kind(dst)}) has no chunked path")
-    n = src.numel() // cols if cols else 0
-    if src.numel() != n * cols or row_start < 0 or row_start + n > rows:
-        raise ValueError(f"quantize_rows_into: rows [{row_start}, {row_start + n}) (src shape {tuple(src.shape)}) "
-                         f"outside a {rows}x{cols} destination")
+    total = src.numel() // cols if cols else 0
+    n = total - int(padded)
+    if src.numel() != total * cols or n < 0 or row_start < 0 or row_start + n > rows:
+        raise ValueError(f"quantize_rows_into: rows [{row_start}, {row_start + n}) (src shape {tuple(src.shape)}"
+                         f"{', padded' if padded else ''}) outside a {rows}x{cols} destination")
     if row_start % mult or (row_start + n != rows and n % mult):
         raise ValueError(f"quantize_rows_into: rows [{row_start}, {row_start + n}) not aligned to {mult} rows")
-    if needs_whole_tensor_amax(dst) and amax is None:
+    whole_amax = needs_whole_tensor_amax(dst)
+    if whole_amax and amax is None:
         raise ValueError("quantize_rows_into: a tensorwise destination needs the whole tensor's amax")
-    src2d = src.reshape(n, cols)
     with torch.no_grad():
+        src2d = src.reshape(total, cols)
+        if whole_amax:  # n rows + the amax row: the quantizer computes the whole tensor's scale (see above)
+            if not padded:
+                src2d = torch.empty((n + 1, cols), dtype=high_precision_dtype(dst), device=dst.device)
+                src2d[:n].copy_(src.reshape(n, cols))
+            src2d[n:].copy_(amax.reshape(1, 1).expand(1, cols))
+        elif padded:
+            src2d = src2d[:n]
         if not _is_te_quantized(dst):
-            dst.quantize_rows_(row_start, src2d, amax)
+            dst.quantize_rows_(row_start, src2d, padded=whole_amax)
         else:
-            _te_quantize_rows(dst, row_start, src2d.to(dst.device), amax)
+            _te_quantize_rows(dst, row_start, src2d.to(dst.device))
 
 
 def finish_rows_quantize(dst: torch.Tensor) -> None:
@@ -329,35 +349,32 @@ def finish_rows_quantize(dst: torch.Tensor) -> None:
 
 
 # ---- TE implementation of the row-range quantize (GPU; checked by tests marked gpu and the benchmark's err) ---
-def _te_tensorwise_rows(dst, r0: int, src2d: torch.Tensor, amax: torch.Tensor) -> None:
-    """Rows ``[r0, r0 + n)`` of a current-scaling (tensorwise) destination as a whole-tensor quantize writes them.
+def _te_tensorwise_rows(dst, r0: int, padded2d: torch.Tensor) -> None:
+    """Rows ``[r0, r0 + n)`` of a current-scaling (tensorwise) destination as a whole-tensor quantize writes them,
+    from ``padded2d``: those ``n`` rows plus one row holding the whole tensor's amax (see quantize_rows_into).
 
     TE (2.20) keeps no scale on its current-scaling quantizer and computes the scale from the amax of what it is
-    given. So the rows are quantized by a fresh quantizer of the destination's settings together with one extra row
-    holding the whole tensor's amax: that input has the whole tensor's amax (the amax is one of its elements'
-    magnitudes, exact in the input dtype), so TE computes the whole tensor's scale, and the cast is elementwise."""
+    given: a fresh quantizer of the destination's settings, given the padded rows (whose amax is the whole tensor's),
+    computes the whole tensor's scale; the cast is elementwise. Transient: its FP8 output, 1 byte per element."""
     q = dst._quantizer
-    n, cols = src2d.shape
-    padded = torch.zeros((n + 1, cols), dtype=src2d.dtype, device=dst.device)
-    padded[:n].copy_(src2d)
-    padded[n, 0] = amax.reshape(()).to(src2d.dtype)
+    n, cols = padded2d.shape[0] - 1, padded2d.shape[1]
     cast_q = _te.Float8CurrentScalingQuantizer(
         q.dtype, dst.device, rowwise=True, columnwise=False,
         force_pow_2_scales=getattr(q, "force_pow_2_scales", False), amax_epsilon=getattr(q, "amax_epsilon", 0.0),
     )
-    out = cast_q(padded)
-    del padded
+    out = cast_q(padded2d)
     dst._data.view(-1, cols)[r0:r0 + n].copy_(out._data.view(n + 1, cols)[:n])
     dst._scale_inv.copy_(out._scale_inv)
 
 
-def _te_quantize_rows(dst, r0: int, src2d: torch.Tensor, amax) -> None:
+def _te_quantize_rows(dst, r0: int, src2d: torch.Tensor) -> None:
+    """TE: ``src2d`` into rows ``[r0, ...)`` of ``dst`` (tensorwise: ``src2d`` is padded, see quantize_rows_into)."""
     kind = quantization_kind(dst)
-    n, cols = src2d.shape
     src2d = src2d.to(high_precision_dtype(dst)).contiguous()
     if kind == TENSORWISE:
-        _te_tensorwise_rows(dst, r0, src2d, amax)
+        _te_tensorwise_rows(dst, r0, src2d)
         return
+    n, cols = src2d.shape
     if kind == DELAYED:
         q = dst._quantizer
         cast_q = _te.Float8Quantizer(

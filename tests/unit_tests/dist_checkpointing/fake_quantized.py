@@ -19,8 +19,10 @@ Per-tensor modes may carry a ``_transpose`` cache ([cols, rows] FP8, ``with_tran
 Float8Tensor.
 
 The chunked streaming protocol (``megatron.core.fp8_utils.quantize_rows_into``): ``chunk_row_multiple`` (1, 32,
-128) and ``quantize_rows_(row_start, src2d, amax)``, which encodes only the given rows (tensorwise: with the scale of
-the given whole-tensor amax) into the tensor's buffers, refusing a range not aligned to the blocks;
+128) and ``quantize_rows_(row_start, src2d, padded)``, which encodes only the given rows into the tensor's buffers,
+refusing a range not aligned to the blocks (tensorwise: ``src2d`` carries one extra row, which the adapter filled with
+the whole tensor's amax, and the scale is computed from max |src2d|, as TE's current scaling computes it from its
+input: a missing or wrong amax row gives another scale);
 ``finish_rows_quantize_()`` recomputes the transpose cache. So chunked == whole-tensor quantize can be checked
 bit for bit on CPU.
 
@@ -191,17 +193,24 @@ class FakeQuantizedTensor(torch.Tensor):
             self._columnwise_scale_inv[:, r0 // g:r0 // g + k].copy_(cs_inv)
 
     rows_quantize_calls = 0
+    last_rows_source = None
 
-    def quantize_rows_(self, row_start: int, src2d: torch.Tensor, amax=None) -> None:
-        """The chunked protocol: quantize ``src2d`` into rows [row_start, row_start + n) only."""
+    def quantize_rows_(self, row_start: int, src2d: torch.Tensor, padded: bool = False) -> None:
+        """The chunked protocol: quantize ``src2d`` into rows [row_start, row_start + n) only. Tensorwise (current
+        scaling, like TE's quantizer): ``src2d`` is padded, n + 1 rows, and the scale comes from max |src2d| over all
+        of them (the adapter puts the whole tensor's amax in the last row); only the first n rows are written."""
         FakeQuantizedTensor.rows_quantize_calls += 1
+        FakeQuantizedTensor.last_rows_source = src2d  # tests check that a padded scratch is used in place
         q = self._quantizer
+        if padded != (q.mode == "tensorwise"):
+            raise ValueError(f"{q.mode}: quantize_rows_ got padded={padded} (only tensorwise takes the amax row)")
         x = src2d.detach().to(device=self._data.device, dtype=torch.float32)
         scale = None
         if q.mode == "tensorwise":
-            amax = amax.to(torch.float32).reshape(())
+            amax = x.abs().max()
             scale = (FP8_MAX / amax if float(amax) > 0 else torch.ones(())).reshape(1).to(torch.float32)
             q.scale.copy_(scale)
+            x = x[:-1]
         elif q.mode == "delayed":
             scale = q.scale.clone()
         self._write_rows(row_start, x, scale)

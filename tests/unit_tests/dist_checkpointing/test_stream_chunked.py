@@ -8,8 +8,13 @@ scale would differ); no dequantize and no whole-tensor quantize happen; the live
 delayed-scaling amax history/scale come back exactly; resharded loads (1 -> 2 ranks, 2 -> 1 along columns, 4 -> 1/2
 with read items straddling chunk boundaries) and a stacked-layer key (prepended layer axis, also for a tensor whose
 view cannot add axes) stay exact; the knob defaults to 64 MiB and the flag to off; 0 gives the whole scratch; bad
-values and misaligned row ranges are refused by name.
+values and misaligned row ranges are refused by name. Tensorwise: read items cut at chunk boundaries take the direct
+path too (scratches with one extra row for the whole amax, which the adapter writes in place; every chunk but the one
+that lands last parks in host memory until the amax is known: ``host_roundtrip_bytes``), others the captured path,
+both in one load; a chunk read twice and a load stopping half way are refused by key.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -97,6 +102,39 @@ def test_rows_quantize_equals_whole(kind):
         assert not torch.equal(d._scale_inv, whole._scale_inv)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_quantize_padded_source(kind):
+    """``padded=True``: the source has one extra row (garbage here); tensorwise gets the whole amax written into it
+    and is quantized from the caller's buffer in place (no (n + 1)-row copy); the others just skip it."""
+    x = _full(300, 96, 1)
+    whole = FakeQuantizedTensor.quantize(x, kind)
+    d = _dest(x, kind, float(x.float().abs().max()))
+    if kind == "delayed":
+        d._quantizer.scale.copy_(whole._quantizer.scale)
+    amax = fp8_utils.amax_of(x) if kind == "tensorwise" else None
+    for r0 in range(0, 300, 128):
+        n = min(128, 300 - r0)
+        buf = torch.full(((n + 1) * 96,), 3e4, dtype=torch.bfloat16)  # the extra row: larger than any value
+        buf[:n * 96].copy_(x[r0:r0 + n].reshape(-1))
+        fp8_utils.quantize_rows_into(d, r0, buf, amax, padded=True)
+        src = FakeQuantizedTensor.last_rows_source
+        if kind == "tensorwise":
+            assert src.data_ptr() == buf.data_ptr() and tuple(src.shape) == (n + 1, 96)
+            assert torch.equal(buf[n * 96:], amax.to(torch.bfloat16).expand(96))  # the amax row, written in place
+        else:
+            assert tuple(src.shape) == (n, 96)
+    for k, v in _buffers(whole).items():
+        assert torch.equal(_buffers(d)[k], v), k
+    with pytest.raises(ValueError, match="outside"):
+        fp8_utils.quantize_rows_into(d, 0, torch.zeros(0, dtype=torch.bfloat16), amax, padded=True)
+
+
+def test_amax_of_exact_without_abs_copy():
+    x = torch.tensor([[0.5, -7.25], [3.0, 1.0]], dtype=torch.bfloat16)
+    assert fp8_utils.amax_of(x).dtype == torch.float32 and float(fp8_utils.amax_of(x)) == 7.25
+    assert float(fp8_utils.amax_of(-x)) == 7.25 and float(fp8_utils.amax_of(x[:0])) == 0.0
+
+
 def test_plain_and_unchunkable_have_no_chunked_path():
     assert fp8_utils.chunk_row_multiple(torch.zeros(4, 4)) is None
     assert fp8_utils.chunk_row_multiple(FakeQuantizedTensor.quantize(torch.randn(8), "tensorwise")) is None  # 1-D
@@ -120,11 +158,13 @@ def test_chunked_planner_exact_and_bounded(tmp_path, kind):
     assert planner.quantized_load_state_is_empty()
     assert planner.chunked_destinations_committed == 1 and planner.quantized_destinations_committed == 1
     # one saved item over the whole destination: split into one read item per chunk, read straight into each chunk
-    # (tensorwise needs the whole amax first: the host-staged path)
-    assert planner.direct_chunked_destinations_committed == int(kind != "tensorwise")
+    assert planner.direct_chunked_destinations_committed == 1
     assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0
-    assert FakeQuantizedTensor.rows_quantize_calls == 8  # 1000 rows in chunks of 128 (the last 104)
-    assert 0 < planner.scratch_bytes_peak <= CHUNK
+    # 1000 rows in chunks of 128 (the last 104); tensorwise: 127 rows + the amax row (the last chunk 111 rows)
+    assert FakeQuantizedTensor.rows_quantize_calls == 8
+    # tensorwise: every chunk but the one that landed last went to host memory and back
+    assert planner.host_roundtrip_bytes == (7 * 127 * 256 * 2 if kind == "tensorwise" else 0)
+    assert planner.scratch_bytes_peak == CHUNK
     assert planner.scratch_bytes_peak < full.numel() * 2 / 7
     assert torch.equal(plain, torch.arange(10))
     if kind == "delayed":
@@ -160,23 +200,38 @@ def test_small_destination_keeps_whole_path(tmp_path):
     _assert_whole_equal(dest, full, "blockwise")
 
 
-def _planned(tmp_path, kind, chunk=CHUNK):
-    """(full, planner, final plan) of a chunked load of one saved 1000 x 256 tensor into a ``kind`` destination."""
+def _planned(tmp_path, kind, chunk=CHUNK, cut=None):
+    """(full, planner, final plan) of a chunked load of one saved 1000 x 256 tensor into a ``kind`` destination.
+    ``cut``: the read item of ``w`` is cut in two at that row first, as for a tensor saved in two parts there."""
     full = _full()
     dcp.save({"w": full, "plain": torch.zeros(3)}, checkpoint_id=str(tmp_path), no_dist=True)
     dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), kind)
     planner = _Planner(stream_chunk_bytes=chunk)
     reader = dcp.FileSystemReader(str(tmp_path))
     planner.set_up_planner({"w": dest, "plain": torch.ones(3)}, reader.read_metadata(), True)
-    return full, planner, planner.finish_plan(planner.create_local_plan())
+    plan = planner.create_local_plan()
+    if cut is not None:
+        items = []
+        for it in plan.items:
+            if it.dest_index.fqn != "w":
+                items.append(it)
+                continue
+            for a, b in ((0, cut), (cut, 1000)):
+                box = dict(dest_offsets=torch.Size([a, 0]), storage_offsets=torch.Size([a, 0]),
+                           lengths=torch.Size([b - a, 256]))
+                items.append(dataclasses.replace(it, **box))
+        plan = dataclasses.replace(plan, items=items)
+    return full, planner, planner.finish_plan(plan)
 
 
-@pytest.mark.parametrize("kind,chunk,plain", [("delayed", 0, True), ("delayed", CHUNK, True),
-                                              ("tensorwise", CHUNK, False)])
-def test_reader_told_which_targets_are_plain(tmp_path, kind, chunk, plain):
+@pytest.mark.parametrize("kind,chunk,cut,plain", [("delayed", 0, None, True), ("delayed", CHUNK, None, True),
+                                                  ("tensorwise", CHUNK, None, True), ("tensorwise", CHUNK, 300, False),
+                                                  ("delayed", CHUNK, 256, True), ("delayed", CHUNK, 300, False)])
+def test_reader_told_which_targets_are_plain(tmp_path, kind, chunk, cut, plain):
     """resolves_to_plain_tensor (asked by the staged reader before it reads) matches what resolve_tensor gives:
-    scratch views and direct chunks are plain tensors (pinned row pieces), captured chunks are not."""
-    _, planner, plan = _planned(tmp_path, kind, chunk)
+    scratch views and direct chunks (tensorwise too) are plain tensors (pinned row pieces), captured chunks (read
+    items not cut at chunk boundaries) are not."""
+    _, planner, plan = _planned(tmp_path, kind, chunk, cut)
     for item in plan.items:
         target = planner.resolve_tensor(item)
         is_plain = type(target) in (torch.Tensor, torch.nn.Parameter)
@@ -185,9 +240,9 @@ def test_reader_told_which_targets_are_plain(tmp_path, kind, chunk, plain):
 
 
 def test_incomplete_chunked_destination_named(tmp_path):
-    _, planner, plan = _planned(tmp_path, "tensorwise")
+    _, planner, plan = _planned(tmp_path, "tensorwise", cut=300)
     target = planner.resolve_tensor(next(i for i in plan.items if i.dest_index.fqn == "w")).detach()
-    assert type(target).__name__ == "_CaptureTarget" and tuple(target.shape) == (1000, 256)
+    assert type(target).__name__ == "_CaptureTarget" and tuple(target.shape) == (300, 256)
     with pytest.raises(CheckpointingException, match=r"w .*only accepts copy_"):
         target.add_(1)
     with pytest.raises(CheckpointingException, match="w"):
@@ -210,6 +265,53 @@ def test_direct_chunks_split_read_items(tmp_path):
     planner.commit_tensor(items[1], target)
     assert planner.scratch_bytes_live == 0 and FakeQuantizedTensor.rows_quantize_calls >= 1
     planner.resolve_tensor(items[2])
+    with pytest.raises(CheckpointingException, match="'w'"):
+        planner.finish_quantized_load()
+    assert planner.quantized_load_state_is_empty()
+
+
+def test_tensorwise_direct_chunks_round_trip(tmp_path):
+    """Tensorwise, one saved item: direct chunks of 127 rows, each scratch 128 rows (the amax row); the reader gets
+    the first 127. Committed out of order: every chunk but the last to land goes to host memory (its scratch freed at
+    once), the last is quantized from its scratch, then the others come back one at a time; exact, one chunk at most.
+    A chunk read twice is refused; a load that stops half way is named and leaves nothing behind."""
+    full, planner, plan = _planned(tmp_path, "tensorwise")
+    dest = planner.lookup_tensor(plan.items[0].dest_index)
+    items = [i for i in plan.items if i.dest_index.fqn == "w"]
+    assert [int(i.lengths[0]) for i in items] == [127] * 7 + [111]
+    FakeQuantizedTensor.rows_quantize_calls = 0
+    order = [3, 0, 7, 1, 2, 4, 6, 5]
+    for k, n in enumerate(order):
+        it = items[n]
+        target = planner.resolve_tensor(it)
+        assert type(target) is torch.Tensor and tuple(target.shape) == (int(it.lengths[0]), 256)
+        assert planner.scratch_bytes_live == (int(it.lengths[0]) + 1) * 256 * 2  # rows + the amax row
+        r0 = int(it.dest_offsets[0])
+        target.copy_(full[r0:r0 + int(it.lengths[0])])
+        planner.commit_tensor(it, target)
+        assert planner.scratch_bytes_live == 0
+        landed = sum(int(items[j].lengths[0]) for j in order[:k + 1])
+        if k < len(order) - 1:
+            assert FakeQuantizedTensor.rows_quantize_calls == 0  # nothing quantized before the whole amax is known
+            assert planner.host_roundtrip_bytes == landed * 256 * 2
+    assert FakeQuantizedTensor.rows_quantize_calls == 8
+    assert planner.host_roundtrip_bytes == (1000 - 127) * 256 * 2  # all but chunk 5, which landed last
+    assert planner.scratch_bytes_peak == CHUNK
+    planner.finish_quantized_load()
+    assert planner.quantized_load_state_is_empty() and planner.direct_chunked_destinations_committed == 1
+    _assert_whole_equal(dest, full, "tensorwise")
+
+    _, planner, plan = _planned(tmp_path, "tensorwise")
+    items = [i for i in plan.items if i.dest_index.fqn == "w"]
+    target = planner.resolve_tensor(items[0])
+    target.copy_(full[:127])
+    planner.commit_tensor(items[0], target)
+    assert planner.host_roundtrip_bytes == 127 * 256 * 2
+    target = planner.resolve_tensor(items[0])
+    with pytest.raises(CheckpointingException, match=r"w: chunk 0 .*read twice"):
+        planner.commit_tensor(items[0], target)
+    assert planner.scratch_bytes_live == 0
+    planner.resolve_tensor(items[1])  # resolved, never committed; chunk 0 still in host memory
     with pytest.raises(CheckpointingException, match="'w'"):
         planner.finish_quantized_load()
     assert planner.quantized_load_state_is_empty()
@@ -262,8 +364,11 @@ def _load_body(rank, world_size, ckpt, full, axis, direct):
         assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0, kind
         stats = strategy.last_load_stats
         assert stats.streamed and stats.chunked_destinations == 1 and stats.quantized_destinations == 1, kind
-        # read items starting and ending on chunk boundaries are read straight into the chunks (not tensorwise)
-        assert stats.direct_chunked_destinations == int(direct and kind != "tensorwise"), kind
+        # read items starting and ending on chunk boundaries are read straight into the chunks (tensorwise too: all
+        # its chunks but the last to land then make a host round trip)
+        assert stats.direct_chunked_destinations == int(direct), kind
+        assert (stats.host_roundtrip_bytes > 0) is (direct and kind == "tensorwise"), kind
+        assert stats.host_roundtrip_bytes < local.numel() * 2, kind
         assert stats.streaming_state_empty
         # the bound: one chunk, or one aligned block of rows where that is larger (blockwise: 128 rows x 512 cols)
         bound = max(CHUNK, fp8_utils.chunk_row_multiple(dest) * local.shape[1] * 2)
@@ -312,10 +417,14 @@ def _stacked_load_body(rank, world_size, ckpt, layers, kind, no_reshape_view):
     scales = {i: d._quantizer.scale.clone() for i, d in dests.items()}
     sd = {f"l{i}": ShardedTensor.from_rank_offsets("stack", d, (0, i, n), prepend_axis_num=1) for i, d in dests.items()}
     FakeQuantizedTensor.dequantize_calls = 0
-    loaded = dist_checkpointing.load(
-        sd, ckpt, sharded_strategy=TorchDistLoadShardedStrategy(stream_ckpt_dequant=True,
-                                                                stream_ckpt_dequant_chunk_mb=CHUNK / 2**20))
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=CHUNK / 2**20)
+    loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
     assert FakeQuantizedTensor.dequantize_calls == 0
+    stats = strategy.last_load_stats
+    # each layer is one saved item: its read item (prepended axis included) is split into direct chunks
+    assert stats.chunked_destinations == stats.direct_chunked_destinations == len(dests)
+    assert (stats.host_roundtrip_bytes > 0) is (kind == "tensorwise")
+    assert 0 < stats.scratch_bytes_peak <= max(CHUNK, fp8_utils.chunk_row_multiple(dests[rank]) * 256 * 2)
     for i, d in dests.items():
         assert loaded[f"l{i}"] is d
         _assert_whole_equal(d, layers[i], kind, scales[i], f"layer {i}")
@@ -326,3 +435,36 @@ def test_stacked_layers_chunked(tmp_path, kind, no_reshape_view):
     layers = torch.stack([_full(512, 256, seed=i) for i in range(4)])
     run_distributed(_stacked_save_body, 2, str(tmp_path), layers)
     run_distributed(_stacked_load_body, 2, str(tmp_path), layers, kind, no_reshape_view)
+
+
+def _mixed_save_body(rank, world_size, ckpt, w, v):
+    n = v.shape[0] // world_size
+    dist_checkpointing.save({
+        "w": ShardedTensor.from_rank_offsets("w", w.clone(), replica_id=rank),  # one saved item (rank 0 writes it)
+        "v": ShardedTensor.from_rank_offsets("v", v[rank * n:(rank + 1) * n].clone(), (0, rank, world_size)),
+    }, ckpt)
+
+
+def _mixed_load_body(rank, world_size, ckpt, w, v):
+    amax = max(float(w.float().abs().max()), float(v.float().abs().max()))
+    dw, dv = _dest(w, "tensorwise", amax), _dest(v, "tensorwise", amax)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", dw), "v": ShardedTensor.from_rank_offsets("v", dv)}
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=CHUNK / 2**20)
+    FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
+    dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
+    assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0
+    stats = strategy.last_load_stats
+    assert stats.chunked_destinations == 2 and stats.direct_chunked_destinations == 1  # w direct, v captured
+    # w: chunks of 127 rows landing in order; all but the last (111 rows) went to host memory and back. v: none.
+    assert stats.host_roundtrip_bytes == (1000 - 111) * 256 * 2
+    assert 0 < stats.scratch_bytes_peak <= CHUNK and stats.streaming_state_empty
+    _assert_whole_equal(dw, w, "tensorwise", what="w (direct)")
+    _assert_whole_equal(dv, v, "tensorwise", what="v (captured)")
+
+
+def test_tensorwise_direct_and_captured_in_one_load(tmp_path):
+    """Tensorwise, one load: ``w`` saved whole (direct chunks, host round trip), ``v`` saved by 2 ranks in 500-row
+    parts that straddle the 127-row chunks (captured chunks): both exactly one whole-tensor quantize."""
+    w, v = _full(1000, 256, seed=3), _full(1000, 256, seed=4) * 3
+    run_distributed(_mixed_save_body, 2, str(tmp_path), w, v)
+    run_distributed(_mixed_load_body, 1, str(tmp_path), w, v)

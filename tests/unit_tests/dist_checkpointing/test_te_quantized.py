@@ -160,11 +160,10 @@ def _load(ckpt, refs, kind, stream, prepend=0, extra=None, chunk_mb=None):
     peak = torch.cuda.max_memory_allocated() - base
     stats = strategy.last_load_stats
     assert stats.seconds > 0 and stats.streamed is stream and stats.streaming_state_empty
-    scratch_peak = stats.scratch_bytes_peak
     for b, d in zip(before, dests):
         if b is not None:
             assert torch.equal(_delayed_state(d), b), "delayed-scaling amax history / scale not restored"
-    return dests, loaded, peak, scratch_peak
+    return dests, loaded, peak, stats
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -179,7 +178,8 @@ def test_te_stream_vs_upfront(tmp_path, kind):
     out = {}
     for stream in (False, True):
         dst_plain = {k: torch.zeros_like(v) for k, v in plain.items()}
-        dests, loaded, peak, scratch_peak = _load(str(tmp_path), refs, kind, stream, extra=dst_plain)
+        dests, loaded, peak, stats = _load(str(tmp_path), refs, kind, stream, extra=dst_plain)
+        scratch_peak = stats.scratch_bytes_peak
         for k, v in plain.items():
             assert torch.equal(dst_plain[k], v), (k, stream)  # plain tensors lossless
         for i, (r, d) in enumerate(zip(refs, dests)):
@@ -208,14 +208,27 @@ def test_te_resharded(tmp_path, kind):
     sd = {f"part{i}": ShardedTensor.from_rank_offsets("w0", full[i * 128 : (i + 1) * 128].clone(), (0, i, 4))
           for i in range(4)}
     dist_checkpointing.save(sd, str(tmp_path))
-    for stream in (False, True):
-        dests, _, _, scratch_peak = _load(str(tmp_path), [full], kind, stream)
+    # chunk bytes (streaming): None = default (the whole tensor fits: one scratch); 77568 = 101 rows x 256 x 3 bytes
+    # (tensorwise: 100-row chunks + the amax row, bf16 + the FP8 cast; the 128-row read items straddle them: captured
+    # chunks); 99072 = 129 x 256 x 3 (tensorwise: 128-row chunks, the read items split at them: direct chunks)
+    for stream, chunk_bytes in ((False, None), (True, None), (True, 77568), (True, 99072)):
+        chunk_mb = None if chunk_bytes is None else chunk_bytes / 2**20
+        dests, _, _, stats = _load(str(tmp_path), [full], kind, stream, chunk_mb=chunk_mb)
+        what = (kind, stream, chunk_bytes)
         got = fp8_utils.dequantize(dests[0])
         want = fp8_utils.dequantize(_reference(full, kind, dests[0]))
-        assert torch.equal(got, want), (kind, stream, float((got.float() - want.float()).abs().max()))
-        _check_transpose(dests[0], (kind, stream))
-        if stream:
-            assert scratch_peak == full.numel() * 2
+        assert torch.equal(got, want), (what, float((got.float() - want.float()).abs().max()))
+        _check_transpose(dests[0], what)
+        if stream and chunk_bytes is None:
+            assert stats.scratch_bytes_peak == full.numel() * 2 and stats.chunked_destinations == 0
+        if chunk_bytes is not None:
+            chunkable = fp8_utils.chunk_row_multiple(dests[0]) is not None
+            assert stats.chunked_destinations == int(chunkable), what
+        if kind == "tensorwise" and chunk_bytes is not None:
+            direct = chunk_bytes == 99072
+            assert stats.direct_chunked_destinations == int(direct), what
+            assert (stats.host_roundtrip_bytes > 0) is direct, what  # direct: all chunks but the last to land
+            assert torch.equal(dests[0]._scale_inv, _reference(full, kind, dests[0])._scale_inv), what
         if kind == "tensorwise":
             assert float(dests[0]._scale_inv) == pytest.approx(float(full.float().abs().max()) / 448.0, rel=1e-5)
 
@@ -245,12 +258,22 @@ def test_te_chunked_equals_whole(tmp_path, kind):
     sd = {"w0": ShardedTensor.from_rank_offsets("w0", refs[0], prepend_axis_num=1)}
     dist_checkpointing.save(sd, str(tmp_path))
     chunk_mb = 0.25
-    dests, _, peak, scratch_peak = _load(str(tmp_path), refs, kind, True, prepend=1, chunk_mb=chunk_mb)
+    dests, _, peak, stats = _load(str(tmp_path), refs, kind, True, prepend=1, chunk_mb=chunk_mb)
     got = fp8_utils.dequantize(dests[0])
     want = fp8_utils.dequantize(_reference(refs[0], kind, dests[0]))
     assert torch.equal(got, want), (kind, float((got.float() - want.float()).abs().max()))
     if hasattr(dests[0], "_scale_inv"):
         assert torch.equal(dests[0]._scale_inv, _reference(refs[0], kind, dests[0])._scale_inv)
     _check_transpose(dests[0], kind)
-    assert 0 < scratch_peak <= chunk_mb * 2**20, scratch_peak
+    if fp8_utils.chunk_row_multiple(dests[0]) is None:  # no chunked path (NVFP4, swizzled MXFP8): one whole scratch
+        assert stats.chunked_destinations == 0 and stats.scratch_bytes_peak == refs[0].numel() * 2, kind
+        return
+    # one saved item: read straight into each chunk's scratch; tensorwise (169-row chunks + the amax row): every
+    # chunk but the one that landed last (the 20-row tail) went to pinned host memory and back
+    assert stats.chunked_destinations == 1 and stats.direct_chunked_destinations == 1, kind
+    tail = 2048 - 12 * 169
+    expect_host = (2048 - tail) * 512 * 2 if kind == "tensorwise" else 0
+    assert stats.host_roundtrip_bytes == expect_host, (kind, stats.host_roundtrip_bytes)
+    # scratch (with its amax row) + the adapter's temporaries (tensorwise: the FP8 cast) within the chunk
+    assert 0 < stats.scratch_bytes_peak <= chunk_mb * 2**20, stats.scratch_bytes_peak
     assert peak <= chunk_mb * 2**20 + 2**20, (kind, peak)

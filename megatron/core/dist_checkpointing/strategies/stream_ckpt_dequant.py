@@ -19,20 +19,29 @@ Chunked streaming (``stream_chunk_bytes``, ``--stream-ckpt-dequant-chunk-mb``, d
 whose high-precision bytes exceed the chunk, and whose kind has a row-range quantize (``fp8_utils.chunk_row_multiple``:
 delayed, tensorwise, MXFP8, blockwise), never gets a whole scratch. Its leading axis (of the original tensor, after
 any prepended axes) is cut into chunks of ``chunk_len`` indices, aligned to the kind's scaling blocks, each at most
-``stream_chunk_bytes`` of high-precision scratch plus the adapter's temporaries. Direct chunks (the usual case: one
-saved item per destination, or resharding along rows at chunk-aligned offsets; not tensorwise): when every read item
-of the destination covers whole rows from one chunk boundary to another, ``finish_plan`` splits the read items at the
-chunk boundaries; each resolves to its own chunk's scratch, a plain tensor the reader copies into (from its staging
-buffers), and its commit quantizes those rows and frees the scratch. Otherwise (captured chunks) ``resolve_tensor``
-hands DCP a ``_CaptureTarget`` (a storage-free tensor whose ``copy_`` records the source the reader loaded, zero copy);
-``commit_tensor`` cuts that source along the leading axis into the chunks it covers (a read item may cover several
-chunks or part of one: resharding) and keeps the pieces (host memory the reader already allocated; a piece of a much
-larger saved item is cloned so the item is not kept alive). When all bytes of a chunk landed, the chunk's scratch is
-filled from its pieces, quantized into the destination's rows (``fp8_utils.quantize_rows_into``) and freed. For
-tensorwise scaling the scale needs the whole tensor's amax: a completed chunk only contributes its amax (scratch
-filled, amax taken, freed) and keeps its pieces; once every chunk landed, each is filled again and quantized with the
-whole tensor's amax, bit-identical to one whole-tensor quantize. Peak scratch: one chunk. Destinations up to one
-chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
+``stream_chunk_bytes`` of high-precision scratch plus the adapter's temporaries (tensorwise: plus the scratch's one
+extra row, see below). Direct chunks (the usual case: one saved item per destination, or resharding along rows at
+chunk-aligned offsets): when every read item of the destination covers whole rows from one chunk boundary to
+another, ``finish_plan`` splits the read items at the chunk boundaries; each resolves to its own chunk's scratch, a
+plain tensor the reader copies into (from its pinned staging buffers), and its commit quantizes those rows and frees
+the scratch. Otherwise (captured chunks) ``resolve_tensor`` hands DCP a ``_CaptureTarget`` (a storage-free tensor
+whose ``copy_`` records the source the reader loaded, zero copy); ``commit_tensor`` cuts that source along the
+leading axis into the chunks it covers (a read item may cover several chunks or part of one: resharding) and keeps
+the pieces (host memory the reader already allocated; a piece of a much larger saved item is cloned so the item is
+not kept alive). When all bytes of a chunk landed, the chunk's scratch is filled from its pieces, quantized into the
+destination's rows (``fp8_utils.quantize_rows_into``) and freed.
+
+Tensorwise (current) scaling needs the whole tensor's amax before any chunk is quantized. Its chunk scratches have one
+extra row (n + 1 rows of the 2-D view; the reader gets a view of the first n): the adapter writes the whole amax
+there and the quantizer, computing its scale from what it is given, computes the whole tensor's scale with no (n +
+1)-row copy. Direct chunks: each chunk's commit takes its amax into a running maximum on the device (no host sync);
+a chunk that is not the destination's last to land is copied asynchronously (current stream) into host memory
+(pinned for a CUDA destination) and its scratch freed (stream-ordered reuse keeps that safe); the chunk that lands
+last is quantized straight from its scratch, then every other chunk is copied back into a fresh scratch and
+quantized (``host_roundtrip_bytes`` counts what went to the host and back). Captured chunks: a completed chunk only
+contributes its amax (scratch filled, amax taken, freed) and keeps its host pieces; once every chunk landed, each is
+filled again and quantized. Both give bit for bit one whole-tensor quantize. Peak scratch: one chunk. Destinations up
+to one chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
 
 Prepended singleton axes (``prepend_axis_num``): the strategy gives DCP ``view_keeping_base(data, shape)``; the
 planner quantizes into that base (a TE Float8Tensor view that adds axes drops the cached transpose, so quantizing into
@@ -140,7 +149,9 @@ class LoadStats:
     once on the streaming path (0 on the upfront path, whose transient is ``dequantized_upfront_bytes``: every
     quantized destination at once). ``quantized_destinations``: destinations quantized back (streaming) or
     dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk; ``direct_chunked_destinations``:
-    of those, read straight into each chunk's scratch (read items split at chunk boundaries). ``streaming_state_empty``: the
+    of those, read straight into each chunk's scratch (read items split at chunk boundaries). ``host_roundtrip_bytes``:
+    high-precision bytes of direct tensorwise chunks parked in host memory until the whole amax was known (every chunk
+    of such a destination but the one that landed last). ``streaming_state_empty``: the
     streaming planner's bookkeeping (pending read items, scratches, chunk pieces, live scratch bytes) was empty after
     the load (always True on the upfront path). ``seconds``: wall time of the read (the DCP load and the copies after
     it) on this rank."""
@@ -150,6 +161,7 @@ class LoadStats:
     quantized_destinations: int = 0
     chunked_destinations: int = 0
     direct_chunked_destinations: int = 0
+    host_roundtrip_bytes: int = 0
     dequantized_upfront_bytes: int = 0
     streaming_state_empty: bool = True
     seconds: float = 0.0
@@ -241,14 +253,18 @@ class _ChunkedDest:
         self.key, self.dest, self.lead, self.chunk_len = key, dest, lead, chunk_len
         self.dim0 = int(dest.shape[0])
         self.inner = math.prod(int(d) for d in dest.shape[1:])  # elements per leading index
-        self.rows_per_index = self.inner // int(dest.shape[-1])
+        self.cols = int(dest.shape[-1])
+        self.rows_per_index = self.inner // self.cols
         self.n_chunks = -(-self.dim0 // chunk_len)
         self.pieces: Dict[int, List[Tuple[Tuple[int, ...], torch.Tensor]]] = {}
         self.landed: Dict[int, int] = {}
         self.done = 0  # chunks quantized (or, tensorwise, whose amax is in)
+        # tensorwise: the whole tensor's amax comes first; each chunk's scratch has one extra row, where the adapter
+        # puts that amax (fp8_utils.quantize_rows_into(padded=True))
         self.whole_amax = fp8_utils.needs_whole_tensor_amax(dest)
         self.direct = False  # read items split at chunk boundaries: the reader fills each chunk's scratch itself
         self.bufs: Dict[int, torch.Tensor] = {}  # direct: the live scratch of chunk i
+        self.host: Dict[int, torch.Tensor] = {}  # direct tensorwise: chunks landed before the last, in host memory
         self.amax: Optional[torch.Tensor] = None
         self.snap = fp8_utils.snapshot_amax(dest)
         self.hp = fp8_utils.high_precision_dtype(dest)
@@ -260,6 +276,15 @@ class _ChunkedDest:
         a, b = self.chunk_bounds(i)
         return (b - a) * self.inner
 
+    def scratch_numel(self, i: int) -> int:
+        """Elements of chunk ``i``'s scratch: its rows, plus one row (tensorwise) for the amax."""
+        return self.chunk_numel(i) + (self.cols if self.whole_amax else 0)
+
+    def rows(self, i: int, buf: torch.Tensor) -> torch.Tensor:
+        """The rows of chunk ``i`` in its scratch ``buf`` (without the amax row), shaped like the destination's."""
+        a, b = self.chunk_bounds(i)
+        return buf[:self.chunk_numel(i)].view((b - a,) + tuple(self.dest.shape[1:]))
+
 
 class StreamingDequantLoadPlanner(MCoreLoadPlanner):
     """The streaming load planner: quantized destinations are read into high-precision scratches (whole destination
@@ -270,7 +295,8 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
     ``_quantized_pending`` counts the read items still to land per quantized destination (from the final local plan,
     in ``finish_plan``), ``_quantized_scratch`` holds the live scratches. Both are empty after a complete load;
     :meth:`finish_quantized_load` checks that. ``scratch_bytes_peak`` is the most scratch bytes alive at once;
-    ``quantized_destinations_committed`` counts destinations quantized (once each).
+    ``quantized_destinations_committed`` counts destinations quantized (once each); ``host_roundtrip_bytes`` the bytes
+    of direct tensorwise chunks parked in host memory until their destination's whole amax was known.
     """
 
     def __init__(self, *args, stream_chunk_bytes: Optional[int] = DEFAULT_STREAM_CHUNK_MB * MiB, **kwargs):
@@ -289,6 +315,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         self.scratch_bytes_live = 0
         self.scratch_bytes_peak = 0
         self.quantized_destinations_committed = 0
+        self.host_roundtrip_bytes = 0
 
     @staticmethod
     def _dest_key(index) -> DestKey:
@@ -317,7 +344,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
                 if chunked is not None:
                     self._chunked[key] = chunked
         for key, c in self._chunked.items():
-            c.direct = not c.whole_amax and all(self._splits_at_chunks(c, item) for item in quantized[key])
+            c.direct = all(self._splits_at_chunks(c, item) for item in quantized[key])
         if any(c.direct for c in self._chunked.values()):
             items = []
             for item in plan.items:
@@ -380,10 +407,13 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         if base.numel() * hp_bytes <= self.stream_chunk_bytes:
             return None  # fits one chunk: today's whole-destination scratch
         inner = math.prod(int(d) for d in base.shape[1:])
-        rows_per_index = inner // int(base.shape[-1])
+        cols = int(base.shape[-1])
+        rows_per_index = inner // cols
         step = mult // math.gcd(mult, rows_per_index)  # leading indices per aligned unit
-        per_index = inner * (hp_bytes + fp8_utils.chunk_extra_bytes_per_element(base))
-        chunk_len = max(step, (self.stream_chunk_bytes // per_index) // step * step)
+        # scratch + what the adapter allocates per element of it (+ tensorwise: the scratch's amax row) <= the chunk
+        per_element = hp_bytes + fp8_utils.chunk_extra_bytes_per_element(base)
+        budget = self.stream_chunk_bytes - (cols * per_element if fp8_utils.needs_whole_tensor_amax(base) else 0)
+        chunk_len = max(step, (budget // (inner * per_element)) // step * step)
         return _ChunkedDest(key, base, lead, min(chunk_len, int(base.shape[0])))
 
     def resolves_to_plain_tensor(self, read_item) -> bool:
@@ -410,7 +440,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         if chunked is not None and chunked.direct:
             i = int(read_item.dest_offsets[chunked.lead]) // chunked.chunk_len
             buf = chunked.bufs[i] = self._new_chunk(chunked, i)
-            return buf.view(tuple(read_item.lengths))
+            return chunked.rows(i, buf).view(tuple(read_item.lengths))
         if chunked is not None:
             return _CaptureTarget(read_item.lengths, chunked.hp, [], f"{key[0]} (offset {key[1]})")
         scratch = self._quantized_scratch.get(key)
@@ -420,8 +450,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
             hp = fp8_utils.high_precision_dtype(base if base is not None else dest)
             buf = torch.empty(dest.shape, dtype=hp, device=dest.device)
             scratch = self._quantized_scratch[key] = _Scratch(dest, buf)
-            self.scratch_bytes_live += scratch.nbytes
-            self.scratch_bytes_peak = max(self.scratch_bytes_peak, self.scratch_bytes_live)
+            self._add_live(scratch.nbytes)
         return _narrow(scratch.buf, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item, tensor):
@@ -500,32 +529,79 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
             raise CheckpointingException(f"{c.key[0]}: chunk {i} committed without a scratch (resolve_tensor was "
                                          "not called for it)")
         try:
-            fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, None)
+            if c.landed.get(i):
+                raise CheckpointingException(f"{c.key[0]}: chunk {i} (rows {c.chunk_bounds(i)}) read twice")
+            c.landed[i] = c.chunk_numel(i)
+            c.done += 1
+            if not c.whole_amax:
+                self._quantize_rows(c, i, buf)
+                return
+            self._add_amax(c, c.rows(i, buf))
+            if c.done < c.n_chunks:  # the whole amax is not known yet: keep the rows in host memory
+                c.host[i] = self._to_host(c.rows(i, buf))
+                return
+            self._quantize_rows(c, i, buf)  # the chunk that landed last: quantized from its scratch, no round trip
         finally:
             self._free_chunk(buf)
-        c.done += 1
+        for j in sorted(c.host):
+            buf = self._new_chunk(c, j)
+            try:
+                c.rows(j, buf).copy_(c.host.pop(j), non_blocking=True)
+                self._quantize_rows(c, j, buf)
+            finally:
+                self._free_chunk(buf)
+
+    def _to_host(self, rows: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy of ``rows`` in host memory (pinned for a CUDA scratch; the copy is ordered on the
+        current stream, so the scratch can be freed at once and the copy back needs no wait)."""
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+        host.copy_(rows, non_blocking=True)
+        self.host_roundtrip_bytes += _nbytes(host)
+        return host
+
+    @staticmethod
+    def _add_amax(c: _ChunkedDest, rows: torch.Tensor) -> None:
+        m = fp8_utils.amax_of(rows)
+        c.amax = m if c.amax is None else torch.maximum(c.amax, m)
 
     def _new_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
-        a, b = c.chunk_bounds(i)
-        buf = torch.empty((b - a,) + tuple(c.dest.shape[1:]), dtype=c.hp, device=c.dest.device)
-        self.scratch_bytes_live += _nbytes(buf)
-        self.scratch_bytes_peak = max(self.scratch_bytes_peak, self.scratch_bytes_live)
+        """Chunk ``i``'s scratch, flat (``c.rows(i, buf)``: its rows; tensorwise: one more row for the amax)."""
+        buf = torch.empty(c.scratch_numel(i), dtype=c.hp, device=c.dest.device)
+        self._add_live(_nbytes(buf))
         return buf
+
+    def _add_live(self, nbytes: int) -> None:
+        self.scratch_bytes_live += nbytes
+        self.scratch_bytes_peak = max(self.scratch_bytes_peak, self.scratch_bytes_live)
 
     def _fill_chunk(self, c: _ChunkedDest, i: int) -> torch.Tensor:
         buf = self._new_chunk(c, i)
+        rows = c.rows(i, buf)
         for offsets, piece in c.pieces[i]:
-            _narrow(buf, offsets, piece.shape).copy_(piece)
+            _narrow(rows, offsets, piece.shape).copy_(piece)
         return buf
 
     def _free_chunk(self, buf: torch.Tensor) -> None:
         self.scratch_bytes_live -= _nbytes(buf)
         buf.untyped_storage().resize_(0)
 
+    def _quantize_rows(self, c: _ChunkedDest, i: int, buf: torch.Tensor) -> None:
+        """Quantize chunk ``i`` from its scratch ``buf`` (tensorwise: with ``c.amax``, in the scratch's amax row);
+        what the adapter allocates meanwhile counts as scratch."""
+        extra = buf.numel() * fp8_utils.chunk_extra_bytes_per_element(c.dest)
+        self._add_live(extra)
+        try:
+            fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, c.amax,
+                                         padded=c.whole_amax)
+        finally:
+            self.scratch_bytes_live -= extra
+
     def _quantize_chunk(self, c: _ChunkedDest, i: int) -> None:
         buf = self._fill_chunk(c, i)
-        fp8_utils.quantize_rows_into(c.dest, c.chunk_bounds(i)[0] * c.rows_per_index, buf, c.amax)
-        self._free_chunk(buf)
+        try:
+            self._quantize_rows(c, i, buf)
+        finally:
+            self._free_chunk(buf)
         del c.pieces[i]
 
     def _chunk_complete(self, c: _ChunkedDest, i: int) -> None:
@@ -534,9 +610,10 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
             self._quantize_chunk(c, i)
             return
         buf = self._fill_chunk(c, i)  # first pass: the chunk's amax only; its pieces stay (host) for the second
-        m = fp8_utils.amax_of(buf)
-        c.amax = m if c.amax is None else torch.maximum(c.amax, m)
-        self._free_chunk(buf)
+        try:
+            self._add_amax(c, c.rows(i, buf))
+        finally:
+            self._free_chunk(buf)
 
     def _finish_chunked(self, c: _ChunkedDest) -> None:
         if c.done != c.n_chunks:

@@ -707,6 +707,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             quantized_destinations=planner.quantized_destinations_committed,
             chunked_destinations=planner.chunked_destinations_committed,
             direct_chunked_destinations=planner.direct_chunked_destinations_committed,
+            host_roundtrip_bytes=planner.host_roundtrip_bytes,
             streaming_state_empty=planner.quantized_load_state_is_empty(),
         )
 
