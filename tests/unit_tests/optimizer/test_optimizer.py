@@ -176,6 +176,61 @@ def test_clip_with_dtensor_grads_two_ranks():
     run_distributed(_dtensor_clip_body, 2)
 
 
+def _local_update_body(rank, ws):
+    """DTensor params are updated through their local shards: torch's step sees no DTensor, and params and state
+    are bitwise those of the same step taken over the DTensors, which stay DTensors (state sharded like the param)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from megatron.core.optimizer import MegatronOptimizer
+
+    torch.manual_seed(0)
+    full = [torch.randn(5, 3), torch.randn(7), torch.randn(4, 2)]  # uneven shards over 2 ranks
+    mesh = init_device_mesh("cpu", (ws,))
+    cfg = OptimizerConfig(lr=0.1, clip_grad=1.0, weight_decay=0.01)
+
+    def build():
+        params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
+        groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+        opt = MegatronOptimizer(torch.optim.AdamW(groups, lr=0.1, weight_decay=0.01), cfg, params,
+                                {p: f"p{i}" for i, p in enumerate(params)})
+        return params, opt
+
+    (pa, oa), (pb, ob) = build(), build()
+    ob._update = ob.optimizer.step  # the reference: torch's step over the DTensors themselves
+    seen = []
+    inner = oa.optimizer.step
+
+    def spy(*a, **kw):
+        ps = [p for g in oa.optimizer.param_groups for p in g["params"]]
+        seen.append(any(isinstance(t, DTensor) for p in ps for t in [p, p.grad, *oa.optimizer.state[p].values()]))
+        return inner(*a, **kw)
+
+    oa.optimizer.step = spy
+    for step in range(3):
+        for params in (pa, pb):
+            g = torch.Generator().manual_seed(step)
+            for p, t in zip(params, full):
+                p.grad = distribute_tensor(torch.randn(t.shape, generator=g), mesh, [Shard(0)]) if step != 1 or \
+                    p is not params[1] else None  # step 1: one param without a gradient (skipped, state kept)
+        assert oa.step()[0] and ob.step()[0]
+    assert seen == [False] * 3
+    for a, b in zip(pa, pb):
+        assert isinstance(a, DTensor) and torch.equal(a.to_local(), b.to_local())
+        sa, sb = oa.state[a], ob.state[b]
+        assert sa.keys() == sb.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(sa[k], DTensor) and sa[k].placements == a.placements
+            assert torch.equal(sa[k].to_local(), sb[k].to_local()), k
+        assert float(sa["step"]) == float(sb["step"])
+    assert float(oa.state[pa[1]]["step"]) == 2.0 and float(oa.state[pa[0]]["step"]) == 3.0
+    assert all(isinstance(p, DTensor) for g in oa.optimizer.param_groups for p in g["params"])  # restored
+
+
+def test_dtensor_params_updated_through_local_shards():
+    run_distributed(_local_update_body, 2)
+
+
 def _ddp_bf16_ckpt_body(rank, ws, ckpt_dir):
     """DDP with a bf16 model: fp32 main params + Adam state through dist_checkpointing, then an identical step."""
     from megatron.core import dist_checkpointing
