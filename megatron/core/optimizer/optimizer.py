@@ -246,8 +246,8 @@ class MegatronOptimizer:
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
         """The updated fp32 main params into the model params: plain (bf16/fp16) ones by one ``_foreach_copy_`` of
-        the local tensors (the same rounding as ``copy_``), quantized weights one by one (each quantizes on
-        ``copy_`` with its own quantizer)."""
+        the local tensors (the same rounding as ``copy_``), quantized weights one by one, each quantizing the fp32 value
+        on ``copy_`` with its own quantizer (one rounding, as upstream's master-weight cast; no bf16 copy first)."""
         if self.main_params is None:
             return
         quantized = self._model_param_quantized
@@ -258,7 +258,7 @@ class MegatronOptimizer:
             if mp is main:
                 continue
             if q:
-                _local(mp).copy_(_local(main).to(_local(mp).dtype))
+                _local_data(mp).copy_(_local_data(main))
             else:
                 dst.append(_local(mp))
                 src.append(_local(main))

@@ -297,8 +297,9 @@ def test_quantized_weights_get_fp32_main_params():
     expected_main = FakeQuantizedTensor.quantize(start, "tensorwise").dequantize().float() - 0.5 * grad
     assert torch.allclose(main_w.detach(), expected_main)  # the fp32 copy took the full-precision update
     assert isinstance(model.weight, FakeQuantizedTensor)  # still quantized, holding the quantized main values
-    ref = FakeQuantizedTensor.quantize(expected_main.to(torch.bfloat16), "tensorwise").dequantize()
-    assert torch.equal(model.weight.dequantize(), ref)
+    # the fp32 main value quantized directly (one rounding, no bf16 copy first), as upstream's master-weight cast
+    ref = FakeQuantizedTensor.quantize(main_w.detach().clone(), "tensorwise")
+    assert torch.equal(model.weight._data, ref._data) and torch.equal(model.weight._scale_inv, ref._scale_inv)
     assert torch.allclose(model.bias.detach(), bias_before - 0.5)
 
 
