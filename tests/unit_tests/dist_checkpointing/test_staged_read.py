@@ -49,15 +49,17 @@ from tests.unit_tests.test_safe_globals import Payload
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
+def _set_sizes(monkeypatch, **sizes):
+    """The staged reader's size constants (``staged_read.<NAME>``) set for one test."""
+    for name, value in sizes.items():
+        monkeypatch.setattr(sr, name, value)
+
+
 @pytest.fixture
 def small_pool(monkeypatch):
     """A tiny staging pool, so that ordinary test tensors take every path (pieces, recycling, bounding rows)."""
-    monkeypatch.setattr(sr, "STAGING_BUFFER_BYTES", 4096)
-    monkeypatch.setattr(sr, "STAGING_BUFFERS", 2)
-    monkeypatch.setattr(sr, "SMALL_ITEM_BYTES", 2048)
-    monkeypatch.setattr(sr, "HEAD_BYTES", 512)
-    monkeypatch.setattr(sr, "TAIL_BYTES", 256)
-    monkeypatch.setattr(sr, "GAP_CHUNK_BYTES", 1000)
+    _set_sizes(monkeypatch, STAGING_BUFFER_BYTES=4096, STAGING_BUFFERS=2, SMALL_ITEM_BYTES=2048, HEAD_BYTES=512,
+               TAIL_BYTES=256, GAP_CHUNK_BYTES=1000)
 
 
 @pytest.fixture
@@ -562,11 +564,8 @@ class _OverlapPlanner(DefaultLoadPlanner):
 @pytest.fixture
 def one_piece_per_item(monkeypatch):
     """Each of the three read items is one piece (all in flight at once); the item is not read whole."""
-    monkeypatch.setattr(sr, "SMALL_ITEM_BYTES", 2048)
-    monkeypatch.setattr(sr, "HEAD_BYTES", 512)
-    monkeypatch.setattr(sr, "TAIL_BYTES", 256)
-    monkeypatch.setattr(sr, "STAGING_BUFFER_BYTES", 16384)
-    monkeypatch.setattr(sr, "STAGING_BUFFERS", 4)
+    _set_sizes(monkeypatch, SMALL_ITEM_BYTES=2048, HEAD_BYTES=512, TAIL_BYTES=256, STAGING_BUFFER_BYTES=16384,
+               STAGING_BUFFERS=4)
 
 
 def _overlap_ckpt(tmp_path):
