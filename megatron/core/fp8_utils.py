@@ -330,6 +330,43 @@ def quantize_rows_into(dst: torch.Tensor, row_start: int, src: torch.Tensor,
             _te_quantize_rows(dst, row_start, src2d.to(dst.device))
 
 
+def parking_buffers(t) -> Optional[tuple]:
+    """Two flat byte views of ``t``'s own storage, ``numel`` bytes each, that the row-range quantize
+    (:func:`quantize_rows_into`) of a row range writes only in that range's rows of the first, and that
+    :func:`finish_rows_quantize` rewrites whole: the rowwise FP8 data and the FP8 transpose cache of a per-tensor
+    (delayed / tensorwise) tensor that has one (TE Float8Tensor ``_data`` / ``_transpose``; the protocol's same
+    names). Together they hold 2 bytes per element: a bf16/fp16 row range can wait there for the whole tensor's
+    amax (:func:`park_rows` / :func:`unpark_rows`) instead of in host memory. ``None`` when ``t`` has no such pair
+    (no transpose cache, a 4-byte high-precision dtype, other kinds)."""
+    if quantization_kind(t) not in (DELAYED, TENSORWISE) or high_precision_dtype(t).itemsize != 2:
+        return None
+    bufs = (getattr(t, "_data", None), getattr(t, "_transpose", None))
+    n = t.numel()
+    if not all(isinstance(b, torch.Tensor) and b.is_contiguous() and b.element_size() == 1 and b.numel() == n
+               for b in bufs):
+        return None
+    return tuple(b.view(torch.uint8).view(-1) for b in bufs)
+
+
+def park_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Keep ``rows`` (contiguous, 2-byte elements: elements ``[start, start + rows.numel())`` of ``dst``) in
+    ``dst``'s own :func:`parking_buffers`, at the same element range of each (a device-side copy, no host memory)."""
+    a, b = parking_buffers(dst)
+    m = rows.numel()
+    raw = rows.reshape(-1).view(torch.uint8)
+    a[start:start + m].copy_(raw[:m])
+    b[start:start + m].copy_(raw[m:])
+
+
+def unpark_rows(dst: torch.Tensor, start: int, out: torch.Tensor) -> None:
+    """The rows :func:`park_rows` kept at element ``start`` of ``dst``, bit for bit, into ``out`` (contiguous)."""
+    a, b = parking_buffers(dst)
+    m = out.numel()
+    raw = out.reshape(-1).view(torch.uint8)
+    raw[:m].copy_(a[start:start + m])
+    raw[m:].copy_(b[start:start + m])
+
+
 def finish_rows_quantize(dst: torch.Tensor) -> None:
     """Call once after every row range of ``dst`` went through :func:`quantize_rows_into`."""
     with torch.no_grad():

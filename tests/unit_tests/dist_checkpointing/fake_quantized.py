@@ -163,8 +163,10 @@ class FakeQuantizedTensor(torch.Tensor):
             s_inv = self._scale_inv.repeat_interleave(g, 0).repeat_interleave(g, 1)[:r, :c]
         return (q * s_inv).reshape(self.shape).to(dtype or self.dtype)
 
-    def _write_rows(self, r0: int, x: torch.Tensor, scale=None) -> None:
-        """Encode float32 rows ``x`` ([n, cols]) into rows [r0, r0 + n) of every buffer (per-tensor: with ``scale``)."""
+    def _write_rows(self, r0: int, x: torch.Tensor, scale=None, transpose: bool = True) -> None:
+        """Encode float32 rows ``x`` ([n, cols]) into rows [r0, r0 + n) of every buffer (per-tensor: with ``scale``;
+        ``transpose=False``: not the transpose cache, which ``finish_rows_quantize_`` rebuilds, as TE's chunked
+        path)."""
         mode = self._quantizer.mode
         n, c = x.shape
         r, _ = self._rows_cols()
@@ -172,7 +174,7 @@ class FakeQuantizedTensor(torch.Tensor):
             q = _to_fp8(x * scale)
             self._data.view(r, c)[r0:r0 + n].copy_(q)
             self._scale_inv.copy_(1.0 / scale)
-            if self._transpose is not None:
+            if self._transpose is not None and transpose:
                 self._transpose.view(c, r)[:, r0:r0 + n].copy_(q.t())
             return
         g = BLOCK[mode]
@@ -213,10 +215,13 @@ class FakeQuantizedTensor(torch.Tensor):
             x = x[:-1]
         elif q.mode == "delayed":
             scale = q.scale.clone()
-        self._write_rows(row_start, x, scale)
+        self._write_rows(row_start, x, scale, transpose=False)
 
     def finish_rows_quantize_(self) -> None:
-        pass  # _write_rows keeps the transpose in step (TE recomputes it here: fp8_utils.finish_rows_quantize)
+        """The transpose cache rebuilt from the data (as TE's ``_create_transpose`` in fp8_utils)."""
+        if self._transpose is not None:
+            r, c = self._rows_cols()
+            self._transpose.copy_(self._data.view(r, c).t())
 
     def _quantize_from(self, src: torch.Tensor) -> None:
         """Quantize ``src`` (plain) into this tensor's data, the way the mode says."""

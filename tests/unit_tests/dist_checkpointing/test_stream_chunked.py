@@ -135,6 +135,30 @@ def test_amax_of_exact_without_abs_copy():
     assert float(fp8_utils.amax_of(-x)) == 7.25 and float(fp8_utils.amax_of(x[:0])) == 0.0
 
 
+def test_parking_rows_in_own_bytes_is_exact_and_local():
+    """A per-tensor destination with a transpose cache holds 2 bytes per element of its own (FP8 data + transpose):
+    rows parked there come back bit for bit (NaN, -0.0, inf, subnormals included), and only their element range of
+    each buffer is written. Without a transpose, with a 4-byte high-precision dtype or block scaling: no parking."""
+    t = FakeQuantizedTensor.quantize(torch.zeros(64, 32, dtype=torch.bfloat16), "tensorwise", with_transpose=True)
+    data, tr = (b.view(torch.uint8).clone() for b in (t._data, t._transpose))
+    assert fp8_utils.parking_buffers(t) is not None
+    for dtype in (torch.bfloat16, torch.float16):
+        rows = torch.randn(10, 32).to(dtype)
+        rows.view(-1)[:4] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40]).to(dtype)
+        fp8_utils.park_rows(t, 5 * 32, rows)
+        back = torch.empty_like(rows)
+        fp8_utils.unpark_rows(t, 5 * 32, back)
+        assert torch.equal(back.view(torch.int16), rows.view(torch.int16))
+    for now, before in ((t._data, data), (t._transpose, tr)):
+        flat, old = now.view(torch.uint8).view(-1), before.view(-1)
+        assert torch.equal(flat[:160], old[:160]) and torch.equal(flat[480:], old[480:])
+    assert fp8_utils.parking_buffers(FakeQuantizedTensor.quantize(torch.zeros(64, 32), "tensorwise")) is None
+    assert fp8_utils.parking_buffers(
+        FakeQuantizedTensor.quantize(torch.zeros(64, 32), "tensorwise", dtype=torch.float32, with_transpose=True)) is None
+    assert fp8_utils.parking_buffers(FakeQuantizedTensor.quantize(torch.zeros(128, 128), "blockwise")) is None
+    assert fp8_utils.parking_buffers(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+
+
 def test_plain_and_unchunkable_have_no_chunked_path():
     assert fp8_utils.chunk_row_multiple(torch.zeros(4, 4)) is None
     assert fp8_utils.chunk_row_multiple(FakeQuantizedTensor.quantize(torch.randn(8), "tensorwise")) is None  # 1-D
@@ -163,7 +187,9 @@ def test_chunked_planner_exact_and_bounded(tmp_path, kind):
     # 1000 rows in chunks of 128 (the last 104); tensorwise: 127 rows + the amax row (the last chunk 111 rows)
     assert FakeQuantizedTensor.rows_quantize_calls == 8
     # tensorwise: every chunk but the one that landed last went to host memory and back
-    assert planner.host_roundtrip_bytes == (7 * 127 * 256 * 2 if kind == "tensorwise" else 0)
+    # (the fake destination has a transpose cache: they wait in its own FP8 data + transpose bytes, not on the host)
+    assert planner.parked_bytes == (7 * 127 * 256 * 2 if kind == "tensorwise" else 0)
+    assert planner.host_roundtrip_bytes == 0
     assert planner.scratch_bytes_peak == CHUNK
     assert planner.scratch_bytes_peak < full.numel() * 2 / 7
     assert torch.equal(plain, torch.arange(10))
@@ -200,12 +226,13 @@ def test_small_destination_keeps_whole_path(tmp_path):
     _assert_whole_equal(dest, full, "blockwise")
 
 
-def _planned(tmp_path, kind, chunk=CHUNK, cut=None):
+def _planned(tmp_path, kind, chunk=CHUNK, cut=None, with_transpose=False):
     """(full, planner, final plan) of a chunked load of one saved 1000 x 256 tensor into a ``kind`` destination.
     ``cut``: the read item of ``w`` is cut in two at that row first, as for a tensor saved in two parts there."""
     full = _full()
     dcp.save({"w": full, "plain": torch.zeros(3)}, checkpoint_id=str(tmp_path), no_dist=True)
-    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), kind)
+    dest = FakeQuantizedTensor.quantize(torch.zeros(1000, 256, dtype=torch.bfloat16), kind,
+                                        with_transpose=with_transpose)
     planner = _Planner(stream_chunk_bytes=chunk)
     reader = dcp.FileSystemReader(str(tmp_path))
     planner.set_up_planner({"w": dest, "plain": torch.ones(3)}, reader.read_metadata(), True)
@@ -270,12 +297,20 @@ def test_direct_chunks_split_read_items(tmp_path):
     assert planner.quantized_load_state_is_empty()
 
 
-def test_tensorwise_direct_chunks_round_trip(tmp_path):
+@pytest.mark.parametrize("parked", [False, True])
+def test_tensorwise_direct_chunks_round_trip(tmp_path, parked):
     """Tensorwise, one saved item: direct chunks of 127 rows, each scratch 128 rows (the amax row); the reader gets
-    the first 127. Committed out of order: every chunk but the last to land goes to host memory (its scratch freed at
-    once), the last is quantized from its scratch, then the others come back one at a time; exact, one chunk at most.
-    A chunk read twice is refused; a load that stops half way is named and leaves nothing behind."""
-    full, planner, plan = _planned(tmp_path, "tensorwise")
+    the first 127. Committed out of order: every chunk but the last to land waits (its scratch freed at once) in host
+    memory, or, ``parked``, in the destination's own FP8 data + transpose bytes (it has a transpose cache); the last
+    is quantized from its scratch, then the others come back one at a time; exact (data and the rebuilt transpose),
+    one chunk at most. A chunk read twice is refused; a load that stops half way is named and leaves nothing
+    behind."""
+    full, planner, plan = _planned(tmp_path, "tensorwise", with_transpose=parked)
+
+    def kept():
+        assert (planner.host_roundtrip_bytes if parked else planner.parked_bytes) == 0
+        return planner.parked_bytes if parked else planner.host_roundtrip_bytes
+
     dest = planner.lookup_tensor(plan.items[0].dest_index)
     items = [i for i in plan.items if i.dest_index.fqn == "w"]
     assert [int(i.lengths[0]) for i in items] == [127] * 7 + [111]
@@ -293,20 +328,22 @@ def test_tensorwise_direct_chunks_round_trip(tmp_path):
         landed = sum(int(items[j].lengths[0]) for j in order[:k + 1])
         if k < len(order) - 1:
             assert FakeQuantizedTensor.rows_quantize_calls == 0  # nothing quantized before the whole amax is known
-            assert planner.host_roundtrip_bytes == landed * 256 * 2
+            assert kept() == landed * 256 * 2
     assert FakeQuantizedTensor.rows_quantize_calls == 8
-    assert planner.host_roundtrip_bytes == (1000 - 127) * 256 * 2  # all but chunk 5, which landed last
+    assert kept() == (1000 - 127) * 256 * 2  # all but chunk 5, which landed last
     assert planner.scratch_bytes_peak == CHUNK
     planner.finish_quantized_load()
     assert planner.quantized_load_state_is_empty() and planner.direct_chunked_destinations_committed == 1
     _assert_whole_equal(dest, full, "tensorwise")
+    if parked:  # the parked bytes in the transpose buffer were replaced by the transpose of the quantized data
+        assert torch.equal(dest._transpose.view(torch.uint8), dest._data.view(1000, 256).t().view(torch.uint8))
 
-    _, planner, plan = _planned(tmp_path, "tensorwise")
+    _, planner, plan = _planned(tmp_path, "tensorwise", with_transpose=parked)
     items = [i for i in plan.items if i.dest_index.fqn == "w"]
     target = planner.resolve_tensor(items[0])
     target.copy_(full[:127])
     planner.commit_tensor(items[0], target)
-    assert planner.host_roundtrip_bytes == 127 * 256 * 2
+    assert kept() == 127 * 256 * 2
     target = planner.resolve_tensor(items[0])
     with pytest.raises(CheckpointingException, match=r"w: chunk 0 .*read twice"):
         planner.commit_tensor(items[0], target)
@@ -367,8 +404,9 @@ def _load_body(rank, world_size, ckpt, full, axis, direct):
         # read items starting and ending on chunk boundaries are read straight into the chunks (tensorwise too: all
         # its chunks but the last to land then make a host round trip)
         assert stats.direct_chunked_destinations == int(direct), kind
-        assert (stats.host_roundtrip_bytes > 0) is (direct and kind == "tensorwise"), kind
-        assert stats.host_roundtrip_bytes < local.numel() * 2, kind
+        kept = stats.host_roundtrip_bytes + stats.parked_bytes
+        assert (kept > 0) is (direct and kind == "tensorwise") and stats.host_roundtrip_bytes == 0, kind
+        assert kept < local.numel() * 2, kind
         assert stats.streaming_state_empty
         # the bound: one chunk, or one aligned block of rows where that is larger (blockwise: 128 rows x 512 cols)
         bound = max(CHUNK, fp8_utils.chunk_row_multiple(dest) * local.shape[1] * 2)
@@ -423,7 +461,7 @@ def _stacked_load_body(rank, world_size, ckpt, layers, kind, no_reshape_view):
     stats = strategy.last_load_stats
     # each layer is one saved item: its read item (prepended axis included) is split into direct chunks
     assert stats.chunked_destinations == stats.direct_chunked_destinations == len(dests)
-    assert (stats.host_roundtrip_bytes > 0) is (kind == "tensorwise")
+    assert (stats.parked_bytes > 0) is (kind == "tensorwise") and stats.host_roundtrip_bytes == 0
     assert 0 < stats.scratch_bytes_peak <= max(CHUNK, fp8_utils.chunk_row_multiple(dests[rank]) * 256 * 2)
     for i, d in dests.items():
         assert loaded[f"l{i}"] is d
@@ -456,7 +494,7 @@ def _mixed_load_body(rank, world_size, ckpt, w, v):
     stats = strategy.last_load_stats
     assert stats.chunked_destinations == 2 and stats.direct_chunked_destinations == 1  # w direct, v captured
     # w: chunks of 127 rows landing in order; all but the last (111 rows) went to host memory and back. v: none.
-    assert stats.host_roundtrip_bytes == (1000 - 111) * 256 * 2
+    assert stats.parked_bytes == (1000 - 111) * 256 * 2 and stats.host_roundtrip_bytes == 0
     assert 0 < stats.scratch_bytes_peak <= CHUNK and stats.streaming_state_empty
     _assert_whole_equal(dw, w, "tensorwise", what="w (direct)")
     _assert_whole_equal(dv, v, "tensorwise", what="v (captured)")

@@ -35,10 +35,13 @@ Tensorwise (current) scaling needs the whole tensor's amax before any chunk is q
 extra row (n + 1 rows of the 2-D view; the reader gets a view of the first n): the adapter writes the whole amax
 there and the quantizer, computing its scale from what it is given, computes the whole tensor's scale with no (n +
 1)-row copy. Direct chunks: each chunk's commit takes its amax into a running maximum on the device (no host sync);
-a chunk that is not the destination's last to land is copied asynchronously (current stream) into host memory
-(pinned for a CUDA destination) and its scratch freed (stream-ordered reuse keeps that safe); the chunk that lands
-last is quantized straight from its scratch, then every other chunk is copied back into a fresh scratch and
-quantized (``host_roundtrip_bytes`` counts what went to the host and back). Captured chunks: a completed chunk only
+a chunk that is not the destination's last to land is kept until the whole amax is known and its scratch freed:
+where the destination has an FP8 transpose cache, in the destination's own bytes (its FP8 data rows of that chunk
+and the same range of the transpose buffer: 2 bytes per element, a device copy; only that chunk's own quantize writes
+those data rows, after taking the chunk back, and the transpose is rebuilt at the end; ``parked_bytes``), else by an
+asynchronous copy (current stream) into host memory (pinned for a CUDA destination; stream-ordered reuse keeps
+freeing the scratch safe; ``host_roundtrip_bytes``). The chunk that lands last is quantized straight from its
+scratch, then every other chunk is taken back into a fresh scratch and quantized. Captured chunks: a completed chunk only
 contributes its amax (scratch filled, amax taken, freed) and keeps its host pieces; once every chunk landed, each is
 filled again and quantized. Both give bit for bit one whole-tensor quantize. Peak scratch: one chunk. Destinations up
 to one chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
@@ -150,8 +153,9 @@ class LoadStats:
     quantized destination at once). ``quantized_destinations``: destinations quantized back (streaming) or
     dequantized upfront. ``chunked_destinations``: of those, streamed chunk by chunk; ``direct_chunked_destinations``:
     of those, read straight into each chunk's scratch (read items split at chunk boundaries). ``host_roundtrip_bytes``:
-    high-precision bytes of direct tensorwise chunks parked in host memory until the whole amax was known (every chunk
-    of such a destination but the one that landed last). ``streaming_state_empty``: the
+    high-precision bytes of direct tensorwise chunks kept in host memory until the whole amax was known (every chunk
+    of such a destination but the one that landed last), ``parked_bytes``: those kept in the destination's own FP8
+    data and transpose bytes instead (no host memory; destinations with a transpose cache). ``streaming_state_empty``: the
     streaming planner's bookkeeping (pending read items, scratches, chunk pieces, live scratch bytes) was empty after
     the load (always True on the upfront path). ``seconds``: wall time of the read (the DCP load and the copies after
     it) on this rank."""
@@ -162,6 +166,7 @@ class LoadStats:
     chunked_destinations: int = 0
     direct_chunked_destinations: int = 0
     host_roundtrip_bytes: int = 0
+    parked_bytes: int = 0
     dequantized_upfront_bytes: int = 0
     streaming_state_empty: bool = True
     seconds: float = 0.0
@@ -265,6 +270,7 @@ class _ChunkedDest:
         self.direct = False  # read items split at chunk boundaries: the reader fills each chunk's scratch itself
         self.bufs: Dict[int, torch.Tensor] = {}  # direct: the live scratch of chunk i
         self.host: Dict[int, torch.Tensor] = {}  # direct tensorwise: chunks landed before the last, in host memory
+        self.parked: set = set()  # direct tensorwise: chunks landed before the last, in the destination's own bytes
         self.amax: Optional[torch.Tensor] = None
         self.snap = fp8_utils.snapshot_amax(dest)
         self.hp = fp8_utils.high_precision_dtype(dest)
@@ -295,8 +301,9 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
     ``_quantized_pending`` counts the read items still to land per quantized destination (from the final local plan,
     in ``finish_plan``), ``_quantized_scratch`` holds the live scratches. Both are empty after a complete load;
     :meth:`finish_quantized_load` checks that. ``scratch_bytes_peak`` is the most scratch bytes alive at once;
-    ``quantized_destinations_committed`` counts destinations quantized (once each); ``host_roundtrip_bytes`` the bytes
-    of direct tensorwise chunks parked in host memory until their destination's whole amax was known.
+    ``quantized_destinations_committed`` counts destinations quantized (once each); ``host_roundtrip_bytes`` / ``parked_bytes``
+    the bytes of direct tensorwise chunks kept in host memory / in the destination's own bytes until their
+    destination's whole amax was known.
     """
 
     def __init__(self, *args, stream_chunk_bytes: Optional[int] = DEFAULT_STREAM_CHUNK_MB * MiB, **kwargs):
@@ -316,6 +323,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         self.scratch_bytes_peak = 0
         self.quantized_destinations_committed = 0
         self.host_roundtrip_bytes = 0
+        self.parked_bytes = 0
 
     @staticmethod
     def _dest_key(index) -> DestKey:
@@ -537,27 +545,40 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
                 self._quantize_rows(c, i, buf)
                 return
             self._add_amax(c, c.rows(i, buf))
-            if c.done < c.n_chunks:  # the whole amax is not known yet: keep the rows in host memory
-                c.host[i] = self._to_host(c.rows(i, buf))
+            if c.done < c.n_chunks:  # the whole amax is not known yet: keep the rows (destination or host memory)
+                self._keep(c, i, c.rows(i, buf))
                 return
             self._quantize_rows(c, i, buf)  # the chunk that landed last: quantized from its scratch, no round trip
         finally:
             self._free_chunk(buf)
-        for j in sorted(c.host):
+        for j in sorted(set(c.host) | c.parked):
             buf = self._new_chunk(c, j)
             try:
-                c.rows(j, buf).copy_(c.host.pop(j), non_blocking=True)
+                rows = c.rows(j, buf)
+                if j in c.parked:
+                    c.parked.discard(j)
+                    fp8_utils.unpark_rows(c.dest, c.chunk_bounds(j)[0] * c.inner, rows)
+                else:
+                    rows.copy_(c.host.pop(j), non_blocking=True)
                 self._quantize_rows(c, j, buf)
             finally:
                 self._free_chunk(buf)
 
-    def _to_host(self, rows: torch.Tensor) -> torch.Tensor:
-        """An asynchronous copy of ``rows`` in host memory (pinned for a CUDA scratch; the copy is ordered on the
-        current stream, so the scratch can be freed at once and the copy back needs no wait)."""
+    def _keep(self, c: _ChunkedDest, i: int, rows: torch.Tensor) -> None:
+        """Keep chunk ``i``'s ``rows`` until the whole amax is known, so its scratch can be freed now: in the
+        destination's own FP8 data and transpose bytes where it has both (``fp8_utils.park_rows``: a device copy,
+        safe because only chunk ``i``'s own quantize writes those data rows, after taking them back, and the
+        transpose is rebuilt at the end), else by an asynchronous copy into host memory (pinned for a CUDA scratch;
+        ordered on the current stream, so the scratch can be freed at once and the copy back needs no wait)."""
+        if fp8_utils.parking_buffers(c.dest) is not None:
+            fp8_utils.park_rows(c.dest, c.chunk_bounds(i)[0] * c.inner, rows)
+            c.parked.add(i)
+            self.parked_bytes += _nbytes(rows)
+            return
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
         host.copy_(rows, non_blocking=True)
         self.host_roundtrip_bytes += _nbytes(host)
-        return host
+        c.host[i] = host
 
     @staticmethod
     def _add_amax(c: _ChunkedDest, rows: torch.Tensor) -> None:

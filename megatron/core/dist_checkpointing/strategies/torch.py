@@ -708,6 +708,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             chunked_destinations=planner.chunked_destinations_committed,
             direct_chunked_destinations=planner.direct_chunked_destinations_committed,
             host_roundtrip_bytes=planner.host_roundtrip_bytes,
+            parked_bytes=planner.parked_bytes,
             streaming_state_empty=planner.quantized_load_state_is_empty(),
         )
 
