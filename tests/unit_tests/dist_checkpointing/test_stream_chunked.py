@@ -153,8 +153,8 @@ def test_parking_rows_in_own_bytes_is_exact_and_local():
         flat, old = now.view(torch.uint8).view(-1), before.view(-1)
         assert torch.equal(flat[:160], old[:160]) and torch.equal(flat[480:], old[480:])
     assert fp8_utils.parking_buffers(FakeQuantizedTensor.quantize(torch.zeros(64, 32), "tensorwise")) is None
-    assert fp8_utils.parking_buffers(
-        FakeQuantizedTensor.quantize(torch.zeros(64, 32), "tensorwise", dtype=torch.float32, with_transpose=True)) is None
+    wide = FakeQuantizedTensor.quantize(torch.zeros(64, 32), "tensorwise", dtype=torch.float32, with_transpose=True)
+    assert fp8_utils.parking_buffers(wide) is None
     assert fp8_utils.parking_buffers(FakeQuantizedTensor.quantize(torch.zeros(128, 128), "blockwise")) is None
     assert fp8_utils.parking_buffers(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
 

@@ -41,7 +41,8 @@ and the same range of the transpose buffer: 2 bytes per element, a device copy; 
 those data rows, after taking the chunk back, and the transpose is rebuilt at the end; ``parked_bytes``), else by an
 asynchronous copy (current stream) into host memory (pinned for a CUDA destination; stream-ordered reuse keeps
 freeing the scratch safe; ``host_roundtrip_bytes``). The chunk that lands last is quantized straight from its
-scratch, then every other chunk is taken back into a fresh scratch and quantized. Captured chunks: a completed chunk only
+scratch, then every other chunk is taken back into a fresh scratch and quantized. Captured chunks: a completed chunk
+only
 contributes its amax (scratch filled, amax taken, freed) and keeps its host pieces; once every chunk landed, each is
 filled again and quantized. Both give bit for bit one whole-tensor quantize. Peak scratch: one chunk. Destinations up
 to one chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
@@ -155,7 +156,8 @@ class LoadStats:
     of those, read straight into each chunk's scratch (read items split at chunk boundaries). ``host_roundtrip_bytes``:
     high-precision bytes of direct tensorwise chunks kept in host memory until the whole amax was known (every chunk
     of such a destination but the one that landed last), ``parked_bytes``: those kept in the destination's own FP8
-    data and transpose bytes instead (no host memory; destinations with a transpose cache). ``streaming_state_empty``: the
+    data and transpose bytes instead (no host memory; destinations with a transpose cache).
+    ``streaming_state_empty``: the
     streaming planner's bookkeeping (pending read items, scratches, chunk pieces, live scratch bytes) was empty after
     the load (always True on the upfront path). ``seconds``: wall time of the read (the DCP load and the copies after
     it) on this rank."""
@@ -301,7 +303,8 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
     ``_quantized_pending`` counts the read items still to land per quantized destination (from the final local plan,
     in ``finish_plan``), ``_quantized_scratch`` holds the live scratches. Both are empty after a complete load;
     :meth:`finish_quantized_load` checks that. ``scratch_bytes_peak`` is the most scratch bytes alive at once;
-    ``quantized_destinations_committed`` counts destinations quantized (once each); ``host_roundtrip_bytes`` / ``parked_bytes``
+    ``quantized_destinations_committed`` counts destinations quantized (once each); ``host_roundtrip_bytes`` /
+    ``parked_bytes``
     the bytes of direct tensorwise chunks kept in host memory / in the destination's own bytes until their
     destination's whole amax was known.
     """
