@@ -42,9 +42,8 @@ those data rows, after taking the chunk back, and the transpose is rebuilt at th
 asynchronous copy (current stream) into host memory (pinned for a CUDA destination; stream-ordered reuse keeps
 freeing the scratch safe; ``host_roundtrip_bytes``). The chunk that lands last is quantized straight from its
 scratch, then every other chunk is taken back into a fresh scratch and quantized. Captured chunks: a completed chunk
-only
-contributes its amax (scratch filled, amax taken, freed) and keeps its host pieces; once every chunk landed, each is
-filled again and quantized. Both give bit for bit one whole-tensor quantize. Peak scratch: one chunk. Destinations up
+only contributes its amax (scratch filled, amax taken, freed) and keeps its host pieces; once every chunk landed,
+each is filled again and quantized. Both give bit for bit one whole-tensor quantize. Peak scratch: one chunk. Destinations up
 to one chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
 
 Prepended singleton axes (``prepend_axis_num``): the strategy gives DCP ``view_keeping_base(data, shape)``; the
