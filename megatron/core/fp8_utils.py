@@ -232,7 +232,9 @@ def te_quantize(x: torch.Tensor, kind: str, *, scale: Optional[torch.Tensor] = N
 # that exists is recomputed from ``_data`` into its own buffer, no new memory).
 # Protocol tensors provide ``chunk_row_multiple`` (int), ``quantize_rows_(row_start, src2d, padded=False)``
 # (tensorwise: always ``padded``: ``src2d`` has n + 1 rows, the last holding the whole tensor's amax; the tensor
-# computes its scale from max |src2d| and writes the first n rows) and optionally ``finish_rows_quantize_()``. Kinds
+# computes its scale from max |src2d| and writes the first n rows) and optionally ``finish_rows_quantize_()``; a
+# protocol tensor opts in to :func:`parking_buffers` with the class attribute ``parks_rows_in_own_bytes = True``
+# (its ``quantize_rows_`` then never writes ``_transpose`` and ``finish_rows_quantize_`` rebuilds it whole). Kinds
 # without a chunked path here (nvfp4: global amax plus 16-element blocks and a random Hadamard transform; MXFP8
 # with GEMM-swizzled scales; unknown layouts) return None from ``chunk_row_multiple``: the caller quantizes them
 # whole.
@@ -337,9 +339,11 @@ def parking_buffers(t) -> Optional[tuple]:
     (delayed / tensorwise) tensor that has one (TE Float8Tensor ``_data`` / ``_transpose``; the protocol's same
     names). Together they hold 2 bytes per element: a bf16/fp16 row range can wait there for the whole tensor's
     amax (:func:`park_rows` / :func:`unpark_rows`) instead of in host memory. ``None`` when ``t`` has no such pair
-    (no transpose cache, a 4-byte high-precision dtype, other kinds)."""
+    (no transpose cache, a 4-byte high-precision dtype, other kinds, a protocol tensor that did not opt in)."""
     if quantization_kind(t) not in (DELAYED, TENSORWISE) or high_precision_dtype(t).itemsize != 2:
         return None
+    if not _is_te_quantized(t) and not getattr(type(t), "parks_rows_in_own_bytes", False):
+        return None  # its row-range quantize might keep the transpose in step, over other chunks' parked bytes
     bufs = (getattr(t, "_data", None), getattr(t, "_transpose", None))
     n = t.numel()
     if not all(isinstance(b, torch.Tensor) and b.is_contiguous() and b.element_size() == 1 and b.numel() == n
@@ -350,12 +354,16 @@ def parking_buffers(t) -> Optional[tuple]:
 
 def park_rows(dst: torch.Tensor, start: int, rows: torch.Tensor) -> None:
     """Keep ``rows`` (contiguous, 2-byte elements: elements ``[start, start + rows.numel())`` of ``dst``) in
-    ``dst``'s own :func:`parking_buffers`, at the same element range of each (a device-side copy, no host memory)."""
+    ``dst``'s own :func:`parking_buffers`, at the same element range of each (a device-side copy, no host memory).
+    The transpose cache is marked invalid meanwhile (``_transpose_invalid``), so a load that fails before
+    :func:`finish_rows_quantize` never leaves parked bytes posing as a valid transpose (TE recomputes an invalid one
+    when it is needed); pass ``rebuild_transpose`` there to rebuild it after a complete load."""
     a, b = parking_buffers(dst)
     m = rows.numel()
     raw = rows.reshape(-1).view(torch.uint8)
     a[start:start + m].copy_(raw[:m])
     b[start:start + m].copy_(raw[m:])
+    dst._transpose_invalid = True
 
 
 def unpark_rows(dst: torch.Tensor, start: int, out: torch.Tensor) -> None:
@@ -367,8 +375,17 @@ def unpark_rows(dst: torch.Tensor, start: int, out: torch.Tensor) -> None:
     raw[m:].copy_(b[start:start + m])
 
 
-def finish_rows_quantize(dst: torch.Tensor) -> None:
-    """Call once after every row range of ``dst`` went through :func:`quantize_rows_into`."""
+def transpose_is_valid(t) -> bool:
+    """Whether ``t`` has a transpose cache that is currently valid (TE Float8Tensor ``_transpose`` not marked
+    ``_transpose_invalid``; the protocol's same names)."""
+    return getattr(t, "_transpose", None) is not None and not getattr(t, "_transpose_invalid", False)
+
+
+def finish_rows_quantize(dst: torch.Tensor, rebuild_transpose: bool = False) -> None:
+    """Call once after every row range of ``dst`` went through :func:`quantize_rows_into`. ``rebuild_transpose``:
+    the transpose was valid before rows were parked in it (:func:`park_rows` marked it invalid): rebuild it."""
+    if rebuild_transpose:
+        dst._transpose_invalid = False
     with torch.no_grad():
         if not _is_te_quantized(dst):
             fn = getattr(dst, "finish_rows_quantize_", None)

@@ -364,14 +364,13 @@ class MegatronOptimizer:
         shards (their ``.grad`` the local gradient) and ``optimizer.state`` the local tensors of their (DTensor)
         state, so torch's fused / foreach kernels run without a DTensor dispatch per call (on one GPU that dispatch
         was most of the host time of the optimizer step). The same storage is updated, so parameters and state stay
-        the DTensors everyone else sees; a state entry the optimizer created or replaced is put back as a DTensor
-        in the parameter's layout."""
+        the DTensors everyone else sees; a state entry the optimizer created (its lazy init at a parameter's first
+        step) or replaced is put back as a DTensor in the parameter's layout."""
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         if not any(_is_dtensor(p) for p in params):
             opt.step()
             return
-        self.init_state()  # so torch does not create plain state for the local views
         saved_params = [g["params"] for g in opt.param_groups]
         saved_state = opt.state
         local_state = defaultdict(dict)

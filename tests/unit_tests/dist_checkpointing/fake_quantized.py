@@ -196,6 +196,7 @@ class FakeQuantizedTensor(torch.Tensor):
 
     rows_quantize_calls = 0
     last_rows_source = None
+    parks_rows_in_own_bytes = True  # quantize_rows_ leaves the transpose alone; finish_rows_quantize_ rebuilds it
 
     def quantize_rows_(self, row_start: int, src2d: torch.Tensor, padded: bool = False) -> None:
         """The chunked protocol: quantize ``src2d`` into rows [row_start, row_start + n) only. Tensorwise (current
@@ -218,8 +219,9 @@ class FakeQuantizedTensor(torch.Tensor):
         self._write_rows(row_start, x, scale, transpose=False)
 
     def finish_rows_quantize_(self) -> None:
-        """The transpose cache rebuilt from the data (as TE's ``_create_transpose`` in fp8_utils)."""
-        if self._transpose is not None:
+        """The transpose cache rebuilt from the data (as TE's ``_create_transpose`` in fp8_utils; an invalid one is
+        left invalid, as fp8_utils leaves TE's)."""
+        if self._transpose is not None and not getattr(self, "_transpose_invalid", False):
             r, c = self._rows_cols()
             self._transpose.copy_(self._data.view(r, c).t())
 

@@ -10,8 +10,8 @@ with read items straddling chunk boundaries) and a stacked-layer key (prepended 
 view cannot add axes) stay exact; the knob defaults to 64 MiB and the flag to off; 0 gives the whole scratch; bad
 values and misaligned row ranges are refused by name. Tensorwise: read items cut at chunk boundaries take the direct
 path too (scratches with one extra row for the whole amax, which the adapter writes in place; every chunk but the one
-that lands last parks in host memory until the amax is known: ``host_roundtrip_bytes``), others the captured path,
-both in one load; a chunk read twice and a load stopping half way are refused by key.
+that lands last waits for the amax in the destination's own bytes (``parked_bytes``) or in host memory
+(``host_roundtrip_bytes``)), others the captured path, both in one load; a chunk read twice and a load stopping half way are refused by key.
 """
 import dataclasses
 
@@ -158,6 +158,13 @@ def test_parking_rows_in_own_bytes_is_exact_and_local():
     assert fp8_utils.parking_buffers(FakeQuantizedTensor.quantize(torch.zeros(128, 128), "blockwise")) is None
     assert fp8_utils.parking_buffers(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
 
+    class KeepsTransposeInStep(FakeQuantizedTensor):  # a protocol tensor that did not opt in
+        parks_rows_in_own_bytes = False
+
+    other = FakeQuantizedTensor.quantize(torch.zeros(64, 32), "tensorwise", with_transpose=True)
+    other = KeepsTransposeInStep(other._data, other._scale_inv, other._quantizer, dtype=other.dtype, extra=other._extra)
+    assert fp8_utils.parking_buffers(other) is None
+
 
 def test_plain_and_unchunkable_have_no_chunked_path():
     assert fp8_utils.chunk_row_multiple(torch.zeros(4, 4)) is None
@@ -186,7 +193,7 @@ def test_chunked_planner_exact_and_bounded(tmp_path, kind):
     assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0
     # 1000 rows in chunks of 128 (the last 104); tensorwise: 127 rows + the amax row (the last chunk 111 rows)
     assert FakeQuantizedTensor.rows_quantize_calls == 8
-    # tensorwise: every chunk but the one that landed last went to host memory and back
+    # tensorwise: every chunk but the one that landed last waited for the amax
     # (the fake destination has a transpose cache: they wait in its own FP8 data + transpose bytes, not on the host)
     assert planner.parked_bytes == (7 * 127 * 256 * 2 if kind == "tensorwise" else 0)
     assert planner.host_roundtrip_bytes == 0
@@ -337,8 +344,10 @@ def test_tensorwise_direct_chunks_round_trip(tmp_path, parked):
     _assert_whole_equal(dest, full, "tensorwise")
     if parked:  # the parked bytes in the transpose buffer were replaced by the transpose of the quantized data
         assert torch.equal(dest._transpose.view(torch.uint8), dest._data.view(1000, 256).t().view(torch.uint8))
+        assert fp8_utils.transpose_is_valid(dest)
 
     _, planner, plan = _planned(tmp_path, "tensorwise", with_transpose=parked)
+    dest = planner.lookup_tensor(plan.items[0].dest_index)
     items = [i for i in plan.items if i.dest_index.fqn == "w"]
     target = planner.resolve_tensor(items[0])
     target.copy_(full[:127])
@@ -348,10 +357,12 @@ def test_tensorwise_direct_chunks_round_trip(tmp_path, parked):
     with pytest.raises(CheckpointingException, match=r"w: chunk 0 .*read twice"):
         planner.commit_tensor(items[0], target)
     assert planner.scratch_bytes_live == 0
-    planner.resolve_tensor(items[1])  # resolved, never committed; chunk 0 still in host memory
+    planner.resolve_tensor(items[1])  # resolved, never committed; chunk 0 still waiting (host / parked)
     with pytest.raises(CheckpointingException, match="'w'"):
         planner.finish_quantized_load()
     assert planner.quantized_load_state_is_empty()
+    # parked bytes never pose as a valid transpose after a failed load
+    assert not fp8_utils.transpose_is_valid(dest) if parked else dest._transpose is None
 
 
 def test_knob_defaults_and_bad_values():
@@ -402,7 +413,7 @@ def _load_body(rank, world_size, ckpt, full, axis, direct):
         stats = strategy.last_load_stats
         assert stats.streamed and stats.chunked_destinations == 1 and stats.quantized_destinations == 1, kind
         # read items starting and ending on chunk boundaries are read straight into the chunks (tensorwise too: all
-        # its chunks but the last to land then make a host round trip)
+        # its chunks but the last to land then wait in the destination's own bytes)
         assert stats.direct_chunked_destinations == int(direct), kind
         kept = stats.host_roundtrip_bytes + stats.parked_bytes
         assert (kept > 0) is (direct and kind == "tensorwise") and stats.host_roundtrip_bytes == 0, kind
@@ -493,7 +504,7 @@ def _mixed_load_body(rank, world_size, ckpt, w, v):
     assert FakeQuantizedTensor.dequantize_calls == 0 and FakeQuantizedTensor.quantize_calls == 0
     stats = strategy.last_load_stats
     assert stats.chunked_destinations == 2 and stats.direct_chunked_destinations == 1  # w direct, v captured
-    # w: chunks of 127 rows landing in order; all but the last (111 rows) went to host memory and back. v: none.
+    # w: chunks of 127 rows landing in order; all but the last (111 rows) waited (parked). v: none.
     assert stats.parked_bytes == (1000 - 111) * 256 * 2 and stats.host_roundtrip_bytes == 0
     assert 0 < stats.scratch_bytes_peak <= CHUNK and stats.streaming_state_empty
     _assert_whole_equal(dw, w, "tensorwise", what="w (direct)")
@@ -501,7 +512,7 @@ def _mixed_load_body(rank, world_size, ckpt, w, v):
 
 
 def test_tensorwise_direct_and_captured_in_one_load(tmp_path):
-    """Tensorwise, one load: ``w`` saved whole (direct chunks, host round trip), ``v`` saved by 2 ranks in 500-row
+    """Tensorwise, one load: ``w`` saved whole (direct chunks, parked), ``v`` saved by 2 ranks in 500-row
     parts that straddle the 127-row chunks (captured chunks): both exactly one whole-tensor quantize."""
     w, v = _full(1000, 256, seed=3), _full(1000, 256, seed=4) * 3
     run_distributed(_mixed_save_body, 2, str(tmp_path), w, v)

@@ -176,7 +176,7 @@ def test_clip_with_dtensor_grads_two_ranks():
     run_distributed(_dtensor_clip_body, 2)
 
 
-def _local_update_body(rank, ws):
+def _local_update_body(rank, ws, kind):
     """DTensor params are updated through their local shards: torch's step sees no DTensor, and params and state
     are bitwise those of the same step taken over the DTensors, which stay DTensors (state sharded like the param)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -192,8 +192,9 @@ def _local_update_body(rank, ws):
     def build():
         params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
         groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
-        opt = MegatronOptimizer(torch.optim.AdamW(groups, lr=0.1, weight_decay=0.01), cfg, params,
-                                {p: f"p{i}" for i, p in enumerate(params)})
+        inner = (torch.optim.AdamW(groups, lr=0.1, weight_decay=0.01) if kind == "adamw" else
+                 torch.optim.SGD(groups, lr=0.1, momentum=0.9, dampening=0.1))  # sgd: state made lazily by torch
+        opt = MegatronOptimizer(inner, cfg, params, {p: f"p{i}" for i, p in enumerate(params)})
         return params, opt
 
     (pa, oa), (pb, ob) = build(), build()
@@ -218,17 +219,21 @@ def _local_update_body(rank, ws):
     for a, b in zip(pa, pb):
         assert isinstance(a, DTensor) and torch.equal(a.to_local(), b.to_local())
         sa, sb = oa.state[a], ob.state[b]
-        assert sa.keys() == sb.keys() == {"step", "exp_avg", "exp_avg_sq"}
-        for k in ("exp_avg", "exp_avg_sq"):
+        moments = ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",)
+        assert sa.keys() == sb.keys() == set(moments) | ({"step"} if kind == "adamw" else set())
+        for k in moments:
             assert isinstance(sa[k], DTensor) and sa[k].placements == a.placements
             assert torch.equal(sa[k].to_local(), sb[k].to_local()), k
-        assert float(sa["step"]) == float(sb["step"])
-    assert float(oa.state[pa[1]]["step"]) == 2.0 and float(oa.state[pa[0]]["step"]) == 3.0
+        if kind == "adamw":
+            assert float(sa["step"]) == float(sb["step"])
+    if kind == "adamw":
+        assert float(oa.state[pa[1]]["step"]) == 2.0 and float(oa.state[pa[0]]["step"]) == 3.0
     assert all(isinstance(p, DTensor) for g in oa.optimizer.param_groups for p in g["params"])  # restored
 
 
-def test_dtensor_params_updated_through_local_shards():
-    run_distributed(_local_update_body, 2)
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_dtensor_params_updated_through_local_shards(kind):
+    run_distributed(_local_update_body, 2, kind)
 
 
 def _ddp_bf16_ckpt_body(rank, ws, ckpt_dir):

@@ -272,6 +272,7 @@ class _ChunkedDest:
         self.bufs: Dict[int, torch.Tensor] = {}  # direct: the live scratch of chunk i
         self.host: Dict[int, torch.Tensor] = {}  # direct tensorwise: chunks landed before the last, in host memory
         self.parked: set = set()  # direct tensorwise: chunks landed before the last, in the destination's own bytes
+        self.transpose_valid = fp8_utils.transpose_is_valid(dest)  # before any parking (which marks it invalid)
         self.amax: Optional[torch.Tensor] = None
         self.snap = fp8_utils.snapshot_amax(dest)
         self.hp = fp8_utils.high_precision_dtype(dest)
@@ -646,7 +647,7 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
         if c.whole_amax:
             for i in sorted(c.pieces):
                 self._quantize_chunk(c, i)
-        fp8_utils.finish_rows_quantize(c.dest)
+        fp8_utils.finish_rows_quantize(c.dest, rebuild_transpose=c.transpose_valid)
         fp8_utils.restore_amax(c.dest, c.snap)
         del self._chunked[c.key]
         self.quantized_destinations_committed += 1
@@ -655,7 +656,9 @@ class StreamingDequantLoadPlanner(MCoreLoadPlanner):
 
     def finish_quantized_load(self) -> None:
         """Call after the read. Raises CheckpointingException naming the keys of quantized destinations that did
-        not get all of their read items (their scratches are freed, the destinations are left untouched)."""
+        not get all of their read items (their scratches are freed; they were not quantized whole: a chunked
+        destination may hold some quantized chunks and, tensorwise, parked bytes, with its transpose cache marked
+        invalid)."""
         incomplete = sorted(set(self._quantized_pending) | set(self._quantized_scratch) | set(self._chunked), key=str)
         for key in list(self._quantized_scratch):
             self._release(key).buf.untyped_storage().resize_(0)
