@@ -11,7 +11,8 @@ view cannot add axes) stay exact; the knob defaults to 64 MiB and the flag to of
 values and misaligned row ranges are refused by name. Tensorwise: read items cut at chunk boundaries take the direct
 path too (scratches with one extra row for the whole amax, which the adapter writes in place; every chunk but the one
 that lands last waits for the amax in the destination's own bytes (``parked_bytes``) or in host memory
-(``host_roundtrip_bytes``)), others the captured path, both in one load; a chunk read twice and a load stopping half way are refused by key.
+(``host_roundtrip_bytes``)), others the captured path, both in one load; a chunk read twice and a load stopping
+half way are refused by key.
 """
 import dataclasses
 
