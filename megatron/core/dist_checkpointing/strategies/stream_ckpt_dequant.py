@@ -44,7 +44,8 @@ freeing the scratch safe; ``host_roundtrip_bytes``). The chunk that lands last i
 scratch, then every other chunk is taken back into a fresh scratch and quantized. Captured chunks: a completed chunk
 only contributes its amax (scratch filled, amax taken, freed) and keeps its host pieces; once every chunk landed,
 each is filled again and quantized. Both give bit for bit one whole-tensor quantize. Peak scratch: one chunk.
-Destinations up to one chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the whole-destination scratch.
+Destinations up to one chunk, kinds without a chunked path (NVFP4) and ``stream_chunk_bytes=0`` keep the
+whole-destination scratch.
 
 Prepended singleton axes (``prepend_axis_num``): the strategy gives DCP ``view_keeping_base(data, shape)``; the
 planner quantizes into that base (a TE Float8Tensor view that adds axes drops the cached transpose, so quantizing into
