@@ -59,7 +59,7 @@ def _config(a, *, params_dtype, fp8: bool = False, fp8_param: bool = False, meta
 
     kw = dict(
         num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, ffn_hidden_size=a.ffn,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, bf16=a.bf16, params_dtype=params_dtype,
+        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=a.bias, bf16=a.bf16, params_dtype=params_dtype,
         transformer_impl="transformer_engine" if a.te else "local", init_model_with_meta_device=meta,
     )
     if fp8:
@@ -179,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--bias", action="store_true",
+                    help="biases on the linear layers (upstream's and pretrain_gpt.py's default; 4 more params per layer)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -228,6 +230,7 @@ def main(argv=None):
     print(f"# fsdp_step_profile  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  device: {name}  "
           f"torch {torch.__version__}  TE layers: {a.te}")
     print(f"GPT L={a.layers} h={a.hidden} ffn={a.ffn} heads={a.heads} seq={a.seq} mbs={a.mbs} vocab={a.vocab} "
+          f"bias={a.bias} "
           f"{'bf16' if a.bf16 else 'fp32'}; {a.blocks} blocks x {a.steps} steps per mode after {a.warmup} warm-up")
 
     g = torch.Generator().manual_seed(0)
