@@ -21,8 +21,8 @@ present, the FP8 (delayed scaling, hybrid) rows: ``ddp_fp8`` (DDP + FP8 autocast
 The ratio column is tokens/s over the DDP row of the same precision.
 
 ``--profile``: after timing, each mode runs ``--profile-steps`` steps under ``torch.profiler`` and prints its
-top-20 ops by self device time (self CPU time on CPU or with ``--sort cpu``) and a summary: wall ms/step, device busy ms/step (sum of
-kernel times), host-side ms/step outside aten ops (Python, DTensor/FSDP2 bookkeeping: "py ms"), and host syncs
+top-20 ops by self device time (self CPU time on CPU or with ``--sort cpu``) and a summary: wall ms/step, device
+busy ms/step (sum of kernel times), host-side ms/step outside aten ops (Python, DTensor/FSDP2 bookkeeping: "py ms"), and host syncs
 per step (``aten::_local_scalar_dense``: ``.item()``, ``float()``/``bool()`` of a tensor).
 
 Usage: ``python benchmarks/fsdp_step_profile.py [--profile]`` (GPU, about a minute); CPU: ``--small [--profile]``.
@@ -180,7 +180,7 @@ def main(argv=None):
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--bias", action="store_true",
-                    help="biases on the linear layers (upstream's and pretrain_gpt.py's default; 4 more params per layer)")
+                    help="biases on the linear layers (upstream's and pretrain_gpt.py's default: 4 more params a layer)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
