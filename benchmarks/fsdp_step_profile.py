@@ -22,8 +22,8 @@ The ratio column is tokens/s over the DDP row of the same precision.
 
 ``--profile``: after timing, each mode runs ``--profile-steps`` steps under ``torch.profiler`` and prints its
 top-20 ops by self device time (self CPU time on CPU or with ``--sort cpu``) and a summary: wall ms/step, device
-busy ms/step (sum of kernel times), host-side ms/step outside aten ops (Python, DTensor/FSDP2 bookkeeping: "py ms"), and host syncs
-per step (``aten::_local_scalar_dense``: ``.item()``, ``float()``/``bool()`` of a tensor).
+busy ms/step (sum of kernel times), host-side ms/step outside aten ops (Python, DTensor/FSDP2 bookkeeping:
+"py ms"), and host syncs per step (``aten::_local_scalar_dense``: ``.item()``, ``float()``/``bool()`` of a tensor).
 
 Usage: ``python benchmarks/fsdp_step_profile.py [--profile]`` (GPU, about a minute); CPU: ``--small [--profile]``.
 """
@@ -180,7 +180,7 @@ def main(argv=None):
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--bias", action="store_true",
-                    help="biases on the linear layers (upstream's and pretrain_gpt.py's default: 4 more params a layer)")
+                    help="biases on the linear layers (as upstream's and pretrain_gpt.py's default)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -276,7 +276,8 @@ def main(argv=None):
         summaries = {}
         for m in modes:
             table, summaries[m] = _profile(steps[m], batch, a.profile_steps, dev, a.rows, a.sort)
-            print(f"\n## {m}: top {a.rows} ops by self {'device' if cuda and a.sort == 'device' else 'CPU'} time ({a.profile_steps} steps)")
+            by = "device" if cuda and a.sort == "device" else "CPU"
+            print(f"\n## {m}: top {a.rows} ops by self {by} time ({a.profile_steps} steps)")
             print(table)
         print("\n| mode | wall ms/step | device busy ms/step | aten host ms/step | CUDA runtime ms/step | py ms/step "
               "| .item()s/step | CUDA syncs/step |")
