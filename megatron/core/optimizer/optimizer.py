@@ -16,12 +16,9 @@ from megatron.core.transformer.utils import is_dtensor as _is_dtensor  # noqa: E
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _local_data(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor object itself (no autograd ``to_local`` call, the same object every time: its
-    identity tells whether the optimizer replaced a state tensor); any other tensor as it is."""
+    identity tells whether the optimizer replaced a state tensor; everything here runs without grad); any other
+    tensor as it is."""
     if not _is_dtensor(t):
         return t
     local = getattr(t, "_local_tensor", None)
@@ -258,7 +255,7 @@ class MegatronOptimizer:
             if mp is main:
                 continue
             if q:
-                _local_data(mp).copy_(_local_data(main))
+                _local(mp).copy_(_local(main))
             else:
                 dst.append(_local(mp))
                 src.append(_local(main))
@@ -383,9 +380,9 @@ class MegatronOptimizer:
                         local_state[p] = saved_state[p]
                         local_params.append(p)
                         continue
-                    view = _local_data(p).detach()
-                    view.grad = None if p.grad is None else _local_data(p.grad)
-                    st = local_state[view] = {k: _local_data(v) for k, v in saved_state[p].items()}
+                    view = _local(p).detach()
+                    view.grad = None if p.grad is None else _local(p.grad)
+                    st = local_state[view] = {k: _local(v) for k, v in saved_state[p].items()}
                     views.append((p, view, st))
                     local_params.append(view)
                 g["params"] = local_params
@@ -399,7 +396,7 @@ class MegatronOptimizer:
                 view.grad = None
                 live = saved_state[p]
                 for k, v in st.items():
-                    if not isinstance(v, torch.Tensor) or _local_data(live.get(k)) is not v:
+                    if not isinstance(v, torch.Tensor) or _local(live.get(k)) is not v:
                         live[k] = _as_layout_of(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
 
     # ---- state -------------------------------------------------------------------------------------------
