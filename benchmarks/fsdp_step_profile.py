@@ -89,7 +89,7 @@ def _build_ours(a, kind: str, fp8: bool, fp8_param: bool):
     cfg = _config(a, params_dtype=dtype, fp8=fp8, fp8_param=fp8_param, meta=meta)
     ddp_cfg = DistributedDataParallelConfig(use_megatron_fsdp=(kind == "fsdp"), fp8_param_gather=fp8_param,
                                             data_parallel_sharding_strategy="optim_grads_params" if kind == "fsdp"
-                                            else "no_shard")
+                                            else "no_shard", suggested_communication_unit_size=a.unit_size)
     model = wrap_data_parallel(cfg, ddp_cfg, _gpt(cfg, a, meta=meta))
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=1.0, weight_decay=0.01, bf16=a.bf16), [model])
 
@@ -142,6 +142,25 @@ MODES = {
 }
 
 
+def _base(mode: str) -> str:
+    """``fsdp:4194304`` -> ``fsdp``: a Megatron-FSDP row may name its own ``--suggested-communication-unit-size``."""
+    return mode.partition(":")[0]
+
+
+def _unit_size_ok(mode: str) -> bool:
+    size = mode.partition(":")[2]
+    return not size or (_base(mode).startswith("fsdp") and size.isdigit() and int(size) > 0)
+
+
+def _with_unit_size(a, mode: str):
+    size = mode.partition(":")[2]
+    if not size:
+        return a
+    b = argparse.Namespace(**vars(a))
+    b.unit_size = int(size)
+    return b
+
+
 # ---- measuring ------------------------------------------------------------------------------------------------
 def _timed(step, batch, n: int, dev) -> float:
     _sync(dev)
@@ -188,7 +207,8 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per mode")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", type=str, default=None,
-                    help=f"comma-separated subset of {','.join(MODES)} (default: bf16 rows, plus fp8 rows with TE)")
+                    help=f"comma-separated subset of {','.join(MODES)} (default: bf16 rows, plus fp8 rows with TE); "
+                         "an fsdp row may carry its own unit size: fsdp:1 (one unit per layer), fsdp_fp8pg:100000000")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 rows even with TE")
     ap.add_argument("--no-te", action="store_true", help="local (non-TE) layers even when TE is present")
     ap.add_argument("--profile", action="store_true", help="per mode: top ops and host-overhead summary")
@@ -196,6 +216,9 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=20, help="rows of each top-ops table")
     ap.add_argument("--sort", choices=("device", "cpu"), default="device",
                     help="order of the top-ops tables: self device time (CPU: always self CPU time) or self CPU time")
+    ap.add_argument("--unit-size", type=int, default=None,
+                    help="Megatron-FSDP rows: --suggested-communication-unit-size (elements per FSDP2 unit group; "
+                         "1 = one unit per layer; default: the wrapper's own choice)")
     ap.add_argument("--small", action="store_true", help="CPU size: 2 layers, hidden 256, seq 128, vocab 1024")
     a = ap.parse_args(argv)
     if a.small:
@@ -205,13 +228,13 @@ def main(argv=None):
     a.te = _have_te() and not a.no_te
     if a.modes:
         modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in MODES]
+        bad = [m for m in modes if _base(m) not in MODES or not _unit_size_ok(m)]
         if bad:
             ap.error(f"--modes: unknown {bad} (known: {', '.join(MODES)})")
     else:
         modes = ["ddp", "fsdp", "bare"] + (["ddp_fp8", "fsdp_fp8pg", "fsdp_fp8", "bare_fp8"]
                                            if a.te and not a.no_fp8 else [])
-    if any(MODES[m][1] == "fp8" for m in modes) and not a.te:
+    if any(MODES[_base(m)][1] == "fp8" for m in modes) and not a.te:
         ap.error("--modes: the fp8 rows need Transformer Engine and CUDA")
 
     if cuda:
@@ -230,7 +253,7 @@ def main(argv=None):
     print(f"# fsdp_step_profile  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  device: {name}  "
           f"torch {torch.__version__}  TE layers: {a.te}")
     print(f"GPT L={a.layers} h={a.hidden} ffn={a.ffn} heads={a.heads} seq={a.seq} mbs={a.mbs} vocab={a.vocab} "
-          f"bias={a.bias} "
+          f"bias={a.bias} unit_size={a.unit_size} "
           f"{'bf16' if a.bf16 else 'fp32'}; {a.blocks} blocks x {a.steps} steps per mode after {a.warmup} warm-up")
 
     g = torch.Generator().manual_seed(0)
@@ -241,7 +264,7 @@ def main(argv=None):
     for m in list(modes):
         t0 = time.perf_counter()
         try:
-            steps[m] = MODES[m][0](a)[1]
+            steps[m] = MODES[_base(m)][0](_with_unit_size(a, m))[1]
             for _ in range(a.warmup):
                 steps[m](*batch)
             _sync(dev)
@@ -262,13 +285,13 @@ def main(argv=None):
             spent[m] += _timed(steps[m], batch, a.steps, dev)
     tokens = a.blocks * a.steps * a.mbs * a.seq
     tps = {m: tokens / spent[m] for m in modes}
-    base = {MODES[m][1]: tps[m] for m in modes if m.startswith("ddp")}
+    base = {MODES[_base(m)][1]: tps[m] for m in modes if m.startswith("ddp")}
     print("\n| mode | what | tokens/s | ms/step | vs DDP (same precision) |")
     print("| --- | --- | --- | --- | --- |")
     for m in modes:
-        ref = base.get(MODES[m][1])
+        ref = base.get(MODES[_base(m)][1])
         ratio = f"{tps[m] / ref:.3f}" if ref else "-"
-        print(f"| {m} | {MODES[m][2]} | {tps[m]:.0f} | {1000 * spent[m] / (a.blocks * a.steps):.1f} | {ratio} |")
+        print(f"| {m} | {MODES[_base(m)][2]} | {tps[m]:.0f} | {1000 * spent[m] / (a.blocks * a.steps):.1f} | {ratio} |")
     for ours, bare in (("fsdp", "bare"), ("fsdp_fp8", "bare_fp8")):
         if ours in tps and bare in tps:
             print(f"\n{ours}/{bare} tokens/s: {tps[ours] / tps[bare]:.3f}")

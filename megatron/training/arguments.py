@@ -249,6 +249,11 @@ def _add_distributed_args(parser):
                    help="What Megatron-FSDP shards over data-parallel ranks (with --use-megatron-fsdp; default "
                         "optim_grads_params): optim_grads_params (ZeRO-3), optim_grads (ZeRO-2), optim (ZeRO-1, "
                         "optimizer state only), no_shard (nothing).")
+    g.add_argument("--suggested-communication-unit-size", type=int, default=None,
+                   help="Megatron-FSDP: consecutive transformer layers whose parameters total at most this many "
+                        "elements are gathered and reduced together as one FSDP2 unit (fewer, larger collectives "
+                        "and less per-unit host work; more memory unsharded at once under ZeRO-3). Default: one "
+                        "layer per unit when parameters are resharded after forward, else about four groups.")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "
                         "reduce-scatters each unit's gradients during backward).")
@@ -472,6 +477,9 @@ def _validate_data_parallel_args(args):
     what is sharded (``megatron/core/distributed/data_parallel_wrapper.py``), so it also sets
     ``use_distributed_optimizer``: optimizer state is sharded by every strategy but ``no_shard``."""
     strategy = args.data_parallel_sharding_strategy
+    unit_size = getattr(args, "suggested_communication_unit_size", None)
+    if unit_size is not None and unit_size <= 0:
+        _fail(f"--suggested-communication-unit-size must be a positive number of elements, got {unit_size}")
     if args.use_megatron_fsdp:
         strategy = args.data_parallel_sharding_strategy = strategy or "optim_grads_params"
         args.use_distributed_optimizer = strategy != "no_shard"
@@ -830,6 +838,7 @@ def ddp_config_from_args(args):
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         fp8_param_gather=args.fp8_param_gather,
         use_megatron_fsdp=args.use_megatron_fsdp,
+        suggested_communication_unit_size=args.suggested_communication_unit_size,
     )
     return _build(DistributedDataParallelConfig, kw)
 

@@ -1,0 +1,134 @@
+"""Megatron-FSDP unit groups (``--suggested-communication-unit-size``): consecutive transformer layers joined into
+one FSDP2 unit. The grouping rule (budget, embedding / output layer alone, the default per resharding), and for
+real on 1 and 2 gloo ranks: grouped units train exactly like one unit per layer (fp32, 3 steps, ZeRO-3 and
+ZeRO-2), meta-device init stays bit-identical to eager init, and the checkpoint layout does not change."""
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+from megatron.core.distributed.fsdp.fully_sharded_data_parallel import default_unit_size, group_units
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed._common import batches, build_gpt, full_tensor, position_ids, tiny_config
+
+
+class _Layer(torch.nn.Linear):
+    pass
+
+
+def _units(*sizes):
+    """``_Layer`` units with ``n`` weight elements each (no bias); a 0 is a plain Linear (an embedding-like unit)."""
+    out = []
+    for n in sizes:
+        out.append(torch.nn.Linear(1, 3, bias=False) if n == 0 else _Layer(1, n, bias=False))
+    return out
+
+
+def test_group_units_joins_consecutive_layers_within_the_budget():
+    units = _units(4, 4, 4, 0, 4, 9, 4, 4, 4)
+    groups = group_units(units, (_Layer,), 8)
+    sizes = [[u.weight.numel() for u in g] for g in groups]
+    # the plain unit (3 elements) is never joined; 9 > budget stays alone; 4+4+4 > 8 starts a new group
+    assert sizes == [[4, 4], [4], [3], [4], [9], [4, 4], [4]]
+    assert all(u is v for u, v in zip([u for g in groups for u in g], units))  # order kept, nothing lost
+    assert [len(g) for g in group_units(units, (_Layer,), None)] == [1] * len(units)
+    assert [len(g) for g in group_units(units, (_Layer,), 10**9)] == [3, 1, 5]
+
+
+def test_default_unit_size_groups_only_without_resharding_after_forward():
+    units = _units(0, 10, 10, 10, 10, 10, 10, 10, 10, 0)  # 8 layers between an embedding and an output layer
+    assert default_unit_size(units, (_Layer,), reshard_after_forward=True) is None
+    size = default_unit_size(units, (_Layer,), reshard_after_forward=False)
+    assert size == 20  # a quarter of the layers' 80 elements
+    assert [len(g) for g in group_units(units, (_Layer,), size)] == [1, 2, 2, 2, 2, 1]
+    # a layer larger than a quarter still gets its own unit
+    assert default_unit_size(_units(100, 1, 1), (_Layer,), reshard_after_forward=False) == 100
+    assert default_unit_size(_units(0, 0), (_Layer,), reshard_after_forward=False) is None
+
+
+def _train(model, steps, rank, ws):
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-6), [model])
+    losses = []
+    for seed in range(steps):
+        opt.zero_grad()
+        model.zero_grad_buffer()
+        tok, lab = batches(1, 4, seed=seed)[0]
+        m = 4 // ws
+        loss = model(tok[rank * m:(rank + 1) * m], position_ids(m), labels=lab[rank * m:(rank + 1) * m]).float().mean()
+        loss.backward()
+        model.finish_grad_sync()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _wrap(cfg, strategy, unit_size, meta=False, layers=4):
+    ddp = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+                                        suggested_communication_unit_size=unit_size)
+    return FullyShardedDataParallel(cfg, ddp, build_gpt(cfg, 5, meta=meta))
+
+
+def _layer_groups(model):
+    """The model's unit groups of transformer layers; the (untied) embedding and output layer are units of their own."""
+    rest = [g for g in model.unit_groups if not g[0].startswith("decoder.")]
+    assert rest == [["embedding"], ["output_layer"]], model.unit_groups
+    return [g for g in model.unit_groups if g[0].startswith("decoder.")]
+
+
+def _grouped_equals_per_layer_body(rank, world_size, strategy):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False, num_layers=4)
+        per_layer = _wrap(cfg, strategy, 1)
+        layer_elems = sum(p.numel() for p in build_gpt(cfg, 5).decoder.layers[0].parameters())
+        grouped = _wrap(cfg, strategy, 2 * layer_elems)
+        meta = _wrap(tiny_config(moe=False, num_layers=4, init_model_with_meta_device=True), strategy,
+                     2 * layer_elems, meta=True)
+        assert _layer_groups(per_layer) == [[f"decoder.layers.{i}"] for i in range(4)]
+        pairs = [["decoder.layers.0", "decoder.layers.1"], ["decoder.layers.2", "decoder.layers.3"]]
+        assert _layer_groups(grouped) == pairs and _layer_groups(meta) == pairs
+        for name, p in per_layer.module.named_parameters():  # meta init + groups: bit-identical to eager init
+            assert torch.equal(full_tensor(dict(meta.module.named_parameters())[name]), full_tensor(p)), name
+        # the checkpoint layout is the model's, whatever the grouping
+        ref_sd = per_layer.sharded_state_dict()
+        for other in (grouped, meta):
+            sd = other.sharded_state_dict()
+            assert sorted(sd) == sorted(ref_sd)
+            for k, v in ref_sd.items():
+                if hasattr(v, "global_shape"):
+                    assert (sd[k].global_shape, sd[k].global_offset) == (v.global_shape, v.global_offset), k
+        want = _train(per_layer, 3, rank, world_size)
+        assert _train(grouped, 3, rank, world_size) == want
+        assert _train(meta, 3, rank, world_size) == want
+        for name, p in per_layer.module.named_parameters():
+            assert torch.equal(full_tensor(dict(grouped.module.named_parameters())[name]), full_tensor(p)), name
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ws,strategy", [(2, "optim_grads_params"), (2, "optim_grads"), (1, "optim_grads_params")])
+def test_grouped_units_train_like_one_unit_per_layer(ws, strategy):
+    run_distributed(_grouped_equals_per_layer_body, ws, strategy)
+
+
+def _default_body(rank, world_size, expected):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False, num_layers=8)
+        for strategy, want in expected.items():
+            assert [len(g) for g in _layer_groups(_wrap(cfg, strategy, None))] == want, strategy
+        with pytest.raises(ValueError, match="--suggested-communication-unit-size"):
+            _wrap(cfg, "optim_grads_params", 0)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_default_groups_per_resharding():
+    # ZeRO-3 on two ranks reshards after forward: one unit per layer. ZeRO-2, and one rank, keep the parameters
+    # gathered from forward to backward anyway: four groups of two layers
+    run_distributed(_default_body, 2, {"optim_grads_params": [1] * 8, "optim_grads": [2] * 4})
+    run_distributed(_default_body, 1, {"optim_grads_params": [2] * 4, "optim_grads": [2] * 4})
