@@ -252,8 +252,9 @@ def _add_distributed_args(parser):
     g.add_argument("--suggested-communication-unit-size", type=int, default=None,
                    help="Megatron-FSDP: consecutive transformer layers whose parameters total at most this many "
                         "elements are gathered and reduced together as one FSDP2 unit (fewer, larger collectives "
-                        "and less per-unit host work; more memory unsharded at once under ZeRO-3). Default: one "
-                        "layer per unit when parameters are resharded after forward, else about four groups.")
+                        "and less per-unit host work; more memory unsharded at once). Default: one layer per unit "
+                        "when parameters are resharded after forward (ZeRO-3 on more than one data-parallel rank), "
+                        "else 2**28 elements.")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "
                         "reduce-scatters each unit's gradients during backward).")

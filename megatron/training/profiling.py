@@ -5,8 +5,8 @@
   the number of iterations done before the step, as upstream), with NVTX ranges for the autograd ops.
 - ``--profile --use-pytorch-profiler``: a ``torch.profiler`` schedule over the same iterations; its trace goes to
   ``--tensorboard-dir`` (else ``<--save>/torch_profile``, else the current directory), and, in addition to
-  upstream, the top-ops table (``key_averages().table``, by self device time on CUDA, self CPU time otherwise) and
-  a host summary (:func:`host_summary`) are printed, so a remote run brings the profile back as text.
+  upstream, the top-ops table (``key_averages().table``, by self device time and then by self CPU time on CUDA,
+  self CPU time otherwise) is printed, so a remote run brings the profile back as text.
 
 Only the ranks in ``--profile-ranks`` (global ranks, default ``[0]``) profile.
 
@@ -79,10 +79,14 @@ def host_summary(events: Iterable, key_averages, wall_s: float, steps: int, cuda
 
 
 def top_ops_table(prof, row_limit: int = 25) -> str:
-    """``key_averages().table`` of ``prof`` sorted by self device time (CUDA activity recorded) or self CPU time."""
+    """``key_averages().table`` of ``prof`` sorted by self device time (CUDA activity recorded) or self CPU time;
+    with device activity a second table by self CPU time follows (what a host-bound step spends its time on)."""
     ka = prof.key_averages()
     has_device = any(getattr(e, device_time_attr(ka), 0) for e in ka)
-    return ka.table(sort_by=device_time_attr(ka) if has_device else "self_cpu_time_total", row_limit=row_limit)
+    if not has_device:
+        return ka.table(sort_by="self_cpu_time_total", row_limit=row_limit)
+    return (ka.table(sort_by=device_time_attr(ka), row_limit=row_limit) + "\n by self CPU time:\n"
+            + ka.table(sort_by="self_cpu_time_total", row_limit=row_limit))
 
 
 def profile_dir(args) -> str:

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
-from megatron.core.distributed.fsdp.fully_sharded_data_parallel import default_unit_size, group_units
+from megatron.core.distributed.fsdp.fully_sharded_data_parallel import (
+    DEFAULT_UNIT_ELEMENTS,
+    default_unit_size,
+    group_units,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed._common import batches, build_gpt, full_tensor, position_ids, tiny_config
@@ -36,14 +40,8 @@ def test_group_units_joins_consecutive_layers_within_the_budget():
 
 
 def test_default_unit_size_groups_only_without_resharding_after_forward():
-    units = _units(0, 10, 10, 10, 10, 10, 10, 10, 10, 0)  # 8 layers between an embedding and an output layer
-    assert default_unit_size(units, (_Layer,), reshard_after_forward=True) is None
-    size = default_unit_size(units, (_Layer,), reshard_after_forward=False)
-    assert size == 20  # a quarter of the layers' 80 elements
-    assert [len(g) for g in group_units(units, (_Layer,), size)] == [1, 2, 2, 2, 2, 1]
-    # a layer larger than a quarter still gets its own unit
-    assert default_unit_size(_units(100, 1, 1), (_Layer,), reshard_after_forward=False) == 100
-    assert default_unit_size(_units(0, 0), (_Layer,), reshard_after_forward=False) is None
+    assert default_unit_size(reshard_after_forward=True) is None
+    assert default_unit_size(reshard_after_forward=False) == DEFAULT_UNIT_ELEMENTS == 2**28
 
 
 def _train(model, steps, rank, ws):
@@ -129,6 +127,6 @@ def _default_body(rank, world_size, expected):
 
 def test_default_groups_per_resharding():
     # ZeRO-3 on two ranks reshards after forward: one unit per layer. ZeRO-2, and one rank, keep the parameters
-    # gathered from forward to backward anyway: four groups of two layers
-    run_distributed(_default_body, 2, {"optim_grads_params": [1] * 8, "optim_grads": [2] * 4})
-    run_distributed(_default_body, 1, {"optim_grads_params": [2] * 4, "optim_grads": [2] * 4})
+    # gathered from forward to backward anyway: the tiny layers are joined into one unit
+    run_distributed(_default_body, 2, {"optim_grads_params": [1] * 8, "optim_grads": [8]})
+    run_distributed(_default_body, 1, {"optim_grads_params": [8], "optim_grads": [8]})

@@ -141,3 +141,22 @@ def test_fp8_resume_with_and_without_streaming_continues_exactly(case, tmp_path)
             assert len(res["expert_bias"][i]) == len(full["expert_bias"][i]), mode
             for g, w in zip(res["expert_bias"][i], full["expert_bias"][i]):
                 assert torch.isfinite(g).all() and torch.equal(g, w), (mode, i)
+
+
+def test_fsdp_unit_groups_train_exactly_like_one_unit_per_layer(tmp_path):
+    """``--suggested-communication-unit-size``: Megatron-FSDP with the four layers joined into one FSDP2 unit (the
+    default on one data-parallel rank) trains exactly like one unit per layer (``1``), with meta-device init, FP8
+    delayed scaling and ``--fp8-param-gather`` (TE's FSDP2 all-gather hooks on the quantized weights)."""
+    args = BASE + ["--fp8-recipe", "delayed", "--use-megatron-fsdp", "--init-model-with-meta-device",
+                   "--num-layers", "4", "--train-iters", 4]
+    runs = {}
+    for name, extra in (("grouped", []), ("per_layer", ["--suggested-communication-unit-size", "1"])):
+        runs[name] = _torchrun(tmp_path / f"{name}.pt", args + extra, tmp_path / f"{name}.log")
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in runs}
+    assert "Megatron-FSDP units (besides the root): 1: decoder.layers.0..3" in logs["grouped"], logs["grouped"][-3000:]
+    assert "Megatron-FSDP units (besides the root): 4: decoder.layers.0, decoder.layers.1" in logs["per_layer"]
+    want = runs["per_layer"]
+    assert sorted(want["losses"]) == [1, 2, 3, 4]
+    assert runs["grouped"]["losses"] == want["losses"]
+    for i in want["fp8"]:
+        _assert_fp8_equal(runs["grouped"]["fp8"][i], want["fp8"][i], f"iteration {i}")

@@ -370,3 +370,13 @@ def test_sharding_strategy_without_megatron_fsdp_says_why(strategy):
         _args("--data-parallel-sharding-strategy", strategy)
     assert f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp" in str(exc.value)
     assert _args("--data-parallel-sharding-strategy", "no_shard").data_parallel_sharding_strategy == "no_shard"
+
+
+def test_suggested_communication_unit_size_reaches_the_ddp_config_and_must_be_positive():
+    assert ddp_config_from_args(_args("--use-megatron-fsdp")).suggested_communication_unit_size is None
+    a = _args("--use-megatron-fsdp", "--suggested-communication-unit-size", 200000000)
+    assert ddp_config_from_args(a).suggested_communication_unit_size == 200000000
+    for bad in (0, -5):
+        with pytest.raises(SystemExit) as exc:
+            _args("--use-megatron-fsdp", "--suggested-communication-unit-size", bad)
+        assert f"--suggested-communication-unit-size must be a positive number of elements, got {bad}" in str(exc.value)

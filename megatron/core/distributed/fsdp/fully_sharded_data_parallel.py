@@ -1,7 +1,9 @@
 """Megatron-FSDP on PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) and DTensor.
 
 ``FullyShardedDataParallel(config, ddp_config, module, process_group=None)`` applies ``fully_shard`` to every
-``TransformerLayer`` (the FSDP unit) and then to the root module, over a 1-D ``DeviceMesh`` built from the
+``TransformerLayer`` (the FSDP unit; consecutive layers are joined into one FSDP2 unit up to
+``ddp_config.suggested_communication_unit_size`` elements, see :func:`group_units` / :func:`default_unit_size`) and
+then to the root module, over a 1-D ``DeviceMesh`` built from the
 data-parallel group. Parameters, gradients and (since the optimizer sees DTensor parameters) optimizer state are
 sharded on dim 0, ``torch.chunk``-style (uneven or empty shards are possible). With ``config.bf16`` / ``fp16``
 compute runs in that dtype while the sharded (main) parameters stay fp32 and gradients are reduced in fp32
@@ -11,8 +13,8 @@ replica (``update_expert_bias`` all-reduces the token counts).
 Meta-device init: when the model was built under ``with torch.device('meta')``, the model is materialised module
 by module in ``model.modules()`` order: a whole FSDP unit is materialised at full size (only its meta tensors get
 storage, see ``meta_init.py``), its modules' ``reset_parameters()`` run (same RNG order as eager init, so values are
-bit-identical to an eagerly initialised model), and then the unit is sharded, so peak memory stays about one
-unit above the sharded model. With untied embeddings the GPT's ``embedding`` and ``output_layer`` are units too;
+bit-identical to an eagerly initialised model), and then the unit's group is sharded, so peak memory stays about
+one group above the sharded model. With untied embeddings the GPT's ``embedding`` and ``output_layer`` are units too;
 the root's remaining modules (final norm; embedding and output layer when tied) are materialised and initialised
 in their place in that order and sharded last. New Parameter objects (meta -> device, then FSDP2's
 DTensor parameters) get the old objects' attributes, and ``param_keyed_maps`` passed in are remapped.
@@ -82,20 +84,20 @@ def group_units(units: List[torch.nn.Module], unit_types: Tuple[Type[torch.nn.Mo
     return groups
 
 
-def default_unit_size(units: List[torch.nn.Module], unit_types: Tuple[Type[torch.nn.Module], ...],
-                      reshard_after_forward: bool) -> Optional[int]:
+DEFAULT_UNIT_ELEMENTS = 2**28
+"""The default ``suggested_communication_unit_size`` where layers are joined (see :func:`default_unit_size`): a
+group's transient gradient buffers (its unsharded compute-dtype gradients plus the fp32 reduce-scatter input, about
+6 bytes per element) stay under 1.5 GiB, while layers much smaller than this (where FSDP2's fixed host work per
+unit and step, a few milliseconds on an H200 host, is comparable with the layer's compute) are joined."""
+
+
+def default_unit_size(reshard_after_forward: bool) -> Optional[int]:
     """``suggested_communication_unit_size`` when it is not given (None). Resharding after forward (ZeRO-3 on
-    more than one data-parallel rank): None, one FSDP unit per layer, so only about one layer is unsharded at a
-    time. Without it (ZeRO-2, or one data-parallel rank) every layer's parameters stay gathered from forward to the
-    end of backward whatever the grouping, so layers are joined into about four groups: a quarter of FSDP2's
-    per-unit host work (hooks, copy-in/out, per-unit collectives), with three quarters of the communication still
-    overlapped with compute."""
-    if reshard_after_forward:
-        return None
-    layer_elements = [sum(p.numel() for p in u.parameters()) for u in units if isinstance(u, unit_types)]
-    if not layer_elements:
-        return None
-    return max(max(layer_elements), -(-sum(layer_elements) // 4))
+    more than one data-parallel rank): None, one FSDP unit per layer, so about one layer is unsharded at a time
+    (upstream's unit). Without it (ZeRO-2, or one data-parallel rank) every layer's parameters stay gathered from
+    forward to the end of backward whatever the grouping, so layers are joined up to :data:`DEFAULT_UNIT_ELEMENTS`:
+    a group costs only its transient gradient buffers, held until its last layer's backward."""
+    return None if reshard_after_forward else DEFAULT_UNIT_ELEMENTS
 
 
 def _mixed_precision(config):
@@ -175,10 +177,10 @@ class FullyShardedDataParallel(MegatronModule):
         units = fsdp_unit_policy(module, self.fsdp_unit_modules)
         unit_size = ddp_config.suggested_communication_unit_size
         if unit_size is None:
-            unit_size = default_unit_size(units, self.fsdp_unit_modules, reshard_after_forward)
+            unit_size = default_unit_size(reshard_after_forward)
         elif unit_size <= 0:
-            raise ValueError("FullyShardedDataParallel: suggested_communication_unit_size "
-                             f"(--suggested-communication-unit-size) must be a positive number of elements, got {unit_size}")
+            raise ValueError("FullyShardedDataParallel: suggested_communication_unit_size (--suggested-"
+                             f"communication-unit-size) must be a positive number of elements, got {unit_size}")
         groups = group_units(units, self.fsdp_unit_modules, unit_size)
         self._materialize_and_shard_units(module, groups, reshard_after_forward)
         self._finish_root(module, reshard_after_forward)
