@@ -119,22 +119,33 @@ def sum_of_squared_norms(tensors: List[torch.Tensor], device) -> torch.Tensor:
     return total
 
 
+def norm_kind(param) -> Optional[str]:
+    """Where ``param``'s gradient counts in the global norm on this rank: ``'dense'``, ``'expert'`` (``allreduce``
+    False: summed over the expert groups), or None for a tensor-parallel duplicate (a TP-replicated parameter off TP
+    rank 0, see ``param_is_not_tensor_parallel_duplicate``). Fixed for a parameter, so callers may keep it."""
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+    if not param_is_not_tensor_parallel_duplicate(param):
+        return None
+    return "dense" if getattr(param, "allreduce", True) else "expert"
+
+
 @torch.no_grad()
-def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None) -> float:
+def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None,
+                     kinds: Optional[List[Optional[str]]] = None) -> float:
     """L2 norm over ``entries`` = ``(model parameter, local gradient or None)`` pairs with each value counted once:
     a TP-split parameter on every TP rank, a TP-replicated one on TP rank 0 only
     (``param_is_not_tensor_parallel_duplicate``). The squares are summed over ``shard_group`` first when the local
     gradients are shards of it (Megatron-FSDP's mesh, the distributed optimizer's DP group), then dense ones over the
     tensor-parallel group and expert ones (``allreduce=False``) over the expert tensor x model parallel group (each EP
-    rank holds other experts). Collective; the same value on every rank."""
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-
+    rank holds other experts). ``kinds``: each entry's :func:`norm_kind`, when the caller keeps them. Collective;
+    the same value on every rank."""
     device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
     grads = {"dense": [], "expert": []}
-    for mp, g in entries:
-        if g is None or not param_is_not_tensor_parallel_duplicate(mp):
-            continue
-        grads["dense" if getattr(mp, "allreduce", True) else "expert"].append(g.detach())
+    for i, (mp, g) in enumerate(entries):
+        kind = None if g is None else (kinds[i] if kinds is not None else norm_kind(mp))
+        if kind is not None:
+            grads[kind].append(g)
     sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()}
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         for t in sums.values():
@@ -168,6 +179,7 @@ class MegatronOptimizer:
         self.param_to_name = dict(param_to_name)
         self._main_grad_bufs: Optional[List[Optional[torch.Tensor]]] = None  # fp32 main grads, made on first step
         self._model_param_quantized: Optional[List[bool]] = None  # per model param, computed on first step
+        self._norm_kinds: Optional[List[Optional[str]]] = None  # per model param (norm_kind), on first step
         opt_order = [p for g in optimizer.param_groups for p in g["params"]]
         expected = self.main_params if self.main_params is not None else self.model_params
         if len(opt_order) != len(expected) or any(a is not b for a, b in zip(opt_order, expected)):
@@ -210,6 +222,7 @@ class MegatronOptimizer:
 
         self.model_params = [_final(old_to_new, p) for p in self.model_params]
         self._model_param_quantized = None  # recomputed for the new objects
+        self._norm_kinds = None
         self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
         if self.main_params is None:
             remap_param_keyed_maps(old_to_new, self.optimizer)
@@ -236,7 +249,7 @@ class MegatronOptimizer:
             if bufs[i] is None or bufs[i].shape != main.shape:
                 bufs[i] = torch.empty_like(main, dtype=torch.float32)
             dst.append(_local(bufs[i]))
-            src.append(_local(g.detach()))
+            src.append(_local(g))  # under no_grad: no detach (a DTensor detach is a dispatch per parameter)
             main.grad = bufs[i]
         _foreach_copy(dst, src)
 
@@ -278,14 +291,17 @@ class MegatronOptimizer:
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients (``global_grad_norm``; DTensor grads: their local shards, summed over
         their mesh). Same value on every rank."""
+        if self._norm_kinds is None:
+            self._norm_kinds = [norm_kind(mp) for mp in self.model_params]
         entries, mesh_group = [], None
         for mp, p in zip(self.model_params, self.get_parameters()):
             g = p.grad
             if g is not None and _is_dtensor(g):
-                mesh_group = g.device_mesh.get_group()
-                g = g.to_local()
+                if mesh_group is None:  # every DTensor gradient is sharded over the one data-parallel mesh
+                    mesh_group = g.device_mesh.get_group()
+                g = _local(g)
             entries.append((mp, g))
-        return global_grad_norm(entries, shard_group=mesh_group)
+        return global_grad_norm(entries, shard_group=mesh_group, kinds=self._norm_kinds)
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:

@@ -72,13 +72,19 @@ def _dp_replica_id(tp_group=None) -> Tuple[int, int, int]:
     return (0, _tp_info(tp_group)[0], parallel_state.get_data_parallel_rank())
 
 
+_DTENSOR_TYPE = None  # torch's DTensor class, imported on the first is_dtensor call (() without DTensor)
+
+
 def is_dtensor(t) -> bool:
-    """Whether ``t`` is a torch DTensor (a Megatron-FSDP sharded parameter)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a torch DTensor (a Megatron-FSDP sharded parameter). Called per parameter in every
+    optimizer step, so the class is looked up once."""
+    global _DTENSOR_TYPE
+    if _DTENSOR_TYPE is None:
+        try:
+            from torch.distributed.tensor import DTensor as _DTENSOR_TYPE
+        except ImportError:  # pragma: no cover - torch without DTensor
+            _DTENSOR_TYPE = ()
+    return isinstance(t, _DTENSOR_TYPE)
 
 
 def _check_prepend_offsets(key: str, prepend_offsets) -> Tuple[Tuple[int, int, int], ...]:

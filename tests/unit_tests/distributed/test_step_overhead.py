@@ -94,3 +94,18 @@ def _reshard_body(rank, world_size, expect_gathered):
 @pytest.mark.parametrize("ws", [1, 2])
 def test_one_rank_keeps_params_gathered_between_forward_and_backward(ws):
     run_distributed(_reshard_body, ws, ws == 1)
+
+
+def test_norm_kinds_kept_by_the_optimizer_give_the_same_norm():
+    from megatron.core.optimizer.optimizer import global_grad_norm, norm_kind
+
+    dense, expert, split = (torch.nn.Parameter(torch.ones(n)) for n in (3, 2, 4))
+    expert.allreduce = False
+    split.tensor_model_parallel = True
+    assert [norm_kind(p) for p in (dense, expert, split)] == ["dense", "expert", "dense"]
+    entries = [(dense, torch.full((3,), 2.0)), (expert, torch.full((2,), 3.0)), (split, None)]
+    want = math.sqrt(3 * 4.0 + 2 * 9.0)
+    assert global_grad_norm(entries) == pytest.approx(want, rel=1e-6)
+    assert global_grad_norm(entries, kinds=["dense", "expert", "dense"]) == pytest.approx(want, rel=1e-6)
+    # a kind of None (a tensor-parallel duplicate off TP rank 0) is left out of the sum
+    assert global_grad_norm(entries, kinds=[None, "expert", "dense"]) == pytest.approx(math.sqrt(18.0), rel=1e-6)

@@ -186,6 +186,7 @@ class FullyShardedDataParallel(MegatronModule):
         self._finish_root(module, reshard_after_forward)
         self.old_to_new_params = rebind_params(originals, param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
+        self._sharded_params = list(self.param_to_name)  # FSDP2 puts these same objects back after each backward
         names = module_names(module)
         self.unit_groups = [[names[id(u)] for u in g] for g in groups]  # FSDP2 units below the root, by name
         # GPTModel returns the per-token loss as a ``view``; nothing here modifies it in place, so FSDP2's
@@ -296,7 +297,7 @@ class FullyShardedDataParallel(MegatronModule):
 
     # ---- gradients ---------------------------------------------------------------------------------------
     def zero_grad_buffer(self) -> None:
-        for p in self.module.parameters():
+        for p in self._sharded_params:
             p.grad = None
 
     @contextlib.contextmanager
