@@ -8,8 +8,7 @@ _SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 @dataclass
 class DistributedDataParallelConfig:
     grad_reduce_in_fp32: bool = False
-    """Reduce gradients in fp32 (``--accumulate-allreduce-grads-in-fp32``), else in the compute dtype; DDP and
-    Megatron-FSDP alike (Megatron-FSDP with fp16 always reduces in fp32)."""
+    """Reduce gradients in fp32 (DDP). Megatron-FSDP with bf16/fp16 always reduces in fp32."""
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     align_param_gather: bool = False

@@ -229,9 +229,6 @@ def _fp8_guard_body(rank, ws):
 def _bf16_body(rank, ws):
     cfg = tiny_config(moe=True, bf16=True)
     fsdp = _fsdp(cfg, 5, meta=True)
-    fp32_reduce = _fsdp(cfg, 5, meta=True, grad_reduce_in_fp32=True)
-    # gradients are reduced in the compute dtype (upstream's default), in fp32 with --accumulate-allreduce-grads-in-fp32
-    assert (fsdp.mp_policy.reduce_dtype, fp32_reduce.mp_policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     opt = _opt(fsdp)
     ref = build_gpt(tiny_config(moe=True), 5)
     for n, p in fsdp.module.named_parameters():
@@ -242,13 +239,8 @@ def _bf16_body(rank, ws):
     assert out.dtype == torch.bfloat16  # compute in bf16
     loss = fsdp(tok[rank * per:(rank + 1) * per], position_ids(per), labels=lab[rank * per:(rank + 1) * per]).mean()
     loss.backward()
-    sl = slice(rank * per, (rank + 1) * per)
-    fp32_reduce(tok[sl], position_ids(per), labels=lab[sl]).mean().backward()
-    exact = dict(fp32_reduce.module.named_parameters())
     for n, p in fsdp.module.named_parameters():
-        assert p.grad is not None and p.grad.dtype == torch.float32, n  # kept fp32 on the (fp32) shards
-        # the same bf16 gradients summed over 2 ranks in bf16 or in fp32: one bf16 rounding apart
-        torch.testing.assert_close(full_tensor(p.grad), full_tensor(exact[n].grad), atol=1e-6, rtol=1e-2)
+        assert p.grad is not None and p.grad.dtype == torch.float32, n  # reduced in fp32
     ok, norm, _ = opt.step()
     assert ok and norm > 0
     g = loss.detach().clone()

@@ -6,8 +6,7 @@
 then to the root module, over a 1-D ``DeviceMesh`` built from the
 data-parallel group. Parameters, gradients and (since the optimizer sees DTensor parameters) optimizer state are
 sharded on dim 0, ``torch.chunk``-style (uneven or empty shards are possible). With ``config.bf16`` / ``fp16``
-compute runs in that dtype while the sharded (main) parameters stay fp32; gradients are reduced in that dtype (in
-fp32 with ``grad_reduce_in_fp32``, and always for fp16) and kept fp32 on the shards
+compute runs in that dtype while the sharded (main) parameters stay fp32 and gradients are reduced in fp32
 (``MixedPrecisionPolicy``). Buffers (the MoE router's ``expert_bias``) are not sharded: every rank holds the same
 replica (``update_expert_bias`` all-reduces the token counts).
 
@@ -101,11 +100,8 @@ def default_unit_size(reshard_after_forward: bool) -> Optional[int]:
     return None if reshard_after_forward else DEFAULT_UNIT_ELEMENTS
 
 
-def _mixed_precision(config, grad_reduce_in_fp32: bool = False):
-    """``(compute dtype or None, MixedPrecisionPolicy)``: bf16/fp16 compute. Gradients are reduced in the compute
-    dtype, as upstream's Megatron-FSDP and DDP do, unless ``grad_reduce_in_fp32``
-    (``--accumulate-allreduce-grads-in-fp32``) asks for fp32; fp16 always reduces in fp32 (no overflow in the sum).
-    The sharded gradients then take the sharded parameters' dtype (fp32 main parameters)."""
+def _mixed_precision(config):
+    """``(compute dtype or None, MixedPrecisionPolicy)``: bf16/fp16 compute with fp32 gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = torch.bfloat16 if getattr(config, "bf16", False) else (
@@ -113,8 +109,7 @@ def _mixed_precision(config, grad_reduce_in_fp32: bool = False):
     )
     if dtype is None:
         return None, MixedPrecisionPolicy()
-    reduce_dtype = torch.float32 if grad_reduce_in_fp32 or dtype == torch.float16 else dtype
-    return dtype, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    return dtype, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 class FullyShardedDataParallel(MegatronModule):
@@ -176,7 +171,7 @@ class FullyShardedDataParallel(MegatronModule):
             fsdp_unit_modules = (TransformerLayer,)
         self.fsdp_unit_modules = tuple(fsdp_unit_modules)
 
-        self.compute_dtype, self.mp_policy = _mixed_precision(config, ddp_config.grad_reduce_in_fp32)
+        self.compute_dtype, self.mp_policy = _mixed_precision(config)
         self.is_meta_init = bool(getattr(config, "init_model_with_meta_device", False)) or has_meta_tensors(module)
         originals = snapshot_params(module)  # to carry attributes and remap maps at the end
         units = fsdp_unit_policy(module, self.fsdp_unit_modules)
