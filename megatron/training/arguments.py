@@ -252,9 +252,9 @@ def _add_distributed_args(parser):
     g.add_argument("--suggested-communication-unit-size", type=int, default=None,
                    help="Megatron-FSDP: consecutive transformer layers whose parameters total at most this many "
                         "elements are gathered and reduced together as one FSDP2 unit (fewer, larger collectives "
-                        "and less per-unit host work; more memory unsharded at once). Default: one layer per unit "
-                        "when parameters are resharded after forward (ZeRO-3 on more than one data-parallel rank), "
-                        "else 2**28 elements.")
+                        "and less per-unit host work; more memory unsharded at once). Default: one layer per unit, "
+                        "2**28 elements with one data-parallel rank. Upstream's flag sizes Megatron-FSDP's buckets; "
+                        "here it sizes FSDP2 units.")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "
                         "reduce-scatters each unit's gradients during backward).")
@@ -484,8 +484,9 @@ def _validate_data_parallel_args(args):
     if args.use_megatron_fsdp:
         strategy = args.data_parallel_sharding_strategy = strategy or "optim_grads_params"
         args.use_distributed_optimizer = strategy != "no_shard"
-        if strategy in ("no_shard", "optim"):  # DDP wrapper: FSDP2's overlap and FP8 gather do not apply
-            for dest in ("overlap_grad_reduce", "overlap_param_gather", "fp8_param_gather", "fp4_param_gather"):
+        if strategy in ("no_shard", "optim"):  # DDP wrapper: FSDP2's overlap, FP8 gather and units do not apply
+            for dest in ("overlap_grad_reduce", "overlap_param_gather", "fp8_param_gather", "fp4_param_gather",
+                         "suggested_communication_unit_size"):
                 if getattr(args, dest, False):
                     _fail(f"{flag_name(dest)} is not supported with --data-parallel-sharding-strategy {strategy} "
                           "(parameters and gradients are not sharded: a DDP wrapper); use optim_grads or "
@@ -499,8 +500,9 @@ def _validate_data_parallel_args(args):
         _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather / "
               "--fp4-param-gather (quantized weights are gathered by Megatron-FSDP only); add --use-megatron-fsdp")
     for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
-                       ("overlap_param_gather", "parameters are not gathered (DDP replicates them)")):
-        if getattr(args, dest):
+                       ("overlap_param_gather", "parameters are not gathered (DDP replicates them)"),
+                       ("suggested_communication_unit_size", "it sizes Megatron-FSDP's units")):
+        if getattr(args, dest, None):
             _fail(f"{flag_name(dest)} is not supported without --use-megatron-fsdp: {what}; remove the flag, or add "
                   "--use-megatron-fsdp (FSDP2 overlaps its reduce-scatter and all-gather with compute)")
 

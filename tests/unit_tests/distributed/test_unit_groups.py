@@ -39,9 +39,11 @@ def test_group_units_joins_consecutive_layers_within_the_budget():
     assert [len(g) for g in group_units(units, (_Layer,), 10**9)] == [3, 1, 5]
 
 
-def test_default_unit_size_groups_only_without_resharding_after_forward():
-    assert default_unit_size(reshard_after_forward=True) is None
-    assert default_unit_size(reshard_after_forward=False) == DEFAULT_UNIT_ELEMENTS == 2**28
+def test_default_unit_size_joins_layers_only_on_one_data_parallel_rank():
+    assert default_unit_size(1, reshard_after_forward=False) == DEFAULT_UNIT_ELEMENTS == 2**28
+    assert default_unit_size(1, reshard_after_forward=True) is None  # an explicit reshard asks for per-layer units
+    assert default_unit_size(2, reshard_after_forward=False) is None  # ZeRO-2 on 2 ranks: communication to overlap
+    assert default_unit_size(2, reshard_after_forward=True) is None
 
 
 def _train(model, steps, rank, ws):
@@ -66,8 +68,21 @@ def _wrap(cfg, strategy, unit_size, meta=False, layers=4):
     return FullyShardedDataParallel(cfg, ddp, build_gpt(cfg, 5, meta=meta))
 
 
+def _fsdp2_units(model):
+    """Names of the modules that share one FSDP2 state (one ``fully_shard`` call), read back from FSDP2 itself."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = {}
+    for name, m in model.module.named_modules():
+        if name and type(m).__name__.startswith("FSDP"):
+            units.setdefault(id(fully_shard.state(m)), []).append(name)
+    return sorted(units.values())
+
+
 def _layer_groups(model):
-    """The model's unit groups of transformer layers; the (untied) embedding and output layer are units of their own."""
+    """The model's unit groups of transformer layers (checked against FSDP2's own states); the (untied) embedding
+    and output layer are units of their own."""
+    assert _fsdp2_units(model) == sorted(model.unit_groups), (_fsdp2_units(model), model.unit_groups)
     rest = [g for g in model.unit_groups if not g[0].startswith("decoder.")]
     assert rest == [["embedding"], ["output_layer"]], model.unit_groups
     return [g for g in model.unit_groups if g[0].startswith("decoder.")]
@@ -125,8 +140,8 @@ def _default_body(rank, world_size, expected):
         parallel_state.destroy_model_parallel()
 
 
-def test_default_groups_per_resharding():
-    # ZeRO-3 on two ranks reshards after forward: one unit per layer. ZeRO-2, and one rank, keep the parameters
-    # gathered from forward to backward anyway: the tiny layers are joined into one unit
-    run_distributed(_default_body, 2, {"optim_grads_params": [1] * 8, "optim_grads": [8]})
+def test_default_groups_per_data_parallel_size():
+    # two ranks: one unit per layer for ZeRO-3 and ZeRO-2; one rank (nothing communicated, parameters kept gathered
+    # from forward to backward): the tiny layers are joined into one unit
+    run_distributed(_default_body, 2, {"optim_grads_params": [1] * 8, "optim_grads": [1] * 8})
     run_distributed(_default_body, 1, {"optim_grads_params": [8], "optim_grads": [8]})

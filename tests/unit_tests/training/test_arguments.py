@@ -380,3 +380,8 @@ def test_suggested_communication_unit_size_reaches_the_ddp_config_and_must_be_po
         with pytest.raises(SystemExit) as exc:
             _args("--use-megatron-fsdp", "--suggested-communication-unit-size", bad)
         assert f"--suggested-communication-unit-size must be a positive number of elements, got {bad}" in str(exc.value)
+    # it sizes FSDP2 units: refused where the wrapper is DDP
+    for extra in ((), ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim")):
+        with pytest.raises(SystemExit) as exc:
+            _args(*extra, "--suggested-communication-unit-size", 1000)
+        assert "--suggested-communication-unit-size is not supported" in str(exc.value)

@@ -53,7 +53,7 @@ def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
 def fsdp_unit_policy(module: torch.nn.Module, unit_types: Tuple[Type[torch.nn.Module], ...]) -> List[torch.nn.Module]:
     """Step "unit policy": the FSDP units, in ``module.modules()`` order: every submodule of a ``unit_types`` type
     (``TransformerLayer``), then, with untied embeddings, the GPT's ``embedding`` and ``output_layer`` (so meta
-    init never holds them at full size while the layers are built: peak about one unit). With tied weights they
+    init never holds them at full size while the layers are built: peak about one unit group). With tied weights they
     stay in the root (the root's forward uses the embedding weight for the output layer)."""
     units = [m for m in module.modules() if isinstance(m, unit_types) and m is not module]
     if not getattr(module, "share_embeddings_and_output_weights", True):
@@ -86,18 +86,20 @@ def group_units(units: List[torch.nn.Module], unit_types: Tuple[Type[torch.nn.Mo
 
 DEFAULT_UNIT_ELEMENTS = 2**28
 """The default ``suggested_communication_unit_size`` where layers are joined (see :func:`default_unit_size`): a
-group's transient gradient buffers (its unsharded compute-dtype gradients plus the fp32 reduce-scatter input, about
-6 bytes per element) stay under 1.5 GiB, while layers much smaller than this (where FSDP2's fixed host work per
-unit and step, a few milliseconds on an H200 host, is comparable with the layer's compute) are joined."""
+group's transient gradient buffers (its unsharded gradients, FSDP2's fp32 reduce-scatter input and, on one rank,
+its output of the same size: about 10 bytes per element with bf16 compute) stay near 2.5 GiB, while layers much
+smaller than this (where FSDP2's fixed host work per unit and step, a few milliseconds on an H200 host, is
+comparable with the layer's compute) are joined."""
 
 
-def default_unit_size(reshard_after_forward: bool) -> Optional[int]:
-    """``suggested_communication_unit_size`` when it is not given (None). Resharding after forward (ZeRO-3 on
-    more than one data-parallel rank): None, one FSDP unit per layer, so about one layer is unsharded at a time
-    (upstream's unit). Without it (ZeRO-2, or one data-parallel rank) every layer's parameters stay gathered from
-    forward to the end of backward whatever the grouping, so layers are joined up to :data:`DEFAULT_UNIT_ELEMENTS`:
-    a group costs only its transient gradient buffers, held until its last layer's backward."""
-    return None if reshard_after_forward else DEFAULT_UNIT_ELEMENTS
+def default_unit_size(dp_size: int, reshard_after_forward: bool) -> Optional[int]:
+    """``suggested_communication_unit_size`` when it is not given (None): :data:`DEFAULT_UNIT_ELEMENTS` with one
+    data-parallel rank (parameters kept gathered from forward to backward): nothing is communicated, so there is
+    nothing to overlap, and every layer stays gathered whatever the grouping; a group costs only its transient
+    gradient buffers, held until its last layer's backward. Otherwise None, one FSDP unit per layer (upstream's
+    unit): with communication, a larger unit exposes more of the first all-gather and the last reduce-scatter, and
+    under ZeRO-3 keeps more layers unsharded at once; the flag opts in."""
+    return DEFAULT_UNIT_ELEMENTS if dp_size == 1 and not reshard_after_forward else None
 
 
 def _mixed_precision(config):
@@ -177,7 +179,7 @@ class FullyShardedDataParallel(MegatronModule):
         units = fsdp_unit_policy(module, self.fsdp_unit_modules)
         unit_size = ddp_config.suggested_communication_unit_size
         if unit_size is None:
-            unit_size = default_unit_size(reshard_after_forward)
+            unit_size = default_unit_size(dist.get_world_size(self.process_group), reshard_after_forward)
         elif unit_size <= 0:
             raise ValueError("FullyShardedDataParallel: suggested_communication_unit_size (--suggested-"
                              f"communication-unit-size) must be a positive number of elements, got {unit_size}")
