@@ -209,7 +209,10 @@ def _add_mixed_precision_args(parser):
                    help="Iterations without inf/nan gradients before the dynamic loss scale doubles.")
     g.add_argument("--hysteresis", type=int, default=2,
                    help="Iterations with inf/nan gradients before the dynamic loss scale halves.")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", help="Reduce grads in fp32.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Reduce grads in fp32 (on by default with --bf16, as upstream).")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="With --bf16: reduce grads in bf16 instead of fp32.")
 
 
 def _add_transformer_engine_args(parser):
@@ -681,6 +684,8 @@ def validate_args(args, defaults={}):
     if args.fp16 and (args.fp8 is not None or args.fp4 is not None):
         _fail("--fp16 with --fp8-format / --fp4-format is not supported: use --bf16 as the high precision")
     args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    if args.bf16:  # as upstream: bf16 gradients are all-reduced in fp32 unless --grad-reduce-in-bf16
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
     # fp16/bf16, fp8/fp4 and their param-gather and --transformer-impl combinations: the configs' own checks
     # (_validate_configs, below)
 

@@ -385,3 +385,11 @@ def test_suggested_communication_unit_size_reaches_the_ddp_config_and_must_be_po
         with pytest.raises(SystemExit) as exc:
             _args(*extra, "--suggested-communication-unit-size", 1000)
         assert "--suggested-communication-unit-size is not supported" in str(exc.value)
+
+
+def test_bf16_reduces_grads_in_fp32_unless_grad_reduce_in_bf16():
+    # upstream's rule: --bf16 turns --accumulate-allreduce-grads-in-fp32 on; --grad-reduce-in-bf16 turns it off
+    assert not ddp_config_from_args(_args()).grad_reduce_in_fp32
+    assert ddp_config_from_args(_args("--bf16")).grad_reduce_in_fp32
+    assert not ddp_config_from_args(_args("--bf16", "--grad-reduce-in-bf16")).grad_reduce_in_fp32
+    assert ddp_config_from_args(_args("--accumulate-allreduce-grads-in-fp32")).grad_reduce_in_fp32
