@@ -145,3 +145,38 @@ def test_default_groups_per_data_parallel_size():
     # from forward to backward): the tiny layers are joined into one unit
     run_distributed(_default_body, 2, {"optim_grads_params": [1] * 8, "optim_grads": [1] * 8})
     run_distributed(_default_body, 1, {"optim_grads_params": [8], "optim_grads": [8]})
+
+
+def _meta_peak_body(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.distributed.fsdp.meta_init import has_meta_tensors
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False, num_layers=6, init_model_with_meta_device=True)
+        model = build_gpt(cfg, 5, meta=True)
+        layers = list(model.decoder.layers)
+        seen = []
+        real_shard = FullyShardedDataParallel._shard
+
+        def recording_shard(self, m, **kw):  # which layers are real when each FSDP2 unit is sharded
+            seen.append((len(m) if isinstance(m, list) else 1, [not has_meta_tensors(layer) for layer in layers]))
+            return real_shard(self, m, **kw)
+
+        FullyShardedDataParallel._shard = recording_shard
+        try:
+            per_layer = sum(p.numel() for p in layers[0].parameters())
+            ddp = DistributedDataParallelConfig(use_megatron_fsdp=True, suggested_communication_unit_size=2 * per_layer)
+            FullyShardedDataParallel(cfg, ddp, model)
+        finally:
+            FullyShardedDataParallel._shard = real_shard
+        groups = [real for n, real in seen if n == 2]
+        # meta init holds one group at full size: when a group of two layers is sharded, the next ones are still meta
+        assert groups == [[True, True, False, False, False, False], [True, True, True, True, False, False],
+                          [True] * 6], seen
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_meta_init_materialises_one_group_at_a_time():
+    run_distributed(_meta_peak_body, 1)
