@@ -481,9 +481,6 @@ def _validate_data_parallel_args(args):
     what is sharded (``megatron/core/distributed/data_parallel_wrapper.py``), so it also sets
     ``use_distributed_optimizer``: optimizer state is sharded by every strategy but ``no_shard``."""
     strategy = args.data_parallel_sharding_strategy
-    unit_size = getattr(args, "suggested_communication_unit_size", None)
-    if unit_size is not None and unit_size <= 0:
-        _fail(f"--suggested-communication-unit-size must be a positive number of elements, got {unit_size}")
     if args.use_megatron_fsdp:
         strategy = args.data_parallel_sharding_strategy = strategy or "optim_grads_params"
         args.use_distributed_optimizer = strategy != "no_shard"

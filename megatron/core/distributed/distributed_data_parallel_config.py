@@ -49,3 +49,7 @@ class DistributedDataParallelConfig:
                 f"data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of {_SHARDING}, "
                 f"got {self.data_parallel_sharding_strategy!r}"
             )
+        size = self.suggested_communication_unit_size
+        if size is not None and size <= 0:
+            raise ValueError("suggested_communication_unit_size: --suggested-communication-unit-size must be a "
+                             f"positive number of elements, got {size}")

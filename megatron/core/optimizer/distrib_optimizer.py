@@ -37,7 +37,6 @@ from megatron.core.optimizer.optimizer import (
     _is_dtensor,
     _is_quantized_param,
     global_grad_norm,
-    norm_kind,
     scale_tensors_,
 )
 
@@ -176,10 +175,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def get_grad_norm(self) -> float:
         """Global L2 norm (``global_grad_norm``): the owned slices' squares summed over the DP group, each value
         counted once under tensor parallelism."""
-        if self._norm_kinds is None:
-            self._norm_kinds = [norm_kind(s.model_param) for s in self.slices]
         entries = [(s.model_param, main.grad) for s, main in zip(self.slices, self.main_params)]
-        return global_grad_norm(entries, shard_group=self.group if self.dp_size > 1 else None, kinds=self._norm_kinds)
+        return global_grad_norm(entries, shard_group=self.group if self.dp_size > 1 else None,
+                                kinds=self._kept_norm_kinds())  # model_params are the slices' params, in order
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:

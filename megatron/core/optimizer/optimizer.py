@@ -291,8 +291,6 @@ class MegatronOptimizer:
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients (``global_grad_norm``; DTensor grads: their local shards, summed over
         their mesh). Same value on every rank."""
-        if self._norm_kinds is None:
-            self._norm_kinds = [norm_kind(mp) for mp in self.model_params]
         entries, mesh_group = [], None
         for mp, p in zip(self.model_params, self.get_parameters()):
             g = p.grad
@@ -301,7 +299,14 @@ class MegatronOptimizer:
                     mesh_group = g.device_mesh.get_group()
                 g = _local(g)
             entries.append((mp, g))
-        return global_grad_norm(entries, shard_group=mesh_group, kinds=self._norm_kinds)
+        return global_grad_norm(entries, shard_group=mesh_group, kinds=self._kept_norm_kinds())
+
+    def _kept_norm_kinds(self) -> List[Optional[str]]:
+        """:func:`norm_kind` of every model parameter, computed on the first call (fixed per parameter; reset by
+        :meth:`remap_params`)."""
+        if self._norm_kinds is None:
+            self._norm_kinds = [norm_kind(mp) for mp in self.model_params]
+        return self._norm_kinds
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:

@@ -177,19 +177,16 @@ class FullyShardedDataParallel(MegatronModule):
         self.is_meta_init = bool(getattr(config, "init_model_with_meta_device", False)) or has_meta_tensors(module)
         originals = snapshot_params(module)  # to carry attributes and remap maps at the end
         units = fsdp_unit_policy(module, self.fsdp_unit_modules)
-        unit_size = ddp_config.suggested_communication_unit_size
+        unit_size = ddp_config.suggested_communication_unit_size  # checked positive by the config
         if unit_size is None:
             unit_size = default_unit_size(dist.get_world_size(self.process_group), reshard_after_forward)
-        elif unit_size <= 0:
-            raise ValueError("FullyShardedDataParallel: suggested_communication_unit_size (--suggested-"
-                             f"communication-unit-size) must be a positive number of elements, got {unit_size}")
         groups = group_units(units, self.fsdp_unit_modules, unit_size)
-        self._materialize_and_shard_units(module, groups, reshard_after_forward)
+        names = module_names(module)
+        self._materialize_and_shard_units(module, groups, reshard_after_forward, names)
         self._finish_root(module, reshard_after_forward)
         self.old_to_new_params = rebind_params(originals, param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         self._sharded_params = list(self.param_to_name)  # FSDP2 puts these same objects back after each backward
-        names = module_names(module)
         self.unit_groups = [[names[id(u)] for u in g] for g in groups]  # FSDP2 units below the root, by name
         # GPTModel returns the per-token loss as a ``view``; nothing here modifies it in place, so FSDP2's
         # per-step warning about view outputs is noise for this model
@@ -203,12 +200,11 @@ class FullyShardedDataParallel(MegatronModule):
         fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
 
     def _materialize_and_shard_units(self, module: torch.nn.Module, groups: List[List[torch.nn.Module]],
-                                     reshard_after_forward: bool) -> None:
+                                     reshard_after_forward: bool, names: Dict[int, str]) -> None:
         """In ``module.modules()`` order: each unit is materialised at full size (meta init) and cast; a group of
         units is sharded as one FSDP2 unit as soon as its last member is done, before the next group is touched
         (peak about one group); the root's own modules are materialised in their place (tied parameters stay one
-        object) and sharded last, by :meth:`_finish_root`."""
-        names = module_names(module)
+        object) and sharded last, by :meth:`_finish_root`. ``names``: ``module_names(module)`` (error messages)."""
         no_reshard = {id(getattr(module, "output_layer", None))}  # its backward follows its forward at once
         group_of = {id(u): g for g in groups for u in g}
         inside_unit = {id(sub) for g in groups for u in g for sub in u.modules() if sub is not u}
