@@ -1,20 +1,27 @@
 """LayerNorm / RMSNorm in plain torch, with the init contract (``reset_parameters``) and parameter attributes.
 
 With sequence parallelism a norm sees only this rank's ``s / tp`` tokens: its parameters are marked
-``sequence_parallel=True`` and ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group."""
+``sequence_parallel=True`` and ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group.
+
+Where upstream builds a Transformer Engine norm (``TENorm``: the block's ``final_layernorm`` whenever TE is importable,
+a TE MoE layer's ``pre_mlp_layernorm``), its checkpoints carry that norm's ``_extra_state`` object, and upstream's
+load requires it. A norm built with ``te_extra_state=True`` writes the same object (an empty uint8 tensor: what a TE
+norm without quantizer state writes) in ``sharded_state_dict``; ``state_dict()`` stays the parameters, and a loaded
+``_extra_state`` (TE's, None, or absent) is accepted and ignored."""
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.utils import set_param_attrs
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, set_param_attrs
 
 
 class _NormBase(torch.nn.Module):
     """What LayerNorm and RMSNorm share: ``eps`` (default ``config.layernorm_epsilon``) and a ``[hidden_size]``
     weight with its parameter attributes."""
 
-    def __init__(self, config, hidden_size: int, eps: float = None):
+    def __init__(self, config, hidden_size: int, eps: float = None, te_extra_state: bool = False):
         super().__init__()
         self.config = config
+        self.te_extra_state = te_extra_state
         self.hidden_size = hidden_size
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
@@ -24,10 +31,27 @@ class _NormBase(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        sd = self.state_dict(keep_vars=True)
+        if self.te_extra_state:
+            sd[torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX] = torch.empty(0, dtype=torch.uint8)
+        return make_sharded_tensors_for_checkpoint(sd, prefix, sharded_offsets=sharded_offsets)
+
+    def set_extra_state(self, state) -> None:
+        """Ignored: a torch norm has no quantizer state (a TE norm's state, an empty tensor or None)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key in missing_keys:
+            missing_keys.remove(key)
+
 
 class LayerNorm(_NormBase):
-    def __init__(self, config, hidden_size: int, eps: float = None):
-        super().__init__(config, hidden_size, eps)
+    def __init__(self, config, hidden_size: int, eps: float = None, te_extra_state: bool = False):
+        super().__init__(config, hidden_size, eps, te_extra_state)
         self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
         set_param_attrs((self.bias,), sequence_parallel=self.sequence_parallel, allreduce=True)
 
@@ -49,12 +73,13 @@ class RMSNorm(_NormBase):
         return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
 
 
-def build_norm(config, hidden_size: int, eps: float = None) -> torch.nn.Module:
-    """The norm named by ``config.normalization`` ('LayerNorm' | 'RMSNorm')."""
+def build_norm(config, hidden_size: int, eps: float = None, te_extra_state: bool = False) -> torch.nn.Module:
+    """The norm named by ``config.normalization`` ('LayerNorm' | 'RMSNorm'); ``te_extra_state``: it stands where
+    upstream builds a TE norm (see the module docstring)."""
     if config.normalization == "LayerNorm":
-        return LayerNorm(config, hidden_size, eps)
+        return LayerNorm(config, hidden_size, eps, te_extra_state)
     if config.normalization == "RMSNorm":
-        return RMSNorm(config, hidden_size, eps)
+        return RMSNorm(config, hidden_size, eps, te_extra_state)
     raise ValueError(f"unknown normalization {config.normalization!r} (--normalization)")
 
 

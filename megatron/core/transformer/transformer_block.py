@@ -18,7 +18,8 @@ class TransformerBlock(MegatronModule):
         self.layers = torch.nn.ModuleList([TransformerLayer(config, i + 1) for i in range(config.num_layers)])
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:
-            self.final_layernorm = build_norm(config, config.hidden_size)
+            # upstream builds it as a TE norm whenever TE is importable: its checkpoints carry the _extra_state
+            self.final_layernorm = build_norm(config, config.hidden_size, te_extra_state=True)
 
     def has_homogeneous_layers(self, metadata: Optional[dict] = None) -> bool:
         """Whether the layers are stacked in checkpoints (one key per parameter, a prepended layer axis). As upstream:

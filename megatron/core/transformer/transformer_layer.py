@@ -47,7 +47,8 @@ class TransformerLayer(MegatronModule):
         self.input_layernorm = IdentityOp() if te else build_norm(config, config.hidden_size)
         self.self_attention = SelfAttention(config, layer_number, fuse_input_layernorm=te)
         fuse_mlp_norm = te and not self.is_moe
-        self.pre_mlp_layernorm = IdentityOp() if fuse_mlp_norm else build_norm(config, config.hidden_size)
+        self.pre_mlp_layernorm = (IdentityOp() if fuse_mlp_norm
+                                  else build_norm(config, config.hidden_size, te_extra_state=te))  # TE MoE: TENorm
         self.sharded_state_dict_keys_map = {} if te else dict(LOCAL_SPEC_SHARDED_KEYS_MAP)
         if self.is_moe:
             from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -101,7 +101,7 @@ def _log_once(key, level: int, message: str) -> None:
 
 # ---- .metadata -------------------------------------------------------------------------------------------------
 class DcpMetadataUnpickler(SafeUnpickler):
-    """Unpickler for DCP ``.metadata`` files: DCP's metadata classes, the filesystem storage info, torch
+    """Unpickler for DCP ``.metadata`` files: DCP's metadata and planner classes, the filesystem storage info, torch
     Size/dtype/layout, the memory-format encoding, paths (``StorageMeta.checkpoint_id``), MCore's ``MCoreMetadata`` and plain containers; no tensors, no
     storages, nothing else (a planted payload is refused before it is called)."""
 
@@ -136,6 +136,16 @@ class DcpMetadataUnpickler(SafeUnpickler):
             ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            # DCP's planner dataclasses and enums: upstream's fully parallel save keeps its global plan in the
+            # metadata (plain data: the enums are looked up by value, the dataclasses filled field by field)
+            ("torch.distributed.checkpoint.planner", "SavePlan"),
+            ("torch.distributed.checkpoint.planner", "LoadPlan"),
+            ("torch.distributed.checkpoint.planner", "WriteItem"),
+            ("torch.distributed.checkpoint.planner", "ReadItem"),
+            ("torch.distributed.checkpoint.planner", "WriteItemType"),
+            ("torch.distributed.checkpoint.planner", "LoadItemType"),
+            ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+            ("torch.distributed.checkpoint.planner", "BytesIOWriteData"),
             # where older torch versions kept the tensor properties
             ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
             ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),

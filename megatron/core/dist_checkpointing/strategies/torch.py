@@ -654,9 +654,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         items = list(nested_items_iter(sharded_state_dict))
         tensors = [v for _, v in items if isinstance(v, ShardedTensor)]
         objects = [v for _, v in items if isinstance(v, ShardedObject)]
-        error, metadata = None, None
+        error, metadata, absent = None, None, []
         try:
             metadata = self._metadata(checkpoint_dir)
+            objects, absent = _split_absent_extra_states(objects, metadata, checkpoint_dir)
             error = self._precheck(tensors, objects, metadata, checkpoint_dir)
         except CheckpointingException as e:
             error = str(e)
@@ -674,6 +675,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         finally:
             if restore is not None:
                 restore()
+        result_of.update((id(o), [None]) for o in absent)  # as stored: a one-element list
         self.last_load_stats.seconds = time.perf_counter() - start
 
         def _result(v):
@@ -779,6 +781,24 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for o in objects:
             result_of[id(o)] = object_from_bytes(loaded[o.unique_key], f"{o.unique_key!r} of checkpoint {checkpoint_dir}")
         return result_of
+
+
+def _split_absent_extra_states(objects: List[ShardedObject], metadata: Metadata, checkpoint_dir: Path):
+    """``(objects to read, absent _extra_state objects)``. A module's ``_extra_state`` (Transformer Engine's
+    quantizer state) is written only by models that have that module as a TE module: upstream builds the block's final
+    norm as a TE norm only where TE is importable, older checkpoints have none. An absent one loads as None (the
+    module keeps its state: TE starts its scaling afresh), said once; any other absent object is an error."""
+    sdm = metadata.state_dict_metadata
+    absent = [o for o in objects if o.unique_key not in sdm and o.key.endswith("._extra_state")]
+    if not absent:
+        return objects, []
+    keys = sorted({o.key for o in absent})
+    more = f" (and {len(keys) - 1} more _extra_state keys)" if len(keys) > 1 else ""
+    dist_utils.log_once(logger, ("absent_extra_state", str(checkpoint_dir)), logging.INFO,
+                        f"checkpoint {checkpoint_dir} has no {keys[0]}{more}: saved where that module was not a "
+                        f"Transformer Engine module; loading it as None (no quantizer state)")
+    absent_ids = {id(o) for o in absent}
+    return [o for o in objects if id(o) not in absent_ids], absent
 
 
 def register_default_torch_strategies():

@@ -1,0 +1,196 @@
+"""The round trip with upstream megatron-core 0.19.2, shared by both sides' workers: the matrix (models x layouts x
+fully parallel save on/off, plus one async save) and ``drive``, the save / load loop over it. Plain Python here:
+whichever ``megatron.core`` is first on the path (upstream's for ``upstream_worker.py``, this fork's for
+``fork_worker.py``) is the one imported, and only through upstream's public API. Models are small GPTs in fp32 with
+dropout 0; a loader compares its logits of one fixed input with the saver's (<= 1e-5) and every router's expert
+bias with the value the saver set."""
+import json
+import os
+import traceback
+
+VOCAB = 128
+SEQ = 16
+BATCH = 2
+TOLERANCE = 1e-5
+
+MODELS = {
+    # dense: LayerNorm, biases, GeLU, learned absolute positions, tied output layer
+    "dense": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),
+                  gpt=dict(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")),
+    # MoE: 4 experts top-2 (the allgather dispatcher: upstream's alltoall one needs CUDA streams), sigmoid router
+    # with expert bias, RMSNorm, gated linear unit, no biases, RoPE, untied
+    "moe": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                            moe_token_dispatcher_type="allgather", normalization="RMSNorm", gated_linear_unit=True,
+                            add_bias_linear=False),
+                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
+    # GQA: 4 query heads in 2 groups, RoPE, untied
+    "gqa": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, normalization="RMSNorm"),
+                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
+}
+
+# name: (world size, TP, EP, sequence parallel)
+LAYOUTS = {
+    "tp1": (2, 1, 1, False),
+    "tp2": (4, 2, 1, False),
+    "tp2_sp_ep2": (4, 2, 2, True),
+}
+
+EXPERT_BIAS = [0.5, -0.25, 0.125, 0.0]
+
+
+def model_config(model: str, layout: str) -> dict:
+    """TransformerConfig kwargs of a model in a layout (expert parallelism only where there are experts)."""
+    _, tp, ep, sp = LAYOUTS[layout]
+    cfg = dict(MODELS[model]["config"])
+    ep = ep if "num_moe_experts" in cfg else 1
+    cfg.update(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=sp,
+               hidden_dropout=0.0, attention_dropout=0.0)
+    return cfg
+
+
+def cases(layout: str):
+    """(model, fully_parallel_save, async_save) of one layout: every model with the fully parallel save on and off;
+    the dense model once more with an async save (tp1 only)."""
+    out = [(m, fp, False) for m in MODELS for fp in (True, False)]
+    if layout == "tp1":
+        out.append(("dense", True, True))
+    return out
+
+
+def case_name(model: str, fully_parallel: bool, async_save: bool) -> str:
+    return f"{model}_fp{int(fully_parallel)}{'_async' if async_save else ''}"
+
+
+def results_path(workdir: str, side: str, phase: str, layout: str) -> str:
+    return os.path.join(workdir, f"results_{side}_{phase}_{layout}.jsonl")
+
+
+# A loader also reads the other side's checkpoints of these layouts (resharding: TP2 + SP + EP2 -> TP1 x DP2)
+RESHARD = {"tp1": ("tp2_sp_ep2",)}
+
+
+def jobs(phase: str, layout: str):
+    """(model, fully_parallel, async_save, source layout, record name) of one phase in one layout."""
+    out = []
+    for model, fp, async_save in cases(layout):
+        name = case_name(model, fp, async_save)
+        out.append((model, fp, async_save, layout, name))
+        if phase == "load" and not async_save:
+            out += [(model, fp, False, src, f"{name}<-{src}") for src in RESHARD.get(layout, ())]
+    return out
+
+
+def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_model, save_kwargs=None,
+          load_wrapper_kwargs=None) -> None:
+    """For each layout (same world size; ``torch.distributed`` already initialised): build every case's model with
+    ``build_model(model, layout)`` and either save it to ``WORKDIR/<side>/<layout>/<case>`` (its logits beside it)
+    or load ``WORKDIR/<other>/<source layout>/<case>`` into it and compare. Rank 0 writes one JSON line per job."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    for layout in layouts.split(","):
+        world, tp, ep, _ = LAYOUTS[layout]
+        assert dist.get_world_size() == world, (dist.get_world_size(), world)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        results = []
+        for model_name, fully_parallel, async_save, src_layout, record_name in jobs(phase, layout):
+            name = case_name(model_name, fully_parallel, async_save)
+            torch.manual_seed(1000 if phase == "save" else 2000)  # identical on every rank: DP replicas agree
+            model = build_model(model_name, layout).eval()
+            routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+            record = {"side": side, "case": record_name, "phase": phase, "layout": layout}
+            try:
+                if phase == "save":
+                    for r in routers:
+                        r.expert_bias.copy_(torch.tensor(EXPERT_BIAS))
+                    _save(model, os.path.join(workdir, side, layout, name), fully_parallel, async_save,
+                          save_kwargs or {})
+                    logits = _full_logits(model)  # collective over TP: on every rank
+                    if dist.get_rank() == 0:
+                        torch.save({"logits": logits}, os.path.join(workdir, side, layout, name + ".logits.pt"))
+                else:
+                    src = os.path.join(workdir, other, src_layout, name)
+                    ref = torch.load(src + ".logits.pt", weights_only=True)
+                    before = float((_full_logits(model) - ref["logits"]).abs().max())
+                    _load(model, src, fully_parallel, load_wrapper_kwargs or {})
+                    diff = float((_full_logits(model) - ref["logits"]).abs().max())
+                    bias_ok = all(torch.equal(r.expert_bias, torch.tensor(EXPERT_BIAS)) for r in routers)
+                    record.update(max_abs_diff=diff, max_abs_diff_before_load=before, expert_bias_ok=bias_ok,
+                                  ok=diff <= TOLERANCE < before and bias_ok)
+                record.setdefault("ok", True)
+            except Exception as e:  # reported per job; the test names it
+                record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
+                if dist.get_rank() == 0:
+                    traceback.print_exc()
+            results.append(record)
+            dist.barrier()
+        if dist.get_rank() == 0:
+            with open(results_path(workdir, side, phase, layout), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
+        dist.barrier()
+        ps.destroy_model_parallel()
+
+
+def _save(model, out: str, fully_parallel: bool, async_save: bool, save_kwargs: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy()
+    if fully_parallel:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True),
+                                                    True)
+    if dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+    dist.barrier()
+    request = dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy,
+                                      async_sharded_save=async_save, **save_kwargs)
+    if async_save:
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+        queue.close()
+
+
+def _load(model, src: str, fully_parallel: bool, wrapper_kwargs: dict) -> None:
+    """Upstream's way: ``dist_checkpointing.load`` of the model's sharded state dict (default strictness), then
+    ``model.load_state_dict`` of the result."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    strategy = get_default_load_sharded_strategy(src)
+    if fully_parallel:
+        strategy = FullyParallelLoadStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True),
+                                                    **wrapper_kwargs)
+    state = dist_checkpointing.load(model.sharded_state_dict(), src, sharded_strategy=strategy)
+    model.load_state_dict(state)
+
+
+def _full_logits(model):
+    """Logits [b, s, vocab] of the fixed input (an explicit causal mask, True = masked, as upstream's default one is
+    made on CUDA), gathered over TP (the output layer is vocab-parallel)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(ids, pos, mask)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    return logits.float()

@@ -1,0 +1,57 @@
+"""The real upstream megatron-core 0.19.2, installed once into a cache directory beside (never into) this fork's
+environment, for the round-trip tests.
+
+Upstream's wheel says ``Requires-Python >= 3.12`` and is tagged cp312 only for its compiled dataset helper (which a
+checkpoint round trip never imports); the CPU build of torch our tests run on exists for the Python of the test
+environment. So the wheel is downloaded from the package index as published and unpacked as it is (a wheel is a zip
+of the installed files) into ``<cache>/site``, with what its GPT model imports on CPU: triton (imported by its MoE
+code) and psutil (its async save). Workers then run ``PYTHONPATH=<cache>/site`` with this environment's torch.
+
+``MCORE_UPSTREAM_CACHE`` chooses the cache (default ``~/.cache/megatron-core-fork/upstream-mcore-0.19.2``); a
+complete cache (its ``READY`` file) is reused. Setting up takes about 15 s and 290 MB (mostly triton)."""
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+VERSION = "0.19.2"
+EXTRA = ("triton==3.9.0", "psutil==7.2.2")
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "megatron-core-fork" / f"upstream-mcore-{VERSION}"
+    return Path(os.environ.get("MCORE_UPSTREAM_CACHE", default))
+
+
+def _pip(*args: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+
+
+def ensure_upstream() -> Path:
+    """``<cache>/site`` holding upstream megatron-core ``VERSION`` (set up once; a lock serialises processes)."""
+    root = cache_dir()
+    site = root / "site"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / "READY").is_file():
+            return site
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            _pip("download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation",
+                 "cp", "-d", tmp, f"megatron-core=={VERSION}")
+            wheels = list(Path(tmp).glob("megatron_core-*.whl"))
+            if len(wheels) != 1:
+                raise RuntimeError(f"expected one megatron-core wheel in {tmp}, found {wheels}")
+            with zipfile.ZipFile(wheels[0]) as whl:
+                whl.extractall(site)
+            _pip("install", "--no-deps", "--no-compile", "--target", str(site), *EXTRA)
+        if not (site / "megatron" / "core" / "package_info.py").is_file():
+            raise RuntimeError(f"{site}: upstream megatron-core {VERSION} did not unpack")
+        (root / "READY").write_text(f"megatron-core {VERSION} + {' '.join(EXTRA)}\n")
+    return site

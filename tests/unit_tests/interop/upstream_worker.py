@@ -1,0 +1,75 @@
+"""Run by ``test_upstream_roundtrip.py`` under ``torch.distributed.run`` with the REAL upstream megatron-core 0.19.2
+first on ``PYTHONPATH`` (never this fork): ``upstream_worker.py PHASES WORKDIR LAYOUTS`` (PHASES: ``save``, ``load`` or ``load,save``;
+LAYOUTS: comma-separated, of one world size).
+
+save: upstream's GPTModel (``get_gpt_layer_local_spec``, CPU, gloo) of every case, saved with upstream's
+``dist_checkpointing.save`` into ``WORKDIR/upstream/...``; load: the fork's checkpoints of the same cases, loaded
+with upstream's ``dist_checkpointing.load`` (see ``roundtrip_cases.drive``).
+
+Small shims for CUDA-only calls (this runs on CPU): ``torch.cuda.current_device`` is "cpu" (new buffers such as the
+router's expert bias are made there), upstream's CUDA RNG tracker is given CPU generator states,
+``torch.cuda.synchronize`` does nothing, and upstream's torch norm is built with sequence parallelism (it refuses
+it, wanting TE's or Apex's norm; the forward is the same, and a round trip runs no backward). Its fully parallel load
+exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA."""
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import roundtrip_cases as rc  # noqa: E402
+
+
+def _shim_cuda():
+    import megatron.core.tensor_parallel.random as tpr
+    from megatron.core.transformer import torch_norm
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None
+    tpr._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    tpr._set_cuda_rng_state = lambda *args, **kwargs: None
+    build_norm = torch_norm.WrappedTorchNorm.__new__
+
+    def _new(cls, config, *args, **kwargs):
+        sp, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            return build_norm(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+
+    torch_norm.WrappedTorchNorm.__new__ = _new
+
+
+def build_model(model: str, layout: str):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    get_cuda_rng_tracker().reset()
+    model_parallel_cuda_manual_seed(1234)
+    cfg = rc.model_config(model, layout)
+    config = TransformerConfig(**cfg, params_dtype=torch.float32, use_cpu_initialization=True)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.get("num_moe_experts"),
+                                    normalization=cfg.get("normalization", "LayerNorm"))
+    return GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"])
+
+
+def main(phases: str, workdir: str, layouts: str) -> int:
+    from megatron.core.package_info import __version__  # this fork has no package_info: upstream's alone
+
+    assert __version__ == "0.19.2", __version__
+    _shim_cuda()
+    dist.init_process_group("gloo")
+    for phase in phases.split(","):
+        rc.drive("upstream", "fork", phase, workdir, layouts, build_model, save_kwargs={"async_strategy": "mcore"},
+                 load_wrapper_kwargs={"exchange_algo": "gather_object"})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4]))
