@@ -14,6 +14,14 @@
 - **Resume checks.** ``checkpoint_args_mismatches`` compares the model-shape arguments stored in the checkpoint
   with the run's (upstream's ``check_checkpoint_args``); ``model_key_problems`` compares the model's tensor keys and
   global shapes with the checkpoint's (a 4-layer checkpoint never fills a 2-layer model silently).
+- **Nothing replaced, nothing orphaned.** ``save_target_problem`` (start-up, before training) refuses a run whose
+  saves would replace complete checkpoints already in ``--save`` or move its tracker back (``--finetune`` or a fresh
+  run into a directory with checkpoints, ``--ckpt-step`` to an earlier one), unless ``--ckpt-overwrite``; a save
+  checks it again for its own iteration. ``missing_tracker_problem`` refuses to start from scratch when ``--load``
+  holds ``iter_N`` checkpoints but no tracker, unless ``--ckpt-fresh-start``.
+- **Only finite states are published.** ``first_non_finite_shard`` checks the tensors a save writes (model and
+  optimizer state, this rank's shards); a save holding NaN/Inf is kept aside as ``iter_N.nonfinite`` and the
+  tracker stays where it was.
 - **Named causes.** ``describe_save_failure`` turns ENOSPC / EDQUOT / EROFS / EACCES anywhere in an error (also
   inside DCP's per-rank failure text) into "no space left on device while writing <path>"-style messages.
 """
@@ -37,6 +45,8 @@ from megatron.core import dist_utils
 LOCK_FILENAME = "megatron_save.lock"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
+NONFINITE_SUFFIX = ".nonfinite"  # a save holding NaN/Inf, kept aside for inspection (never loaded, never removed)
+_CHECKPOINT_DIR = re.compile(r"^iter_(\d{7,})$")
 _LEFTOVER = re.compile(r"^(iter_\d{7}|release)(\.partial|\.replaced)$|^latest_checkpointed_iteration\.txt\.tmp\.\d+$")
 
 
@@ -293,6 +303,69 @@ def publish(partial_dir: str, checkpoint_dir: str) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
 
 
+# ---- nothing replaced, nothing orphaned ---------------------------------------------------------------------
+def complete_checkpoints(save_dir: str) -> List[int]:
+    """Iterations of the complete checkpoints in ``save_dir``, sorted: ``iter_N`` directories holding DCP's
+    ``.metadata`` (written last by every save, ours and upstream's)."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _CHECKPOINT_DIR.match(name)
+        if m and os.path.isfile(os.path.join(save_dir, name, ".metadata")):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def short_list(items: Iterable, limit: int = 6) -> str:
+    """``a, b, c``: at most ``limit`` items named, then how many more."""
+    items = [str(i) for i in items]
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def checkpoint_names(iterations: Iterable[int]) -> str:
+    return short_list(f"iter_{i:07d}" for i in iterations)
+
+
+def overwrite_problem(save_dir: str, first_iteration: int, tracker_iteration: Optional[int], what: str) -> Optional[str]:
+    """Why saves of iterations ``first_iteration`` and later into ``save_dir`` would lose a checkpoint: complete
+    checkpoints at or after ``first_iteration`` would be replaced (or orphaned once the tracker names an earlier
+    one), or the tracker (``tracker_iteration``, beyond ``first_iteration``) would move back. None when nothing is at stake. ``what`` names the
+    saves in the message."""
+    later = [n for n in complete_checkpoints(save_dir) if n >= first_iteration]
+    back = tracker_iteration is not None and tracker_iteration > first_iteration
+    if not later and not back:
+        return None
+    harm = ([f"replace or orphan {checkpoint_names(later)}"] if later else []) + (
+        [f"move its tracker back from iteration {tracker_iteration}"] if back else [])
+    return (f"--save {save_dir}: {what} would {' and '.join(harm)}; use another --save, resume from its latest "
+            f"checkpoint (--load {save_dir} without --finetune/--ckpt-step), or pass --ckpt-overwrite to replace them")
+
+
+def missing_tracker_problem(load_dir: str, tracker: str) -> Optional[str]:
+    """Why ``load_dir`` without a tracker must not mean "train from scratch": it holds complete checkpoints."""
+    found = complete_checkpoints(load_dir)
+    if not found:
+        return None
+    return (f"--load {load_dir} has no tracker {os.path.basename(tracker)} but holds {checkpoint_names(found)}: "
+            f"resume from the latest with --ckpt-step {found[-1]}, or pass --ckpt-fresh-start to train from random "
+            f"initialization")
+
+
+def set_aside_non_finite(partial_dir: str, checkpoint_dir: str) -> str:
+    """Rename the finished ``partial_dir`` of a save holding NaN/Inf to ``<iter_N>.nonfinite`` (an earlier one of
+    that name is replaced); returns that name. The tracker is left alone."""
+    aside = checkpoint_dir.rstrip(os.sep) + NONFINITE_SUFFIX
+    if os.path.lexists(aside):
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(partial_dir, aside)
+    fsync_dir(os.path.dirname(aside) or ".")
+    return aside
+
+
 # ---- resume checks ------------------------------------------------------------------------------------------
 # Arguments that decide the shapes (or the meaning) of the model's weights. (name, default when absent)
 MODEL_ARGS = (
@@ -354,16 +427,33 @@ def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple
 # ---- weights finite -----------------------------------------------------------------------------------------
 def first_non_finite(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
     """Name of the first floating-point tensor holding NaN or Inf (local data of DTensors; quantized tensors
-    dequantized one at a time), else None."""
+    dequantized one at a time), else None. One read of each tensor (``aminmax``: NaN propagates to both extremes,
+    an Inf is one; no mask tensor) and one host sync for all of them."""
     from megatron.core.fp8_utils import dequantize, is_quantized_tensor
 
+    names, extremes = [], []
     for name, t in named_tensors:
-        if t is None or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
         if is_quantized_tensor(t):
             t = dequantize(t)
         elif hasattr(t, "to_local"):
             t = t.to_local()
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            return name
-    return None
+        if t.is_floating_point() and t.numel():
+            lo, hi = torch.aminmax(t.detach())
+            names.append(name)
+            extremes.append(torch.stack([lo, hi]).float().to(extremes[0].device if extremes else lo.device))
+    if not names:
+        return None
+    bad = (~torch.isfinite(torch.stack(extremes)).all(dim=1)).nonzero().flatten().tolist()
+    return names[bad[0]] if bad else None
+
+
+def first_non_finite_shard(state_dict: dict) -> Optional[str]:
+    """Key of the first ShardedTensor (or factory) of a sharded state dict whose local data holds NaN or Inf: the
+    tensors a save writes from this rank (model and optimizer state)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return first_non_finite((v.key, v.data) for v in nested_values(state_dict)
+                            if isinstance(v, (ShardedTensor, ShardedTensorFactory)))
