@@ -512,8 +512,17 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
 
     Returns ``(iteration, num_floating_point_operations_so_far)``; ``(0, 0)`` when there is no checkpoint
     (an error with ``--exit-on-missing-checkpoint``). ``--finetune``: the model only, iteration 0.
-    ``--no-load-optim`` / ``--no-load-rng``: skip those parts. Sets ``args.consumed_train_samples``.
+    ``--no-load-optim`` / ``--no-load-rng``: skip those parts. Sets ``args.consumed_train_samples``. Every read
+    verifies item checksums as ``--ckpt-verify`` says.
     """
+    from megatron.core.dist_checkpointing.strategies.filesystem import checksum_verification
+
+    with checksum_verification(getattr(get_args(), "ckpt_verify", "auto")):
+        return _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict,
+                                skip_load_to_model_and_optimizer)
+
+
+def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, skip_load_to_model_and_optimizer):
     args = get_args()
     load_dir = getattr(args, load_arg)
     if not load_dir:
