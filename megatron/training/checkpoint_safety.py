@@ -34,6 +34,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -121,16 +122,61 @@ def _free_bytes(path: str) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+def _any_os_error(exc: Optional[BaseException]) -> Optional[OSError]:
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
+
+
 def describe_save_failure(exc: Optional[BaseException], path: str) -> str:
-    """One line for a failed save: the named OS cause with its path when there is one (also a full file system
-    detected afterwards, when the writer's own error lost the errno), else the exception."""
+    """One line for a failed save: the named OS cause with its path when there is one, else the errno the error
+    carries (``--save /proc/x``: ENOENT, not a full disk), else what a DCP writer thread raised, else a full file
+    system detected afterwards (the writer's own error lost the errno), else the exception."""
     named = named_os_error(exc)
+    if named is None:
+        other = _any_os_error(exc)
+        if other is not None:
+            code = other.errno
+            return (f"{os.strerror(code).lower()} (errno {errno.errorcode.get(code, code)}) while writing "
+                    f"{other.filename or path}")
+    if named is None:
+        named = named_os_error(pop_writer_thread_error())
     if named is None and _free_bytes(path) == 0:
         named = (errno.ENOSPC, None)
     if named is not None:
         code, filename = named
         return f"{_NAMED_ERRNOS[code]} (errno {errno.errorcode[code]}) while writing {filename or path}"
     return f"{type(exc).__name__}: {exc}" if exc is not None else "failed on another rank"
+
+
+# ---- DCP writer threads: their errors are summarised by the save, not printed as tracebacks ---------------------
+_WRITER_THREAD = "_write_files_from_queue"  # torch DCP FileSystemWriter's worker threads are named after it
+_writer_errors: List[BaseException] = []
+_previous_excepthook = None
+
+
+def quiet_writer_threads() -> None:
+    """Install (once) a ``threading.excepthook`` that keeps the exception of a DCP writer thread (a full disk, a
+    read-only file system) for ``describe_save_failure`` instead of printing its traceback: the save itself fails
+    on every rank with one line naming the cause. Other threads' exceptions are printed as before."""
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        return
+    _previous_excepthook = threading.excepthook
+
+    def hook(args):
+        if args.thread is not None and _WRITER_THREAD in args.thread.name and isinstance(args.exc_value, Exception):
+            del _writer_errors[:-7]  # keep the latest few
+            _writer_errors.append(args.exc_value)
+            return
+        _previous_excepthook(args)
+
+    threading.excepthook = hook
+
+
+def pop_writer_thread_error() -> Optional[BaseException]:
+    """The first exception a DCP writer thread raised since the last call (and forget them), or None."""
+    first = _writer_errors[0] if _writer_errors else None
+    _writer_errors.clear()
+    return first
 
 
 # ---- the save root's lock -----------------------------------------------------------------------------------
@@ -259,7 +305,7 @@ def check_save_dir(save_dir: str, flag: str = "--save") -> None:
                     print(f"WARNING: {note}", flush=True)
             except CheckpointError as e:
                 error = str(e)
-    raise_collectively(error)
+    broadcast_error_from_rank0(error)
 
 
 # ---- atomic publication -------------------------------------------------------------------------------------
@@ -319,11 +365,11 @@ def complete_checkpoints(save_dir: str) -> List[int]:
     return sorted(found)
 
 
-def short_list(items: Iterable, limit: int = 6) -> str:
+def short_list(items: Iterable, limit: int = 6, sep: str = ", ") -> str:
     """``a, b, c``: at most ``limit`` items named, then how many more."""
     items = [str(i) for i in items]
-    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
+    more = f"{sep}... ({len(items) - limit} more)" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more
 
 
 def checkpoint_names(iterations: Iterable[int]) -> str:
@@ -419,8 +465,7 @@ def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple
                             f"model shape {tuple(requested[key])}")
     unexpected = sorted(k for k in ckpt_shapes if k not in requested and not k.startswith(NON_MODEL_TENSOR_PREFIXES))
     if unexpected:
-        problems.append(f"unexpected model keys in the checkpoint (not in the model): {unexpected[:8]}"
-                        f"{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"unexpected model keys in the checkpoint (not in the model): {short_list(unexpected, 4)}")
     return problems
 
 

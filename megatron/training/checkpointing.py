@@ -248,6 +248,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     safety.raise_collectively(error)
 
     error, cause, request = None, None, None
+    safety.quiet_writer_threads()  # a writer thread's error is named in the save's one line, not printed
     start = time.time()
     strategy = _save_strategy(args)
     try:
@@ -257,8 +258,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
         non_finite = _non_finite_state(args, state_dict)
-        request = dist_checkpointing.save(state_dict, partial_dir, sharded_strategy=strategy,
-                                          async_sharded_save=async_save)
+        request = dist_checkpointing.save(
+            state_dict, partial_dir, sharded_strategy=strategy, async_sharded_save=async_save,
+            preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or preprocess_common_state_dict)
     except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         error, cause = e, safety.describe_save_failure(e, partial_dir)
     tracker = get_checkpoint_tracker_filename(save_dir)
@@ -298,6 +300,18 @@ def _non_finite_state(args, state_dict: dict) -> Optional[str]:
         return None
     print_rank_0(f"  checked the saved tensors finite in {time.perf_counter() - start:.3f} s")
     return bad
+
+
+_RANK_ARGS = ("rank", "local_rank")  # arguments that differ between ranks on purpose
+
+
+def preprocess_common_state_dict(common_state_dict: dict) -> dict:
+    """The common state as a save compares it across ranks (upstream's name): ``args`` as a dict without the
+    rank-specific arguments, so only real differences are warned about."""
+    out = dict(common_state_dict)
+    if out.get("args") is not None:
+        out["args"] = {k: v for k, v in vars(out["args"]).items() if k not in _RANK_ARGS}
+    return out
 
 
 def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_dir: str,
@@ -476,12 +490,12 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
             differ = f"arguments that differ: {safety.format_mismatches(mismatches)}" if mismatches else ""
             strictness = str(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
             problems = [] if strictness == "ignore_all" else safety.model_key_problems(requested, ckpt_shapes)
+            problems = [safety.short_list(problems, 2, "; ")] if problems else []  # one line: a count for the rest
             if mismatches and not args.finetune:
                 error = (f"checkpoint {checkpoint_dir} was saved by a different model: {differ} "
                          f"(--finetune loads its weights anyway where every tensor still fits)")
             elif problems:
-                text = (f"checkpoint {checkpoint_dir} does not fit the model: {'; '.join(problems[:6])}"
-                        f"{' ...' if len(problems) > 6 else ''}{'; ' + differ if differ else ''}")
+                text = f"checkpoint {checkpoint_dir} does not fit the model: {problems[0]}{'; ' + differ if differ else ''}"
                 if strict and not strictness.startswith("log_"):
                     error = text
                 else:

@@ -35,6 +35,7 @@ from megatron.training.utils import (
     current_rss_bytes,
     memory_report,
     print_rank_0,
+    TrainingStopped,
 )
 
 try:
@@ -402,7 +403,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 skipped += 1
                 result.skipped_iterations += 1
             if not math.isfinite(value) and getattr(args, "check_for_nan_in_loss_and_grad", True):
-                raise RuntimeError(
+                raise TrainingStopped(
                     f"lm loss is {value} at iteration {iteration} (not finite); that iteration's update was "
                     f"{'skipped' if not ok else 'applied'} (--no-check-for-nan-in-loss-and-grad to go on)"
                 )
