@@ -154,3 +154,30 @@ def _no_false_warning_body(rank, world_size, ckpt):
 
 def test_no_false_common_state_warning(tmp_path):
     run_distributed(_no_false_warning_body, 2, str(tmp_path / "ckpt"))
+
+
+# ---- said once per job, not once per rank -----------------------------------------------------------------------
+def _said_once_body(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron.core import dist_utils
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    dist_utils._said_once.clear()  # this forked rank's copy: what the test process said before does not count
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    async_utils.logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            assert async_utils.resolve_async_strategy("nvrx") == "mcore"
+    finally:
+        async_utils.logger.removeHandler(handler)
+    said = [None] * world_size
+    dist.all_gather_object(said, [r.getMessage() for r in records])
+    assert [len(s) for s in said] == [1, 0], said
+    assert said[0][0].startswith("async checkpoint save: nvidia-resiliency-ext is ") and "(mcore)" in said[0][0]
+
+
+def test_same_warning_on_every_rank_said_once(tmp_path):
+    run_distributed(_said_once_body, 2)

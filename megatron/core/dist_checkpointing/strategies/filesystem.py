@@ -119,8 +119,8 @@ def parse_checksum(text: Any) -> Tuple[str, int]:
         raise CheckpointingException(f"malformed item checksum {text!r} in the checkpoint metadata") from None
 
 
-def _log_once(key, level: int, message: str) -> None:
-    dist_utils.log_once(logger, key, level, message)
+def _log_once(key, level: int, message: str, rank0: bool = False) -> None:
+    dist_utils.log_once(logger, key, level, message, rank0=rank0)
 
 
 # ---- .metadata -------------------------------------------------------------------------------------------------
@@ -533,6 +533,7 @@ class ChecksummedFileSystemReader(FileSystemReader):
                 logging.WARNING,
                 f"{self.path}: item checksums use {algorithm!r}, which is not available here (install the crc32c or "
                 f"google-crc32c package): the items are read unverified",
+                rank0=True,
             )
             return None
         return algorithm, value, update
