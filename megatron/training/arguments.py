@@ -196,15 +196,13 @@ def _add_checkpointing_args(parser):
                         "holds NaN or Inf.")
     # -- checkpoint safety (this fork's flags: upstream 0.19 has none for these) --
     g.add_argument("--ckpt-verify", default="auto", choices=["auto", "require", "off"],
-                   help="Item checksums on a checkpoint load: auto (default) verifies those present and loads "
-                        "checkpoints without them (upstream's) unverified, said once; require refuses a checkpoint "
-                        "or item without a checksum this installation can verify; off reads without verifying.")
-    g.add_argument("--ckpt-overwrite", action="store_true",
-                   help="Let saves replace complete checkpoints already in --save and move its tracker back to an "
-                        "earlier iteration (default: refused, before training starts).")
-    g.add_argument("--ckpt-fresh-start", action="store_true",
-                   help="Start from random initialization although --load holds iter_N checkpoints but no tracker "
-                        "(default: refused; --ckpt-step N resumes from one of them).")
+                   help="Item checksums on load: auto (default) verifies those present, loads checkpoints without "
+                        "them (upstream's) unverified, said once; require refuses a checkpoint or item without a "
+                        "checksum this installation can verify; off verifies nothing.")
+    g.add_argument("--ckpt-overwrite", action="store_true", help="Let saves replace complete checkpoints in --save "
+                   "and move its tracker back (default: such a run is refused before training).")
+    g.add_argument("--ckpt-fresh-start", action="store_true", help="Train from random initialization although --load "
+                   "holds iter_N checkpoints but no tracker (default: refused; --ckpt-step N resumes from one).")
 
 
 def _add_mixed_precision_args(parser):

@@ -174,3 +174,53 @@ def _non_finite_body(rank, world_size, root, async_save):
 @pytest.mark.parametrize("async_save", [False, True])
 def test_non_finite_state_is_set_aside(tmp_path, async_save):
     run_distributed(_non_finite_body, 2, str(tmp_path), async_save)
+
+
+# ---- the flags ---------------------------------------------------------------------------------------------------
+def test_flags_parse_and_bad_values_are_named(capsys, monkeypatch):
+    from tests.unit_tests.training.test_arguments import BASE, _args
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    a = _args()
+    assert (a.ckpt_verify, a.ckpt_overwrite, a.ckpt_fresh_start) == ("auto", False, False)  # upstream behaviour
+    a = _args("--ckpt-verify", "require", "--ckpt-overwrite", "--save", "/tmp/x", "--load", "/tmp/x",
+              "--ckpt-fresh-start")
+    assert (a.ckpt_verify, a.ckpt_overwrite, a.ckpt_fresh_start) == ("require", True, True)
+    with pytest.raises(SystemExit) as e:
+        _args("--ckpt-fresh-start")
+    assert str(e.value).startswith("megatron argument error: --ckpt-fresh-start needs --load <dir>")
+    from megatron.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(args=BASE + ["--ckpt-verify", "always"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ckpt-verify" in err[0] and "always" in err[0], err
+
+
+def _nan_check_off_body(rank, world_size, ckpt):
+    """--no-check-for-nan-in-loss-and-grad goes on through non-finite values on purpose: published, with a warning."""
+    box = []
+    restore = _capture_optimizer(box)
+    printed = []
+    import builtins
+
+    real_print = builtins.print
+    builtins.print = lambda *a, **k: (printed.append(" ".join(map(str, a))), real_print(*a, **k))
+    try:
+        poison = lambda i, m, l: _poison_exp_avg_sq(box[-1]) if i == 1 else None  # noqa: E731
+        _run(TINY + ["--train-iters", 2, "--save", ckpt, "--save-interval", 2, "--no-check-for-nan-in-loss-and-grad"],
+             on_iteration_end=poison)
+    finally:
+        builtins.print = real_print
+        restore()
+    assert _tracker(ckpt) == "2"
+    warned = [p for p in printed if "holds NaN or Inf; publishing it anyway" in p]
+    assert len(warned) == (1 if rank == 0 else 0), printed[-5:]
+    assert warned == [] or re.fullmatch(r"WARNING: checkpoint tensor \S+ \(rank 0\) holds NaN or Inf; publishing it "
+                                        r"anyway \(--no-check-for-nan-in-loss-and-grad\)", warned[0]), warned
+
+
+def test_non_finite_published_only_when_nan_checks_are_off(tmp_path):
+    run_distributed(_nan_check_off_body, 2, str(tmp_path / "c"))
