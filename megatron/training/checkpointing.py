@@ -247,7 +247,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             error = f"saving checkpoint {checkpoint_dir} failed: {safety.describe_save_failure(e, partial_dir)}"
     safety.raise_collectively(error)
 
-    error, cause, request = None, None, None
+    error, cause, request, non_finite = None, None, None, None
     safety.quiet_writer_threads()  # a writer thread's error is named in the save's one line, not printed
     start = time.time()
     strategy = _save_strategy(args)
@@ -298,7 +298,7 @@ def _non_finite_state(args, state_dict: dict) -> Optional[str]:
         print_rank_0(f"WARNING: checkpoint tensor {bad} holds NaN or Inf; publishing it anyway "
                      f"(--no-check-for-nan-in-loss-and-grad)")
         return None
-    print_rank_0(f"  checked the saved tensors finite in {time.perf_counter() - start:.3f} s")
+    print_rank_0(f"  checked the saved tensors for NaN/Inf in {time.perf_counter() - start:.3f} s")
     return bad
 
 
@@ -309,7 +309,7 @@ def preprocess_common_state_dict(common_state_dict: dict) -> dict:
     """The common state as a save compares it across ranks (upstream's name): ``args`` as a dict without the
     rank-specific arguments, so only real differences are warned about."""
     out = dict(common_state_dict)
-    if out.get("args") is not None:
+    if hasattr(out.get("args"), "__dict__"):
         out["args"] = {k: v for k, v in vars(out["args"]).items() if k not in _RANK_ARGS}
     return out
 

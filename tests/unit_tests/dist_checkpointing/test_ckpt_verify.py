@@ -11,6 +11,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 
+from megatron.core import dist_utils
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.strategies import filesystem as fs_mod
 from megatron.core.dist_checkpointing.strategies.filesystem import (
@@ -78,6 +79,7 @@ def test_require_refuses_an_algorithm_not_installed(tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     dcp_save(_state(), storage_writer=ChecksummedFileSystemWriter(ckpt, algorithm="crc32"))
     monkeypatch.setattr(fs_mod, "ALGORITHMS", {})
+    monkeypatch.setattr(dist_utils, "_said_once", set())  # what auto says once here is not taken from other tests
     with pytest.raises(CheckpointingException, match=r"--ckpt-verify require: checkpoint item '\w+' .*in \S+\.distcp, "
                                                      r"bytes \[\d+, \d+\) has a 'crc32' checksum, which this "
                                                      r"installation cannot compute"):
