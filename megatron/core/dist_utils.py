@@ -67,8 +67,10 @@ def raise_collectively(
 _said_once: Set[Hashable] = set()
 
 
-def log_once(logger: logging.Logger, key: Hashable, level: int, message: str) -> None:
-    """``logger.log(level, message)`` the first time ``key`` is seen in this process."""
+def log_once(logger: logging.Logger, key: Hashable, level: int, message: str, rank0: bool = False) -> None:
+    """``logger.log(level, message)`` the first time ``key`` is seen in this process; ``rank0``: only on global rank
+    0 (a message every rank would print the same, said once per job instead of once per rank)."""
     if key not in _said_once:
         _said_once.add(key)
-        logger.log(level, message)
+        if not rank0 or get_rank() == 0:
+            logger.log(level, message)

@@ -194,6 +194,15 @@ def _add_checkpointing_args(parser):
     g.add_argument("--check-weights-finite", action="store_true",
                    help="Right after a checkpoint load, stop with an error naming the first model tensor that "
                         "holds NaN or Inf.")
+    # -- checkpoint safety (this fork's flags: upstream 0.19 has none for these) --
+    g.add_argument("--ckpt-verify", default="auto", choices=["auto", "require", "off"],
+                   help="Item checksums on load: auto (default) verifies those present, loads checkpoints without "
+                        "them (upstream's) unverified, said once; require refuses a checkpoint or item without a "
+                        "checksum this installation can verify; off verifies nothing.")
+    g.add_argument("--ckpt-overwrite", action="store_true", help="Let saves replace complete checkpoints in --save "
+                   "and move its tracker back (default: such a run is refused before training).")
+    g.add_argument("--ckpt-fresh-start", action="store_true", help="Train from random initialization although --load "
+                   "holds iter_N checkpoints but no tracker (default: refused; --ckpt-step N resumes from one).")
 
 
 def _add_mixed_precision_args(parser):
@@ -720,6 +729,9 @@ def validate_args(args, defaults={}):
             setattr(args, flag, False)
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         _fail("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
+    if args.ckpt_fresh_start and not args.load:
+        _fail("--ckpt-fresh-start needs --load <dir> (it allows starting from scratch although --load holds "
+              "checkpoints without a tracker)")
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")

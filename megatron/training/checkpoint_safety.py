@@ -14,6 +14,14 @@
 - **Resume checks.** ``checkpoint_args_mismatches`` compares the model-shape arguments stored in the checkpoint
   with the run's (upstream's ``check_checkpoint_args``); ``model_key_problems`` compares the model's tensor keys and
   global shapes with the checkpoint's (a 4-layer checkpoint never fills a 2-layer model silently).
+- **Nothing replaced, nothing orphaned.** ``save_target_problem`` (start-up, before training) refuses a run whose
+  saves would replace complete checkpoints already in ``--save`` or move its tracker back (``--finetune`` or a fresh
+  run into a directory with checkpoints, ``--ckpt-step`` to an earlier one), unless ``--ckpt-overwrite``; a save
+  checks it again for its own iteration. ``missing_tracker_problem`` refuses to start from scratch when ``--load``
+  holds ``iter_N`` checkpoints but no tracker, unless ``--ckpt-fresh-start``.
+- **Only finite states are published.** ``first_non_finite_shard`` checks the tensors a save writes (model and
+  optimizer state, this rank's shards); a save holding NaN/Inf is kept aside as ``iter_N.nonfinite`` and the
+  tracker stays where it was.
 - **Named causes.** ``describe_save_failure`` turns ENOSPC / EDQUOT / EROFS / EACCES anywhere in an error (also
   inside DCP's per-rank failure text) into "no space left on device while writing <path>"-style messages.
 """
@@ -26,6 +34,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -37,6 +46,8 @@ from megatron.core import dist_utils
 LOCK_FILENAME = "megatron_save.lock"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
+NONFINITE_SUFFIX = ".nonfinite"  # a save holding NaN/Inf, kept aside for inspection (never loaded, never removed)
+_CHECKPOINT_DIR = re.compile(r"^iter_(\d{7,})$")
 _LEFTOVER = re.compile(r"^(iter_\d{7}|release)(\.partial|\.replaced)$|^latest_checkpointed_iteration\.txt\.tmp\.\d+$")
 
 
@@ -111,16 +122,61 @@ def _free_bytes(path: str) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+def _any_os_error(exc: Optional[BaseException]) -> Optional[OSError]:
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
+
+
 def describe_save_failure(exc: Optional[BaseException], path: str) -> str:
-    """One line for a failed save: the named OS cause with its path when there is one (also a full file system
-    detected afterwards, when the writer's own error lost the errno), else the exception."""
+    """One line for a failed save: the named OS cause with its path when there is one, else the errno the error
+    carries (``--save /proc/x``: ENOENT, not a full disk), else what a DCP writer thread raised, else a full file
+    system detected afterwards (the writer's own error lost the errno), else the exception."""
     named = named_os_error(exc)
+    if named is None:
+        other = _any_os_error(exc)
+        if other is not None:
+            code = other.errno
+            return (f"{os.strerror(code).lower()} (errno {errno.errorcode.get(code, code)}) while writing "
+                    f"{other.filename or path}")
+    if named is None:
+        named = named_os_error(pop_writer_thread_error())
     if named is None and _free_bytes(path) == 0:
         named = (errno.ENOSPC, None)
     if named is not None:
         code, filename = named
         return f"{_NAMED_ERRNOS[code]} (errno {errno.errorcode[code]}) while writing {filename or path}"
     return f"{type(exc).__name__}: {exc}" if exc is not None else "failed on another rank"
+
+
+# ---- DCP writer threads: their errors are summarised by the save, not printed as tracebacks ---------------------
+_WRITER_THREAD = "_write_files_from_queue"  # torch DCP FileSystemWriter's worker threads are named after it
+_writer_errors: List[BaseException] = []
+_previous_excepthook = None
+
+
+def quiet_writer_threads() -> None:
+    """Install (once) a ``threading.excepthook`` that keeps the exception of a DCP writer thread (a full disk, a
+    read-only file system) for ``describe_save_failure`` instead of printing its traceback: the save itself fails
+    on every rank with one line naming the cause. Other threads' exceptions are printed as before."""
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        return
+    _previous_excepthook = threading.excepthook
+
+    def hook(args):
+        if args.thread is not None and _WRITER_THREAD in args.thread.name and isinstance(args.exc_value, Exception):
+            del _writer_errors[:-7]  # keep the latest few
+            _writer_errors.append(args.exc_value)
+            return
+        _previous_excepthook(args)
+
+    threading.excepthook = hook
+
+
+def pop_writer_thread_error() -> Optional[BaseException]:
+    """The first exception a DCP writer thread raised since the last call (and forget them), or None."""
+    first = _writer_errors[0] if _writer_errors else None
+    _writer_errors.clear()
+    return first
 
 
 # ---- the save root's lock -----------------------------------------------------------------------------------
@@ -249,7 +305,7 @@ def check_save_dir(save_dir: str, flag: str = "--save") -> None:
                     print(f"WARNING: {note}", flush=True)
             except CheckpointError as e:
                 error = str(e)
-    raise_collectively(error)
+    broadcast_error_from_rank0(error)
 
 
 # ---- atomic publication -------------------------------------------------------------------------------------
@@ -291,6 +347,69 @@ def publish(partial_dir: str, checkpoint_dir: str) -> None:
     fsync_dir(os.path.dirname(checkpoint_dir.rstrip(os.sep)) or ".")
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
+
+
+# ---- nothing replaced, nothing orphaned ---------------------------------------------------------------------
+def complete_checkpoints(save_dir: str) -> List[int]:
+    """Iterations of the complete checkpoints in ``save_dir``, sorted: ``iter_N`` directories holding DCP's
+    ``.metadata`` (written last by every save, ours and upstream's)."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _CHECKPOINT_DIR.match(name)
+        if m and os.path.isfile(os.path.join(save_dir, name, ".metadata")):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def short_list(items: Iterable, limit: int = 6, sep: str = ", ") -> str:
+    """``a, b, c``: at most ``limit`` items named, then how many more."""
+    items = [str(i) for i in items]
+    more = f"{sep}... ({len(items) - limit} more)" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more
+
+
+def checkpoint_names(iterations: Iterable[int]) -> str:
+    return short_list(f"iter_{i:07d}" for i in iterations)
+
+
+def overwrite_problem(save_dir: str, first_iteration: int, tracker_iteration: Optional[int], what: str) -> Optional[str]:
+    """Why saves of iterations ``first_iteration`` and later into ``save_dir`` would lose a checkpoint: complete
+    checkpoints at or after ``first_iteration`` would be replaced (or orphaned once the tracker names an earlier
+    one), or the tracker (``tracker_iteration``, beyond ``first_iteration``) would move back. None when nothing is at stake. ``what`` names the
+    saves in the message."""
+    later = [n for n in complete_checkpoints(save_dir) if n >= first_iteration]
+    back = tracker_iteration is not None and tracker_iteration > first_iteration
+    if not later and not back:
+        return None
+    harm = ([f"replace or orphan {checkpoint_names(later)}"] if later else []) + (
+        [f"move its tracker back from iteration {tracker_iteration}"] if back else [])
+    return (f"--save {save_dir}: {what} would {' and '.join(harm)}; use another --save, resume from its latest "
+            f"checkpoint (--load {save_dir} without --finetune/--ckpt-step), or pass --ckpt-overwrite to replace them")
+
+
+def missing_tracker_problem(load_dir: str, tracker: str) -> Optional[str]:
+    """Why ``load_dir`` without a tracker must not mean "train from scratch": it holds complete checkpoints."""
+    found = complete_checkpoints(load_dir)
+    if not found:
+        return None
+    return (f"--load {load_dir} has no tracker {os.path.basename(tracker)} but holds {checkpoint_names(found)}: "
+            f"resume from the latest with --ckpt-step {found[-1]}, or pass --ckpt-fresh-start to train from random "
+            f"initialization")
+
+
+def set_aside_non_finite(partial_dir: str, checkpoint_dir: str) -> str:
+    """Rename the finished ``partial_dir`` of a save holding NaN/Inf to ``<iter_N>.nonfinite`` (an earlier one of
+    that name is replaced); returns that name. The tracker is left alone."""
+    aside = checkpoint_dir.rstrip(os.sep) + NONFINITE_SUFFIX
+    if os.path.lexists(aside):
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(partial_dir, aside)
+    fsync_dir(os.path.dirname(aside) or ".")
+    return aside
 
 
 # ---- resume checks ------------------------------------------------------------------------------------------
@@ -346,24 +465,40 @@ def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple
                             f"model shape {tuple(requested[key])}")
     unexpected = sorted(k for k in ckpt_shapes if k not in requested and not k.startswith(NON_MODEL_TENSOR_PREFIXES))
     if unexpected:
-        problems.append(f"unexpected model keys in the checkpoint (not in the model): {unexpected[:8]}"
-                        f"{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"unexpected model keys in the checkpoint (not in the model): {short_list(unexpected, 4)}")
     return problems
 
 
 # ---- weights finite -----------------------------------------------------------------------------------------
 def first_non_finite(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
     """Name of the first floating-point tensor holding NaN or Inf (local data of DTensors; quantized tensors
-    dequantized one at a time), else None."""
+    dequantized one at a time), else None. One read of each tensor (``aminmax``: NaN propagates to both extremes,
+    an Inf is one; no mask tensor) and one host sync for all of them."""
     from megatron.core.fp8_utils import dequantize, is_quantized_tensor
 
+    names, extremes = [], []
     for name, t in named_tensors:
-        if t is None or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
         if is_quantized_tensor(t):
             t = dequantize(t)
         elif hasattr(t, "to_local"):
             t = t.to_local()
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            return name
-    return None
+        if t.is_floating_point() and t.numel():
+            lo, hi = torch.aminmax(t.detach())
+            names.append(name)
+            extremes.append(torch.stack([lo, hi]).float().to(extremes[0].device if extremes else lo.device))
+    if not names:
+        return None
+    bad = (~torch.isfinite(torch.stack(extremes)).all(dim=1)).nonzero().flatten().tolist()
+    return names[bad[0]] if bad else None
+
+
+def first_non_finite_shard(state_dict: dict) -> Optional[str]:
+    """Key of the first ShardedTensor (or factory) of a sharded state dict whose local data holds NaN or Inf: the
+    tensors a save writes from this rank (model and optimizer state)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return first_non_finite((v.key, v.data) for v in nested_values(state_dict)
+                            if isinstance(v, (ShardedTensor, ShardedTensorFactory)))

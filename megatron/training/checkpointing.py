@@ -50,7 +50,32 @@ def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = F
 
 
 def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
-    """(iteration, release) from a tracker file."""
+    """(iteration, release) from a tracker file (collective when distributed: every rank must read the same)."""
+    iteration, release = _parse_tracker(tracker_filename)
+    if release:
+        return 0, True
+    if is_distributed():  # every rank must agree on what it read
+        t = torch.tensor([iteration, -iteration], dtype=torch.long, device=parallel_state.collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != iteration or int(-t[1]) != iteration:
+            raise CheckpointError(f"checkpoint tracker {tracker_filename}: ranks read different iterations")
+    return iteration, False
+
+
+def _tracker_iteration(save_dir: str) -> Optional[int]:
+    """The iteration the tracker of ``save_dir`` names, by this process alone; None without a (readable, numeric)
+    tracker."""
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    if not os.path.isfile(tracker):
+        return None
+    try:
+        iteration, release = _parse_tracker(tracker)
+    except CheckpointError:
+        return None
+    return None if release else iteration
+
+
+def _parse_tracker(tracker_filename: str) -> Tuple[int, bool]:
     try:
         with open(tracker_filename, "rb") as f:
             raw = f.read(_TRACKER_MAX_BYTES + 1)
@@ -72,11 +97,6 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
         raise CheckpointError(f"checkpoint tracker {tracker_filename}: expected an iteration or 'release', got {text!r}")
     if iteration < 0:
         raise CheckpointError(f"checkpoint tracker {tracker_filename}: negative iteration {iteration}")
-    if is_distributed():  # every rank must agree on what it read
-        t = torch.tensor([iteration, -iteration], dtype=torch.long, device=parallel_state.collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != iteration or int(-t[1]) != iteration:
-            raise CheckpointError(f"checkpoint tracker {tracker_filename}: ranks read different iterations")
     return iteration, False
 
 
@@ -214,6 +234,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
     safety.check_save_dir(save_dir)  # a no-op lock-wise when this job already holds it
     error = None
+    if get_rank() == 0 and not getattr(args, "ckpt_overwrite", False):
+        error = safety.overwrite_problem(save_dir, iteration, _tracker_iteration(save_dir), f"saving iteration {iteration}")
+    safety.broadcast_error_from_rank0(error)
     if get_rank() == 0:
         try:
             removed = safety.remove_leftovers(save_dir)
@@ -224,7 +247,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             error = f"saving checkpoint {checkpoint_dir} failed: {safety.describe_save_failure(e, partial_dir)}"
     safety.raise_collectively(error)
 
-    error, cause, request = None, None, None
+    error, cause, request, non_finite = None, None, None, None
+    safety.quiet_writer_threads()  # a writer thread's error is named in the save's one line, not printed
     start = time.time()
     strategy = _save_strategy(args)
     try:
@@ -233,8 +257,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
-        request = dist_checkpointing.save(state_dict, partial_dir, sharded_strategy=strategy,
-                                          async_sharded_save=async_save)
+        non_finite = _non_finite_state(args, state_dict)
+        request = dist_checkpointing.save(
+            state_dict, partial_dir, sharded_strategy=strategy, async_sharded_save=async_save,
+            preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or preprocess_common_state_dict)
     except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         error, cause = e, safety.describe_save_failure(e, partial_dir)
     tracker = get_checkpoint_tracker_filename(save_dir)
@@ -246,18 +272,65 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         raise CheckpointError(f"saving checkpoint {checkpoint_dir} failed: {e}; {tracker} was not advanced "
                               f"(it still names the previous checkpoint)") from error
     if request is None:
-        _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir)
+        _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, non_finite=non_finite)
         return
     request.add_finalize_fn(
-        lambda: _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, scheduled_at=start)
+        lambda: _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, scheduled_at=start,
+                               non_finite=non_finite)
     )
     _schedule_async_save(request, iteration, save_dir, start, strategy)
+    if non_finite is not None:  # stop now (the save is set aside when it finished), not at a later finalize
+        maybe_finalize_async_save(blocking=True)
+
+
+def _non_finite_state(args, state_dict: dict) -> Optional[str]:
+    """Which tensor a save is about to write holds NaN/Inf ("<key> (rank R)", the first of the lowest rank), checked
+    on every rank's own shards; None when all are finite. Collective. With --no-check-for-nan-in-loss-and-grad the
+    finding is only a warning (that run goes on through non-finite values on purpose)."""
+    start = time.perf_counter()
+    key = safety.first_non_finite_shard(state_dict)
+    found = [key]
+    if get_world_size() > 1:
+        found = [None] * get_world_size()
+        dist.all_gather_object(found, key)
+    bad = next((f"{k} (rank {r})" for r, k in enumerate(found) if k is not None), None)
+    if bad is not None and not getattr(args, "check_for_nan_in_loss_and_grad", True):
+        print_rank_0(f"WARNING: checkpoint tensor {bad} holds NaN or Inf; publishing it anyway "
+                     f"(--no-check-for-nan-in-loss-and-grad)")
+        return None
+    print_rank_0(f"  checked the saved tensors for NaN/Inf in {time.perf_counter() - start:.3f} s")
+    return bad
+
+
+_RANK_ARGS = ("rank", "local_rank")  # arguments that differ between ranks on purpose
+
+
+def preprocess_common_state_dict(common_state_dict: dict) -> dict:
+    """The common state as a save compares it across ranks (upstream's name): ``args`` as a dict without the
+    rank-specific arguments, so only real differences are warned about."""
+    out = dict(common_state_dict)
+    if hasattr(out.get("args"), "__dict__"):
+        out["args"] = {k: v for k, v in vars(out["args"]).items() if k not in _RANK_ARGS}
+    return out
 
 
 def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_dir: str,
-                   scheduled_at: Optional[float] = None) -> None:
+                   scheduled_at: Optional[float] = None, non_finite: Optional[str] = None) -> None:
     """The end of a save, after every rank wrote its part (collective): the one place that publishes the partial
-    directory as ``iter_N`` and advances the tracker."""
+    directory as ``iter_N`` and advances the tracker. A save holding NaN/Inf (``non_finite``: the tensor) is set
+    aside as ``iter_N.nonfinite`` instead, the tracker stays, and every rank raises CheckpointError."""
+    if non_finite is not None:
+        error = None
+        if get_rank() == 0:
+            try:
+                aside = safety.set_aside_non_finite(partial_dir, checkpoint_dir)
+            except OSError as e:
+                aside = f"(not kept: {safety.describe_save_failure(e, save_dir)})"
+            previous = _tracker_iteration(save_dir)
+            error = (f"checkpoint of iteration {iteration} not published: tensor {non_finite} holds NaN or Inf; "
+                     f"written aside to {aside}; {get_checkpoint_tracker_filename(save_dir)} still names "
+                     f"{'no checkpoint' if previous is None else f'iteration {previous}'}")
+        safety.broadcast_error_from_rank0(error)
     error = None
     if get_rank() == 0:
         try:
@@ -269,6 +342,21 @@ def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_d
     safety.raise_collectively(error)
     how = "" if scheduled_at is None else f" (asynchronous: finished {time.time() - scheduled_at:.2f} s after it was scheduled)"
     print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}{how}")
+
+
+def check_save_target(args, start_iteration: int) -> None:
+    """Before training (collective): refuse a run whose saves into ``--save`` would replace complete checkpoints
+    there or move its tracker back (``--finetune``, a fresh run, ``--ckpt-step`` to an earlier checkpoint), unless
+    ``--ckpt-overwrite``."""
+    if not args.save or getattr(args, "ckpt_overwrite", False):
+        return
+    error = None
+    if get_rank() == 0:
+        why = (" (--finetune)" if args.finetune else f" (--ckpt-step {args.ckpt_step})" if args.ckpt_step is not None
+               else " (from scratch)" if start_iteration == 0 else "")
+        error = safety.overwrite_problem(args.save, start_iteration + 1, _tracker_iteration(args.save),
+                                         f"this run starts at iteration {start_iteration}{why} and its saves")
+    safety.broadcast_error_from_rank0(error)
 
 
 # ---- asynchronous save (--async-save) ---------------------------------------------------------------------------
@@ -402,12 +490,12 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
             differ = f"arguments that differ: {safety.format_mismatches(mismatches)}" if mismatches else ""
             strictness = str(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
             problems = [] if strictness == "ignore_all" else safety.model_key_problems(requested, ckpt_shapes)
+            problems = [safety.short_list(problems, 2, "; ")] if problems else []  # one line: a count for the rest
             if mismatches and not args.finetune:
                 error = (f"checkpoint {checkpoint_dir} was saved by a different model: {differ} "
                          f"(--finetune loads its weights anyway where every tensor still fits)")
             elif problems:
-                text = (f"checkpoint {checkpoint_dir} does not fit the model: {'; '.join(problems[:6])}"
-                        f"{' ...' if len(problems) > 6 else ''}{'; ' + differ if differ else ''}")
+                text = f"checkpoint {checkpoint_dir} does not fit the model: {problems[0]}{'; ' + differ if differ else ''}"
                 if strict and not strictness.startswith("log_"):
                     error = text
                 else:
@@ -438,8 +526,17 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
 
     Returns ``(iteration, num_floating_point_operations_so_far)``; ``(0, 0)`` when there is no checkpoint
     (an error with ``--exit-on-missing-checkpoint``). ``--finetune``: the model only, iteration 0.
-    ``--no-load-optim`` / ``--no-load-rng``: skip those parts. Sets ``args.consumed_train_samples``.
+    ``--no-load-optim`` / ``--no-load-rng``: skip those parts. Sets ``args.consumed_train_samples``. Every read
+    verifies item checksums as ``--ckpt-verify`` says.
     """
+    from megatron.core.dist_checkpointing.strategies.filesystem import checksum_verification
+
+    with checksum_verification(getattr(get_args(), "ckpt_verify", "auto")):
+        return _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict,
+                                skip_load_to_model_and_optimizer)
+
+
+def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, skip_load_to_model_and_optimizer):
     args = get_args()
     load_dir = getattr(args, load_arg)
     if not load_dir:
@@ -449,6 +546,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         tracker = get_checkpoint_tracker_filename(load_dir)
         if args.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint tracker {tracker} in --{load_arg.replace('_', '-')} {load_dir}")
+        if not getattr(args, "ckpt_fresh_start", False):
+            safety.broadcast_error_from_rank0(
+                safety.missing_tracker_problem(load_dir, tracker) if get_rank() == 0 else None)
         print_rank_0(f"WARNING: no checkpoint tracker {tracker}; training from random initialization")
         return 0, 0
     iteration, release, checkpoint_dir = found

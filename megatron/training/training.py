@@ -25,7 +25,8 @@ from megatron.training.arguments import (
     optimizer_config_from_args,
 )
 from megatron.training.checkpoint_safety import check_save_dir
-from megatron.training.checkpointing import load_checkpoint, maybe_finalize_async_save, save_checkpoint
+from megatron.training.checkpointing import (check_save_target, load_checkpoint, maybe_finalize_async_save,
+                                             save_checkpoint)
 from megatron.training.global_vars import get_args, get_scalar_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.profiling import TrainingProfiler
@@ -34,6 +35,7 @@ from megatron.training.utils import (
     current_rss_bytes,
     memory_report,
     print_rank_0,
+    TrainingStopped,
 )
 
 try:
@@ -401,7 +403,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 skipped += 1
                 result.skipped_iterations += 1
             if not math.isfinite(value) and getattr(args, "check_for_nan_in_loss_and_grad", True):
-                raise RuntimeError(
+                raise TrainingStopped(
                     f"lm loss is {value} at iteration {iteration} (not finite); that iteration's update was "
                     f"{'skipped' if not ok else 'applied'} (--no-check-for-nan-in-loss-and-grad to go on)"
                 )
@@ -483,6 +485,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     if args.save:  # before any work: --save writable and this job's alone (all ranks stop otherwise)
         check_save_dir(args.save)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    if not args.skip_train:  # before any step: its saves replace no checkpoint and move no tracker back
+        check_save_target(args, args.iteration)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(train_valid_test_dataset_provider)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

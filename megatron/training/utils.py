@@ -66,9 +66,14 @@ def memory_report() -> str:
     return f"mem RSS (MiB): {current_rss_bytes() / 2**20:.1f}"
 
 
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose, the same way on every rank (a non-finite loss); ``exit_on_user_error`` prints it
+    as one line."""
+
+
 @contextmanager
 def exit_on_user_error():
-    """Turn a checkpoint or argument error (raised the same on every rank) into one line on rank 0's stderr,
+    """Turn a checkpoint or argument error or a stop of training (raised the same on every rank) into one line on rank 0's stderr,
     ``error: <message>``, and exit code 1 on every rank, instead of a traceback per rank. Other exceptions pass."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.training.checkpoint_safety import CheckpointError
@@ -77,6 +82,8 @@ def exit_on_user_error():
         yield
     except (CheckpointError, CheckpointingException) as e:
         message = f"checkpoint error: {e}"
+    except TrainingStopped as e:
+        message = f"training stopped: {e}"
     except SystemExit as e:
         if not isinstance(e.code, str):  # exit codes (argparse, sys.exit(n)) keep their own behavior
             raise

@@ -50,8 +50,8 @@ from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)
 
-def _log_once(key, level: int, message: str) -> None:
-    dist_utils.log_once(logger, key, level, message)
+def _log_once(key, level: int, message: str, rank0: bool = False) -> None:
+    dist_utils.log_once(logger, key, level, message, rank0=rank0)
 
 
 # ---- the request ---------------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def stage_tensors(tensors: Dict[Any, torch.Tensor], checkpointer_type: str) -> T
     except KeyError as e:  # torch 2.11's stager cannot deep-copy its own input (KeyError: <class 'type'>, H200 run)
         _log_once(("stager", str(e)), logging.WARNING,
                   f"DCP's DefaultStager failed ({type(e).__name__}: {e}); staging with plain CPU copies instead "
-                  f"(no buffer reuse)")
+                  f"(no buffer reuse)", rank0=True)
         staged = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
     seen, nbytes = set(), 0
     for t in staged.values():
@@ -495,5 +495,6 @@ def resolve_async_strategy(requested: str = "nvrx") -> str:
             why = "nvidia-resiliency-ext is installed but this fork writes through PyTorch DCP's async_save"
         except ImportError:
             why = "nvidia-resiliency-ext is not installed"
-        _log_once(("nvrx", why), logging.WARNING, f"async checkpoint save: {why}; using the built-in caller (mcore)")
+        _log_once(("nvrx", why), logging.WARNING, f"async checkpoint save: {why}; using the built-in caller (mcore)",
+                  rank0=True)
     return "mcore"

@@ -14,7 +14,9 @@ optional ``crc32c`` or ``google-crc32c`` package, else ``crc32`` from zlib). It 
 ``.metadata`` write as the rest of the metadata, travels with the item through any rewrite of the metadata, and is
 invisible to readers that do not know it: torch's own ``FileSystemReader`` (hence upstream megatron-core) restores
 it as an unused attribute and reads the checkpoint as before. ``metadata.json`` is not touched. Checkpoints
-without checksums (older ones, upstream's) load unverified, said once in the log by the coordinator.
+without checksums (older ones, upstream's) load unverified, said once in the log by the coordinator, unless the
+verification mode (``checksum_verification``, ``--ckpt-verify``) is ``require`` (then a checkpoint or item without a
+checksum this installation can verify is refused) or ``off`` (nothing verified, nothing said).
 
 How the write side sees item boundaries: the writer's file streams are wrapped (``FileSystem.create_stream``, the
 narrowest hook) by ``_ChecksummingStream``, which keeps a running checksum and closes a segment at every ``tell()``;
@@ -55,6 +57,28 @@ logger = logging.getLogger(__name__)
 
 CHECKSUM_ATTR = "mcore_checksum"
 _READ_CHUNK = 8 << 20
+VERIFY_MODES = ("auto", "require", "off")
+_verify_mode = "auto"  # of readers created without ``verify=`` (``checksum_verification``)
+
+
+def _check_verify_mode(mode: str) -> str:
+    if mode not in VERIFY_MODES:
+        raise CheckpointingException(f"checksum verification mode (--ckpt-verify) must be one of {VERIFY_MODES}, "
+                                     f"got {mode!r}")
+    return mode
+
+
+@contextmanager
+def checksum_verification(mode: str):
+    """Within the block, checkpoint readers created without ``verify=`` use ``mode`` (``--ckpt-verify``): "auto"
+    verifies the item checksums present (checkpoints without them load unverified, said once); "require" refuses
+    a checkpoint or an item without a checksum this installation can verify; "off" verifies nothing."""
+    global _verify_mode
+    previous, _verify_mode = _verify_mode, _check_verify_mode(mode)
+    try:
+        yield
+    finally:
+        _verify_mode = previous
 
 
 # ---- checksum algorithms ------------------------------------------------------------------------------------------
@@ -95,8 +119,8 @@ def parse_checksum(text: Any) -> Tuple[str, int]:
         raise CheckpointingException(f"malformed item checksum {text!r} in the checkpoint metadata") from None
 
 
-def _log_once(key, level: int, message: str) -> None:
-    dist_utils.log_once(logger, key, level, message)
+def _log_once(key, level: int, message: str, rank0: bool = False) -> None:
+    dist_utils.log_once(logger, key, level, message, rank0=rank0)
 
 
 # ---- .metadata -------------------------------------------------------------------------------------------------
@@ -441,9 +465,11 @@ class ChecksummedFileSystemReader(FileSystemReader):
     (when the checkpoint has them) as it reads the item; a mismatch is a ``CheckpointingException`` naming the key,
     the file and the byte range."""
 
-    def __init__(self, path: Union[str, os.PathLike], *args, safe_objects: bool = True, **kwargs):
+    def __init__(self, path: Union[str, os.PathLike], *args, safe_objects: bool = True, verify: Optional[str] = None,
+                 **kwargs):
         super().__init__(path, *args, **kwargs)
         self.safe_objects = safe_objects
+        self.verify = _check_verify_mode(verify or _verify_mode)  # see ``checksum_verification``
         self._index_of: Dict[int, MetadataIndex] = {}
         self.last_read_stats = None  # staged_read.ReadStats of the last read_data
 
@@ -496,18 +522,28 @@ class ChecksummedFileSystemReader(FileSystemReader):
 
     def _item_check(self, sinfo, path) -> Optional[Tuple[str, int, Callable[[Any, int], int]]]:
         """(algorithm, stored value, update) of an item's checksum; None when it has none or its algorithm is not
-        available here (said once in the log)."""
+        available here (said once in the log), or when verification is off. With ``verify="require"`` an item
+        without a checksum this installation can verify is a CheckpointingException."""
+        if self.verify == "off":
+            return None
         expected = getattr(sinfo, CHECKSUM_ATTR, None)
         if expected is None:
+            if self.verify == "require":
+                raise CheckpointingException(f"--ckpt-verify require: {self._where_info(sinfo)} has no checksum")
             return None
         algorithm, value = parse_checksum(expected)
         update = ALGORITHMS.get(algorithm)
+        if update is None and self.verify == "require":
+            raise CheckpointingException(
+                f"--ckpt-verify require: {self._where_info(sinfo)} has a {algorithm!r} checksum, which this "
+                f"installation cannot compute{' (install the crc32c or google-crc32c package)' if algorithm == 'crc32c' else ''}")
         if update is None:
             _log_once(
                 ("algorithm", algorithm),
                 logging.WARNING,
                 f"{self.path}: item checksums use {algorithm!r}, which is not available here (install the crc32c or "
                 f"google-crc32c package): the items are read unverified",
+                rank0=True,
             )
             return None
         return algorithm, value, update
@@ -517,6 +553,12 @@ class ChecksummedFileSystemReader(FileSystemReader):
         path = self.fs.concat_path(self.path, sinfo.relative_path)
         start = int(sinfo.offset)
         return f"checkpoint item {_describe_index(storage_index)} in {path}, bytes [{start}, {start + int(sinfo.length)})"
+
+    def _where_info(self, sinfo) -> str:
+        index = self._index_of.get(id(sinfo))
+        if index is not None:
+            return self._where(index)
+        return f"checkpoint item in {self.fs.concat_path(self.path, sinfo.relative_path)}, offset {int(sinfo.offset)}"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata_file(self._get_metadata_path(kwargs.get("rank")))
@@ -528,7 +570,15 @@ class ChecksummedFileSystemReader(FileSystemReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._index_of = {id(info): index for index, info in self.storage_data.items()}
-        if is_coordinator:
+        if self.verify == "require":  # every rank: the whole checkpoint, before any item is read
+            missing = [index for index, info in (metadata.storage_data or {}).items()
+                       if getattr(info, CHECKSUM_ATTR, None) is None]
+            if missing:
+                raise CheckpointingException(
+                    f"--ckpt-verify require: checkpoint {self.path}: {len(missing)} of {len(metadata.storage_data)} "
+                    f"items have no checksum (written by an older or upstream writer), e.g. "
+                    f"{_describe_index(missing[0])}; --ckpt-verify auto loads them unverified")
+        elif is_coordinator and self.verify == "auto":
             report_unverified(metadata, str(self.path))
 
     def _slice_file(self, file, sinfo):
