@@ -79,6 +79,10 @@ def _add_moe_args(parser):
                         "--num-experts and the world size).")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach the ranks of their experts under expert parallelism.")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="All local experts in one grouped GEMM per projection (Transformer Engine's GroupedLinear "
+                        "with --transformer-impl transformer_engine, else torch's grouped matmul or a loop); "
+                        "checkpoints interchange with the sequential experts.")
 
 
 def _add_regularization_args(parser):
@@ -785,6 +789,7 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_layer_freq=args.moe_layer_freq,
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
     )
     if args.swiglu:
         import torch.nn.functional as F

@@ -204,8 +204,6 @@ class TransformerConfig:
                     f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0/1 (--moe-layer-freq), "
                     f"got {self.moe_layer_freq}"
                 )
-            if self.moe_grouped_gemm:
-                raise ValueError("moe_grouped_gemm (--moe-grouped-gemm) is not supported: experts are SequentialMLP")
             if self.moe_shared_expert_intermediate_size:
                 raise ValueError("shared experts (--moe-shared-expert-intermediate-size) are not supported")
             if self.moe_z_loss_coeff:
