@@ -210,3 +210,79 @@ def test_checkpoint_interchange_across_tp_ep(tmp_path):
     for k, v in a.items():
         if ".experts." in k and isinstance(v, torch.Tensor):
             assert torch.equal(b[k], v), k
+
+
+# ---- FP8 extra state per expert (TE GroupedLinear keeps one for all experts) ------------------------------------
+def test_gemm_extra_state_split_and_merge():
+    from megatron.core.extensions import te_extra_state as tes
+
+    n, hist = 3, 4
+    state = {"format": tes.FORMAT, "version": tes.VERSION, "recipe": "DelayedScaling",
+             "fp8_meta": {"num_gemms": n, "fp8_checkpoint": True},
+             "scale_fwd": torch.arange(3 * n, dtype=torch.float32), "scale_bwd": -torch.arange(2 * n).float(),
+             "amax_history_fwd": torch.arange(hist * 3 * n).float().view(hist, 3 * n),
+             "amax_history_bwd": torch.arange(hist * 2 * n).float().view(hist, 2 * n)}
+    parts = [tes.split_gemm_state(state, n, i) for i in range(n)]
+    assert parts[1]["fp8_meta"]["num_gemms"] == 1 and state["fp8_meta"]["num_gemms"] == n
+    assert parts[1]["scale_fwd"].tolist() == [1.0, 4.0, 7.0]  # input, weight, output quantizer of gemm 1
+    assert parts[2]["amax_history_bwd"].shape == (hist, 2) and parts[2]["amax_history_bwd"][1].tolist() == [8.0, 11.0]
+    merged = tes.merge_gemm_states(parts)
+    assert merged["fp8_meta"]["num_gemms"] == n
+    for k in tes.TENSOR_KEYS:
+        assert torch.equal(merged[k], state[k]), k
+    empty = tes.empty_extra_state()
+    assert tes.split_gemm_state(empty, n, 1) is empty and tes.merge_gemm_states([empty] * n) is empty
+    with pytest.raises(ValueError, match="some experts' extra state holds delayed-scaling"):
+        tes.merge_gemm_states([parts[0], empty, parts[2]], "decoder.layers.0.mlp.experts.linear_fc1")
+
+
+def _stream_save_body(rank, ws, tmp):
+    from tests.unit_tests.distributed._common import build_gpt, tiny_config
+
+    model = build_gpt(tiny_config(moe=True, params_dtype=torch.bfloat16, bf16=True, moe_grouped_gemm=True), 31)
+    dist_checkpointing.save(model.sharded_state_dict(), os.path.join(tmp, "ckpt"))
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(tmp, "ref.pt"))
+
+
+def _stream_load_body(rank, ws, tmp, chunk_mb):
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor, quantized_like
+    from tests.unit_tests.distributed._common import build_gpt, tiny_config
+
+    ref = torch.load(os.path.join(tmp, "ref.pt"))
+    model = build_gpt(tiny_config(moe=True, params_dtype=torch.bfloat16, bf16=True, moe_grouped_gemm=True), 99)
+    sd = model.sharded_state_dict()
+    dests = {}
+    for k, sh in list(sd.items()):
+        if ".experts.linear_fc" in k and ".weight" in k:
+            assert sh.key.startswith("decoder.layers.mlp.experts.experts.linear_fc") and sh.prepend_axis_num == 2, k
+            dests[k] = quantized_like(torch.zeros_like(sh.data), "tensorwise")
+            sd[k] = dataclasses.replace(sh, data=dests[k])
+    assert len(dests) == 2 * 3 * 2  # layers x experts x (fc1, fc2): one destination per grouped weight<i>
+    FakeQuantizedTensor.dequantize_calls = FakeQuantizedTensor.quantize_calls = 0
+    strategy = TorchDistLoadShardedStrategy(stream_ckpt_dequant=True, stream_ckpt_dequant_chunk_mb=chunk_mb)
+    loaded = dist_checkpointing.load(sd, os.path.join(tmp, "ckpt"), sharded_strategy=strategy)
+    assert FakeQuantizedTensor.dequantize_calls == 0  # nothing dequantized upfront
+    if chunk_mb == 0:
+        assert FakeQuantizedTensor.quantize_calls == len(dests)  # each destination quantized once, whole
+    stats = strategy.last_load_stats
+    assert stats.streamed and stats.dequantized_upfront_bytes == 0 and stats.streaming_state_empty
+    whole = max(d.numel() * 2 for d in dests.values())
+    if chunk_mb == 0:
+        assert stats.scratch_bytes_peak == whole  # one bf16 destination alive at a time
+    else:
+        assert 0 < stats.scratch_bytes_peak <= chunk_mb * 2**20 < whole  # bounded by the chunk
+    for k, d in dests.items():
+        assert loaded[k] is d, k
+        expect = FakeQuantizedTensor.quantize(ref[k], "tensorwise")  # a whole-destination quantize of the saved one
+        assert d.scale_inv == expect.scale_inv and torch.equal(d._data.float(), expect._data.float()), k
+
+
+@pytest.mark.parametrize("chunk_mb", [0, 128 / 2**20], ids=["whole", "chunk128B"])
+def test_stream_ckpt_dequant_into_grouped_expert_weights(tmp_path, chunk_mb):
+    (tmp_path / "ckpt").mkdir()
+    run_distributed(_stream_save_body, 2, str(tmp_path))
+    run_distributed(_stream_load_body, 2, str(tmp_path), chunk_mb)
