@@ -94,6 +94,20 @@ def te_quantized_init_context(config):
     return _call_with_recipe(_te.te_quantized_model_init, get_quantization_recipe(config), enabled=True)
 
 
+def te_checkpoint(function, *args):
+    """TE's activation checkpoint (``transformer_engine.pytorch.checkpoint``): the recompute restores the FP8 state of
+    the original forward (scales, amax bookkeeping) and the RNG tracker's states; non-reentrant where TE has it."""
+    check_te_available()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    params = inspect.signature(_te.te_checkpoint).parameters
+    kwargs = dict(distribute_saved_activations=False, tp_group=None,
+                  get_rng_state_tracker=get_cuda_rng_tracker if get_cuda_rng_tracker().is_initialized() else None)
+    if "use_reentrant" in params:
+        kwargs["use_reentrant"] = False
+    return _te.te_checkpoint(function, *args, **kwargs)
+
+
 def _te_device():
     """TE modules are always built on 'meta' (the string: TE defers init on ``device == "meta"``)."""
     return "meta"

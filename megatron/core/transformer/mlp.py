@@ -95,6 +95,15 @@ def apply_activation(config, x: torch.Tensor) -> torch.Tensor:
     return act(x)
 
 
+def expert_activation(config, x: torch.Tensor) -> torch.Tensor:
+    """The experts' ``apply_activation``, recomputed in backward with ``--recompute-modules moe_act``."""
+    from megatron.core.tensor_parallel.random import recompute, should_recompute
+
+    if should_recompute(config, "moe_act"):
+        return recompute(config, lambda t: apply_activation(config, t), x)
+    return apply_activation(config, x)
+
+
 class MLP(MegatronModule):
     def __init__(
         self,
@@ -135,4 +144,4 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor):
         """Returns ``(output, bias or None)``: the fc2 bias is returned unadded, as upstream."""
         x, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(apply_activation(self.config, x))
+        return self.linear_fc2(expert_activation(self.config, x) if self.is_expert else apply_activation(self.config, x))

@@ -20,7 +20,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device
-from megatron.core.transformer.mlp import MLP, apply_activation
+from megatron.core.transformer.mlp import MLP, expert_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     _sharded_leaves,
@@ -254,7 +254,7 @@ class GroupedMLP(_ExpertsBase):
         else:
             padded = counts
         h, _ = self.linear_fc1(x, padded)
-        out, _ = self.linear_fc2(apply_activation(self.config, h), padded)
+        out, _ = self.linear_fc2(expert_activation(self.config, h), padded)
         if quantized:
             out = torch.cat([o[:n] for o, n in zip(torch.split(out, padded, dim=0), counts)], dim=0)
         return out, None
