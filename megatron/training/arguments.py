@@ -79,6 +79,32 @@ def _add_moe_args(parser):
                         "--num-experts and the world size).")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach the ranks of their experts under expert parallelism.")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="All local experts in one grouped GEMM per projection (Transformer Engine's GroupedLinear "
+                        "with --transformer-impl transformer_engine, else torch's grouped matmul or a loop); "
+                        "checkpoints interchange with the sequential experts.")
+
+
+def _add_recompute_args(parser):
+    """Activation recompute, upstream's flags (TransformerConfig checks the combinations)."""
+    from megatron.core.transformer.transformer_config import RECOMPUTE_MODULES
+
+    g = parser.add_argument_group(title="activation recompute")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Selective recompute (the same as --recompute-granularity selective).")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="full: recompute whole transformer layers in backward (--recompute-method, "
+                        "--recompute-num-layers); selective: the modules of --recompute-modules.")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="full: uniform keeps the input of every chunk of --recompute-num-layers layers; block "
+                        "recomputes each of the first --recompute-num-layers layers.")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per chunk (uniform) or "
+                   "recomputed layers (block).")
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help=f"Selective recompute: modules to recompute, of {' '.join(RECOMPUTE_MODULES)} (default "
+                        "core_attn).")
+    g.add_argument("--distribute-saved-activations", action="store_true",
+                   help="Accepted for upstream compatibility; refused (not supported).")
 
 
 def _add_regularization_args(parser):
@@ -386,7 +412,7 @@ def _is_number(text: str) -> bool:
 def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM arguments (megatron-core fork)", allow_abbrev=False)
     for add in (
-        _add_network_size_args, _add_moe_args, _add_regularization_args, _add_training_args,
+        _add_network_size_args, _add_moe_args, _add_recompute_args, _add_regularization_args, _add_training_args,
         _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
         _add_distributed_args, _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args,
     ):
@@ -797,6 +823,12 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_layer_freq=args.moe_layer_freq,
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
+        distribute_saved_activations=args.distribute_saved_activations,
     )
     if args.swiglu:
         import torch.nn.functional as F

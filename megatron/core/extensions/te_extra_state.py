@@ -202,3 +202,44 @@ def _apply(module, name: str, state: dict, recipe) -> None:
             rows = min(dst.shape[0], hist.shape[0])  # a changed amax_history_len: truncate / zero-pad, as TE does
             dst[:rows].copy_(hist[:rows])
             dst[rows:].zero_()
+
+
+# ---- grouped linears (TE GroupedLinear: one module, num_gemms experts) ----------------------------------------
+# TE keeps the quantizers of a grouped linear kind-major: forward ``[input_0..input_{n-1}, weight_0.., output_0..]``
+# (3 x n), backward 2 x n, as upstream's TEGroupedLinear splits them. A checkpoint holds one ``_extra_state`` per
+# expert in the layout of a single linear (num_gemms 1), so grouped and sequential experts interchange it.
+_KINDS = {"fwd": 3, "bwd": 2}
+
+
+def split_gemm_state(state: Any, num_gemms: int, gemm: int) -> Any:
+    """Expert ``gemm``'s extra state (a single linear's layout) out of a grouped linear's ``state``. States without
+    delayed-scaling tensors (the empty tensor, stateless dicts) are the same for every expert."""
+    if not (isinstance(state, dict) and state.get("format") == FORMAT and "scale_fwd" in state):
+        return state
+    out = {k: v for k, v in state.items() if k not in TENSOR_KEYS}
+    out["fp8_meta"] = dict(state.get("fp8_meta", {}), num_gemms=1)
+    for d, kinds in _KINDS.items():
+        out[f"scale_{d}"] = state[f"scale_{d}"].view(kinds, num_gemms)[:, gemm].clone()
+        hist = state[f"amax_history_{d}"]
+        out[f"amax_history_{d}"] = hist.view(hist.shape[0], kinds, num_gemms)[:, :, gemm].clone()
+    return out
+
+
+def merge_gemm_states(states: list, name: str = "grouped linear") -> Any:
+    """The inverse of :func:`split_gemm_state`: one grouped state out of the experts' states (in local order)."""
+    delayed = [isinstance(s, dict) and s.get("format") == FORMAT and "scale_fwd" in s for s in states]
+    if not any(delayed):
+        return states[0]
+    if not all(delayed):
+        raise ValueError(f"{name}: some experts' extra state holds delayed-scaling FP8 state and some does not")
+    first = states[0]
+    out = {k: v for k, v in first.items() if k not in TENSOR_KEYS}
+    out["fp8_meta"] = dict(first.get("fp8_meta", {}), num_gemms=len(states))
+    for d, kinds in _KINDS.items():
+        out[f"scale_{d}"] = torch.stack([s[f"scale_{d}"].reshape(kinds) for s in states], dim=1).reshape(-1)
+        hists = [s[f"amax_history_{d}"] for s in states]
+        rows = hists[0].shape[0]
+        if any(h.shape != (rows, kinds) for h in hists):
+            raise ValueError(f"{name}: experts' {d} amax histories differ in shape: {[tuple(h.shape) for h in hists]}")
+        out[f"amax_history_{d}"] = torch.stack(hists, dim=2).reshape(rows, -1)
+    return out

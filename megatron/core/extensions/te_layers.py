@@ -94,6 +94,20 @@ def te_quantized_init_context(config):
     return _call_with_recipe(_te.te_quantized_model_init, get_quantization_recipe(config), enabled=True)
 
 
+def te_checkpoint(function, *args):
+    """TE's activation checkpoint (``transformer_engine.pytorch.checkpoint``): the recompute restores the FP8 state of
+    the original forward (scales, amax bookkeeping) and the RNG tracker's states; non-reentrant where TE has it."""
+    check_te_available()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    params = inspect.signature(_te.te_checkpoint).parameters
+    kwargs = dict(distribute_saved_activations=False, tp_group=None,
+                  get_rng_state_tracker=get_cuda_rng_tracker if get_cuda_rng_tracker().is_initialized() else None)
+    if "use_reentrant" in params:
+        kwargs["use_reentrant"] = False
+    return _te.te_checkpoint(function, *args, **kwargs)
+
+
 def _te_device():
     """TE modules are always built on 'meta' (the string: TE defers init on ``device == "meta"``)."""
     return "meta"
@@ -249,7 +263,59 @@ if HAVE_TE:  # pragma: no cover - runs only where TE is installed (GPU tests)
             self.te_return_bias = skip_bias_add
             self._tag(is_expert)
 
+
+if HAVE_TE and _te.TEGroupedLinear is not None:  # pragma: no cover - runs only where TE is installed (GPU tests)
+
+    class TEGroupedLinear(_TEWrapperMixin, _te.TEGroupedLinear):
+        """``te.GroupedLinear``: all local experts' linears in one grouped GEMM (``weight<i>``: local expert i),
+        ``forward(x, m_splits) -> (output, None)`` with each expert's bias added to its rows. The experts' FP8
+        extra state is split per expert for checkpoints (``expert_extra_state``) and merged back on load."""
+
+        _parallel_mode = None
+
+        def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias=True,
+                     skip_bias_add=False, is_expert=True, **unused):
+            if skip_bias_add:
+                raise ValueError(f"{type(self).__name__} adds each expert's bias itself (skip_bias_add=False)")
+            from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+
+            kwargs = _common_kwargs(config, init_method, bias, False, self._parallel_mode, is_expert)
+            if "rng_tracker_name" in inspect.signature(_te.TEGroupedLinear.__init__).parameters:
+                kwargs["rng_tracker_name"] = get_expert_parallel_rng_tracker_name()
+            with _rng_untouched(), te_quantized_init_context(config):
+                super().__init__(num_gemms, input_size, output_size, **kwargs)
+            self.config = config
+            self.te_return_bias = False
+            self._tag(is_expert)
+
+        def forward(self, x, m_splits):
+            return _te.TEGroupedLinear.forward(self, x, [int(m) for m in m_splits]), None
+
+        def expert_extra_state(self, i: int):
+            return te_extra_state.split_gemm_state(self.get_extra_state(), self.num_gemms, i)
+
+        def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                  error_msgs):
+            # a checkpoint holds one _extra_state per expert (``_extra_state``, ``_extra_state1``, ...): merged
+            keys = [f"{prefix}_extra_state{i or ''}" for i in range(self.num_gemms)]
+            if self.num_gemms > 1 and all(k in state_dict for k in keys):
+                state_dict[keys[0]] = te_extra_state.merge_gemm_states([state_dict.pop(k) for k in keys],
+                                                                       f"{prefix}(TEGroupedLinear)")
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+
+    class TEColumnParallelGroupedLinear(TEGroupedLinear):
+        _parallel_mode = "column"
+
+    class TERowParallelGroupedLinear(TEGroupedLinear):
+        _parallel_mode = "row"
+
 else:
+    TEGroupedLinear = _missing("TEGroupedLinear")
+    TEColumnParallelGroupedLinear = _missing("TEColumnParallelGroupedLinear")
+    TERowParallelGroupedLinear = _missing("TERowParallelGroupedLinear")
+
+if not HAVE_TE:
     TELinear = _missing("TELinear")
     TEColumnParallelLinear = _missing("TEColumnParallelLinear")
     TERowParallelLinear = _missing("TERowParallelLinear")

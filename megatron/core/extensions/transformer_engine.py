@@ -60,6 +60,8 @@ te_is_nvfp4_available = _optional("transformer_engine.pytorch", "is_nvfp4_availa
 # ---- layers and autocast (used by megatron/core/transformer/) --------------------------------------------
 TELinear = _optional("transformer_engine.pytorch", "Linear")
 TELayerNormLinear = _optional("transformer_engine.pytorch", "LayerNormLinear")
+TEGroupedLinear = _optional("transformer_engine.pytorch", "GroupedLinear")
+te_checkpoint = _optional("transformer_engine.pytorch", "checkpoint")
 te_autocast = _optional("transformer_engine.pytorch", "autocast") or _optional(
     "transformer_engine.pytorch", "fp8_autocast"
 )

@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import (
     CudaRNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
@@ -41,6 +42,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "CudaRNGStatesTracker",
+    "checkpoint",
     "get_cuda_rng_tracker",
     "get_expert_parallel_rng_tracker_name",
     "model_parallel_cuda_manual_seed",

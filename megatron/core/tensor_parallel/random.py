@@ -113,6 +113,72 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
     _RNG_TRACKER.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 
 
+# ---- activation recompute ----------------------------------------------------------------------------------------
+_RECOMPUTING = [0]  # > 0 while a checkpointed function runs again in backward
+
+
+def is_recomputing() -> bool:
+    """Whether a checkpointed forward is being recomputed (in backward) now: state updates that must happen once per
+    forward (e.g. the router's token counts for the expert bias) are skipped then."""
+    return _RECOMPUTING[0] > 0
+
+
+def _recompute_contexts():
+    """torch.utils.checkpoint ``context_fn``: the forward snapshots the tracker's named RNG states, the recompute runs
+    with that snapshot (dropout under ``fork(...)`` draws the same masks) and puts the live states back after;
+    ``is_recomputing()`` is True meanwhile. The default CPU/CUDA generators are restored by ``preserve_rng_state``."""
+    saved = {}
+
+    @contextlib.contextmanager
+    def forward():
+        saved.update(_RNG_TRACKER.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute():
+        live = _RNG_TRACKER.get_states()
+        _RNG_TRACKER.set_states(saved)
+        _RECOMPUTING[0] += 1
+        try:
+            yield
+        finally:
+            _RECOMPUTING[0] -= 1
+            _RNG_TRACKER.set_states(live)
+
+    return forward(), recompute()
+
+
+def checkpoint(function, distribute_saved_activations: bool, *args):
+    """Upstream's ``tensor_parallel.checkpoint``: run ``function(*args)`` keeping only its inputs; it runs again in
+    backward with the same RNG states (default generators and the tracker's). Non-reentrant
+    (``torch.utils.checkpoint``), so it composes with FSDP2's hooks and with inputs that need no grad. FP8 runs use
+    TE's checkpoint instead (``megatron.core.extensions.te_layers.te_checkpoint``, which also restores FP8 state)."""
+    if distribute_saved_activations:
+        raise NotImplementedError("--distribute-saved-activations is not supported (checkpointed inputs are kept "
+                                  "whole on every tensor-parallel rank)")
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=_recompute_contexts)
+
+
+def should_recompute(config, module: str) -> bool:
+    """Whether selective recompute (``--recompute-granularity selective``) covers ``module`` (an upstream name of
+    ``--recompute-modules``) and a backward can follow (grad enabled)."""
+    return (getattr(config, "recompute_granularity", None) == "selective" and module in (config.recompute_modules or ())
+            and torch.is_grad_enabled())
+
+
+def recompute(config, function, *args):
+    """``checkpoint(function, ...)``; with FP8/FP4 (Transformer Engine) TE's checkpoint, whose recompute sees the
+    FP8 scales of the original forward."""
+    if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
+        from megatron.core.extensions.te_layers import te_checkpoint
+
+        return te_checkpoint(function, *args)
+    return checkpoint(function, config.distribute_saved_activations, *args)
+
+
 def set_random_seed(seed: int) -> None:
     """Seed python, numpy and torch (CPU and CUDA) and the model-parallel tracker."""
     random.seed(seed)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
-from megatron.core.tensor_parallel.random import model_parallel_rng_context
+from megatron.core.tensor_parallel.random import model_parallel_rng_context, recompute, should_recompute
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
@@ -99,14 +99,21 @@ class SelfAttention(MegatronModule):
         if per_group > 1:
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
+        if should_recompute(self.config, "core_attn"):
+            ctx = recompute(self.config, self.core_attention, q, k, v, attention_mask)
+        else:
+            ctx = self.core_attention(q, k, v, attention_mask)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.linear_proj(ctx)
+
+    def core_attention(self, q, k, v, attention_mask=None):
+        """``softmax(q k^T / sqrt(d)) v`` with dropout, ``[b, n, s, d]``; recomputed in backward with
+        ``--recompute-modules core_attn``."""
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)
         rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
         with rng if rng is not None else contextlib.nullcontext():
             if attention_mask is None:
-                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            else:
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
-        return self.linear_proj(ctx)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)

@@ -86,6 +86,24 @@ def apply_swiglu_sharded_factory(original, sharded_offsets=(), tp_rank: int = 0,
     return ShardedTensorFactory(original.key, original.data, build_fn, merge_fn, original.replica_id)
 
 
+def apply_activation(config, x: torch.Tensor) -> torch.Tensor:
+    """``act(x)``, or ``act(x1) * x2`` for the halves ``[x1, x2]`` of the last axis with ``gated_linear_unit``."""
+    act = config.activation_func
+    if config.gated_linear_unit:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return act(x1) * x2
+    return act(x)
+
+
+def expert_activation(config, x: torch.Tensor) -> torch.Tensor:
+    """The experts' ``apply_activation``, recomputed in backward with ``--recompute-modules moe_act``."""
+    from megatron.core.tensor_parallel.random import recompute, should_recompute
+
+    if should_recompute(config, "moe_act"):
+        return recompute(config, lambda t: apply_activation(config, t), x)
+    return apply_activation(config, x)
+
+
 class MLP(MegatronModule):
     def __init__(
         self,
@@ -126,10 +144,4 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor):
         """Returns ``(output, bias or None)``: the fc2 bias is returned unadded, as upstream."""
         x, _ = self.linear_fc1(hidden_states)
-        act = self.config.activation_func
-        if self.config.gated_linear_unit:
-            x1, x2 = torch.chunk(x, 2, dim=-1)
-            x = act(x1) * x2
-        else:
-            x = act(x)
-        return self.linear_fc2(x)
+        return self.linear_fc2(expert_activation(self.config, x) if self.is_expert else apply_activation(self.config, x))

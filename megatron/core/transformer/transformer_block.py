@@ -61,6 +61,36 @@ class TransformerBlock(MegatronModule):
             return te_quantization_autocast(c)
         return contextlib.nullcontext()
 
+    def _run_layers(self, start: int, end: int):
+        def run(hidden_states, attention_mask, rotary_pos_emb):
+            for layer in self.layers[start:end]:
+                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            return hidden_states
+
+        return run
+
+    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+        """Full recompute (``--recompute-granularity full``), upstream's methods: ``uniform`` keeps only the input
+        of every chunk of ``recompute_num_layers`` layers and recomputes the chunk in backward; ``block`` recomputes
+        each of the first ``recompute_num_layers`` layers and keeps the others' activations. Under Megatron-FSDP a
+        one-layer chunk (``block``, or ``uniform`` with 1) recomputes with the parameters its backward gathers
+        anyway; a longer uniform chunk gathers its earlier layers once more for the recompute."""
+        from megatron.core.tensor_parallel.random import recompute
+
+        c, n = self.config, len(self.layers)
+        k = c.recompute_num_layers
+        if c.recompute_method == "uniform":
+            spans = [(s, min(n, s + k), True) for s in range(0, n, k)]
+        else:
+            spans = [(i, i + 1, i < k) for i in range(n)]
+        for start, end, checkpointed in spans:
+            run = self._run_layers(start, end)
+            if checkpointed:
+                hidden_states = recompute(c, run, hidden_states, attention_mask, rotary_pos_emb)
+            else:
+                hidden_states = run(hidden_states, attention_mask, rotary_pos_emb)
+        return hidden_states
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -69,8 +99,10 @@ class TransformerBlock(MegatronModule):
         **kwargs,
     ) -> torch.Tensor:
         with self._quantization_context():
-            for layer in self.layers:
-                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+                hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
+            else:
+                hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
         if self.has_final_layernorm:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

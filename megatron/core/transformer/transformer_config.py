@@ -22,6 +22,13 @@ def _named(name: str, value, flag: Optional[str] = None) -> str:
     return f"{name} ({flag or flag_name(name)}={value!r})"
 
 
+# --recompute-modules (upstream's names) this fork recomputes: the attention core (softmax(QK^T)V), the dense MLP,
+# the whole MoE layer, the experts' activation, the layer norms
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
+# upstream's names whose module this fork does not have
+UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "no multi-latent attention", "shared_experts": "no shared experts"}
+
+
 @dataclass
 class TransformerConfig:
     # ---- model shape --------------------------------------------------------------------------------------
@@ -92,8 +99,14 @@ class TransformerConfig:
     """The model is built under ``torch.device('meta')`` (``--init-model-with-meta-device``); the DDP / FSDP
     wrapper materialises it (any meta tensor triggers that too). The one home of this flag."""
 
+    # ---- activation recompute (upstream's fields and flags) ------------------------------------------------------
+    recompute_granularity: Optional[str] = None  # None | 'full' (whole layers) | 'selective' (recompute_modules)
+    recompute_method: Optional[str] = None  # full: 'uniform' (chunks of recompute_num_layers) | 'block' (the first N)
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[List[str]] = None  # selective; default ['core_attn'] as upstream
+    distribute_saved_activations: bool = False
+
     # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
-    recompute_granularity: Optional[str] = None
     qk_layernorm: bool = False
     fp8_dot_product_attention: bool = False
 
@@ -180,10 +193,7 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
         if self.virtual_pipeline_model_parallel_size not in (None, 1):
             raise ValueError("virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage) is not supported")
-        if self.recompute_granularity is not None:
-            raise ValueError(
-                f"activation recomputation (--recompute-granularity {self.recompute_granularity}) is not supported"
-            )
+        self._check_recompute()
         if self.qk_layernorm:
             raise ValueError("qk_layernorm (--qk-layernorm) is not supported")
         if self.fp8_dot_product_attention:
@@ -204,8 +214,6 @@ class TransformerConfig:
                     f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0/1 (--moe-layer-freq), "
                     f"got {self.moe_layer_freq}"
                 )
-            if self.moe_grouped_gemm:
-                raise ValueError("moe_grouped_gemm (--moe-grouped-gemm) is not supported: experts are SequentialMLP")
             if self.moe_shared_expert_intermediate_size:
                 raise ValueError("shared experts (--moe-shared-expert-intermediate-size) are not supported")
             if self.moe_z_loss_coeff:
@@ -225,6 +233,42 @@ class TransformerConfig:
             )
         if self.moe_router_bias_update_rate < 0:
             raise ValueError("moe_router_bias_update_rate (--moe-router-bias-update-rate) must be >= 0")
+
+    def _check_recompute(self) -> None:
+        """Upstream's rules for the recompute fields; module names this fork has no module for are refused by name."""
+        g = self.recompute_granularity
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity (--recompute-granularity) must be 'full' or 'selective', got {g!r}")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ValueError("recompute_method (--recompute-method) must be 'uniform' or 'block', got "
+                             f"{self.recompute_method!r}")
+        if self.distribute_saved_activations:
+            raise ValueError("distribute_saved_activations (--distribute-saved-activations) is not supported")
+        if g == "full":
+            if self.recompute_method is None:
+                raise ValueError("--recompute-granularity full needs --recompute-method uniform|block")
+            n = self.recompute_num_layers
+            if not isinstance(n, int) or not 1 <= n <= self.num_layers:
+                raise ValueError(f"{_named('recompute_num_layers', n)} must be in [1, num_layers={self.num_layers}] "
+                                 "with --recompute-granularity full")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ValueError("--recompute-method / --recompute-num-layers need --recompute-granularity full "
+                             f"(got recompute_granularity={g!r})")
+        if g != "selective":
+            if self.recompute_modules:
+                raise ValueError(f"{_named('recompute_modules', self.recompute_modules)} needs "
+                                 "--recompute-granularity selective")
+            return
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        absent = [m for m in self.recompute_modules if m in UPSTREAM_ONLY_RECOMPUTE_MODULES]
+        if absent:
+            raise ValueError(f"--recompute-modules {' '.join(absent)}: this fork has no such module "
+                             f"({', '.join(UPSTREAM_ONLY_RECOMPUTE_MODULES[m] for m in absent)}); available: "
+                             f"{' '.join(RECOMPUTE_MODULES)}")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"--recompute-modules: unknown module(s) {unknown}; available: {' '.join(RECOMPUTE_MODULES)}")
 
     def _check_tensor_parallel(self) -> None:
         """Tensor parallel size: heads, query groups and FFN width split evenly; sequence parallelism needs it."""

@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.random import recompute, should_recompute
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -81,11 +82,18 @@ class TransformerLayer(MegatronModule):
     ):
         """``hidden_states`` ``[s, b, h]`` -> ``(hidden_states [s, b, h], context=None)`` as upstream."""
         residual = hidden_states
-        x = self.input_layernorm(hidden_states)
+        x = self._maybe_recompute("layernorm", self.input_layernorm, hidden_states)
         out, bias = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         hidden_states = self._residual_add(out, bias, residual)
         residual = hidden_states
-        x = self.pre_mlp_layernorm(hidden_states)
-        out, bias = self.mlp(x)
+        x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, hidden_states)
+        out, bias = self._maybe_recompute("moe" if self.is_moe else "mlp", self.mlp, x)
         hidden_states = self._residual_add(out, bias, residual)
         return hidden_states, None
+
+    def _maybe_recompute(self, name: str, module, x):
+        """``module(x)``, recomputed in backward when selective recompute covers ``name`` (``--recompute-modules``);
+        an ``IdentityOp`` norm (fused into TE's linear) has nothing to recompute."""
+        if isinstance(module, IdentityOp) or not should_recompute(self.config, name):
+            return module(x)
+        return recompute(self.config, module, x)

@@ -52,7 +52,6 @@ def test_bad_config_names_the_flag(kwargs, needle):
     [
         (dict(num_moe_experts=4, moe_layer_freq=[1, 2]), "--moe-layer-freq"),
         (dict(num_moe_experts=4, moe_layer_freq=[1]), "--moe-layer-freq"),
-        (dict(num_moe_experts=4, moe_grouped_gemm=True), "--moe-grouped-gemm"),
         (dict(recompute_granularity="full"), "--recompute-granularity"),
         (dict(context_parallel_size=2), "--context-parallel-size"),
     ],

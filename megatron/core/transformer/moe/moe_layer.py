@@ -18,9 +18,18 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.experts import SequentialMLP, expert_parallel_layout
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP, expert_parallel_layout
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import build_token_dispatcher
+
+
+def build_experts(num_local_experts: int, config):
+    """``SequentialMLP``, or with ``moe_grouped_gemm`` (``--moe-grouped-gemm``) ``TEGroupedMLP`` under
+    ``--transformer-impl transformer_engine`` and ``GroupedMLP`` (torch) otherwise, as upstream's specs choose."""
+    if not config.moe_grouped_gemm:
+        return SequentialMLP(num_local_experts, config)
+    cls = TEGroupedMLP if config.transformer_impl == "transformer_engine" else GroupedMLP
+    return cls(num_local_experts, config)
 
 
 class MoELayer(MegatronModule):
@@ -44,7 +53,7 @@ class MoELayer(MegatronModule):
         self.num_local_experts = local
         self.local_expert_indices = [ep_rank * local + i for i in range(local)]
         self.router = TopKRouter(config, layer_number)
-        self.experts = SequentialMLP(self.num_local_experts, config)
+        self.experts = build_experts(self.num_local_experts, config)
         self.token_dispatcher = build_token_dispatcher(local, self.local_expert_indices, config)
 
     def forward(self, hidden_states: torch.Tensor):

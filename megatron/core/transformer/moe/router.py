@@ -10,6 +10,7 @@ from typing import Tuple
 import torch
 
 from megatron.core.dist_utils import default_device
+from megatron.core.tensor_parallel.random import is_recomputing
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
 from megatron.core.transformer.utils import init_method_normal, set_param_attrs
@@ -98,7 +99,7 @@ class TopKRouter(MegatronModule):
             use_pre_softmax=self.config.moe_router_pre_softmax,
             scaling_factor=self.config.moe_router_topk_scaling_factor,
         )
-        if self.enable_expert_bias and self.training:
+        if self.enable_expert_bias and self.training and not is_recomputing():  # counted once per forward
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert)
         coeff = self.config.moe_aux_loss_coeff
