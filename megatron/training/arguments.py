@@ -607,8 +607,6 @@ def validate_args(args, defaults={}):
         if args.world_size % (ep * args.tensor_model_parallel_size):  # expert TP = TP: the experts span tp x ep
             _fail(f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x --expert-model-parallel-size "
                   f"({ep}) must divide the world size ({args.world_size})")
-        if ep > 1 and args.use_megatron_fsdp:
-            _fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet (use DDP)")
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")

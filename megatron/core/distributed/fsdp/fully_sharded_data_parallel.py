@@ -84,6 +84,26 @@ def group_units(units: List[torch.nn.Module], unit_types: Tuple[Type[torch.nn.Mo
     return groups
 
 
+def is_expert_param(p: torch.Tensor) -> bool:
+    """An expert weight (``allreduce=False``: held by one expert-parallel rank, reduced over expert-DP)."""
+    return not getattr(p, "allreduce", True)
+
+
+def expert_submodules(unit: torch.nn.Module) -> List[torch.nn.Module]:
+    """The largest submodules of ``unit`` whose parameters are all expert parameters (the MoE layer's ``experts``,
+    whatever its class), in ``modules()`` order; each becomes an FSDP2 unit of the expert-data-parallel mesh."""
+    out: List[torch.nn.Module] = []
+    inside = set()
+    for m in unit.modules():
+        if m is unit or id(m) in inside:
+            continue
+        params = list(m.parameters())
+        if params and all(is_expert_param(p) for p in params):
+            out.append(m)
+            inside.update(id(sub) for sub in m.modules())
+    return out
+
+
 DEFAULT_UNIT_ELEMENTS = 2**28
 """The default ``suggested_communication_unit_size`` where layers are joined (see :func:`default_unit_size`): a
 group's transient gradient buffers (its unsharded gradients, FSDP2's fp32 reduce-scatter input and, on one rank,
@@ -160,13 +180,18 @@ class FullyShardedDataParallel(MegatronModule):
             # one data-parallel rank a shard is the whole parameter: resharding would only free the compute-dtype
             # copy after forward to cast and "gather" it again in backward (pure overhead), so it is kept instead
             reshard_after_forward = strategy != "optim_grads" and dist.get_world_size(self.process_group) > 1
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            # experts differ across EP ranks: they would need their own FSDP units over the expert-data-parallel
-            # group; sharding them over the data-parallel group would mix different experts' gradients
-            raise NotImplementedError("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported "
-                                      "yet: use DDP (without --use-megatron-fsdp) for expert parallelism")
         self.device = torch.device(device) if device is not None else default_device()
         self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        # Expert parallelism: each EP rank holds other experts, so expert weights get their own FSDP2 units over the
+        # expert-data-parallel group (the ranks holding the same experts); None without EP (they share ``mesh``)
+        self.expert_mesh = None
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            if process_group is not None:
+                raise ValueError("FullyShardedDataParallel: process_group= cannot be combined with expert "
+                                 "parallelism (--expert-model-parallel-size > 1): the expert-data-parallel group "
+                                 "comes from parallel_state")
+            self.expert_mesh = DeviceMesh.from_group(parallel_state.get_expert_data_parallel_group(),
+                                                     self.device.type)
         if fsdp_unit_modules is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -197,7 +222,24 @@ class FullyShardedDataParallel(MegatronModule):
         """Step "shard": ``fully_shard`` over the data-parallel mesh with the mixed-precision policy."""
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
+        kw.setdefault("mesh", self.mesh)
+        fully_shard(m, mp_policy=self.mp_policy, **kw)
+
+    def _shard_experts(self, m: torch.nn.Module, reshard_after_forward: bool) -> None:
+        """Step "shard experts" (expert parallelism): ``fully_shard`` of an expert module over the
+        expert-data-parallel mesh, before its layer (the layer's unit then leaves these parameters out). FSDP2
+        averages a reduce-scatter over its mesh; an expert's gradient already sums the tokens of its whole EP group,
+        so it is divided by the data-parallel size instead, as ``DistributedDataParallel`` does (sum over expert-DP
+        / DP). An expert that got no token on some rank still takes part in the reduce-scatter (zeros) so the
+        ranks never disagree on the collective."""
+        self._shard(m, mesh=self.expert_mesh, reshard_after_forward=reshard_after_forward)
+        m.set_gradient_divide_factor(float(dist.get_world_size(self.process_group)))
+        group = self.expert_mesh.get_group()
+        if dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo":
+            # gloo has no PREMUL_SUM: a sum, then the division (not with one rank: torch 2.13's FSDP2 would then
+            # divide twice, and no collective runs anyway)
+            m.set_force_sum_reduction_for_comms(True)
+        m.set_reduce_scatter_unused_params(True)
 
     def _materialize_and_shard_units(self, module: torch.nn.Module, groups: List[List[torch.nn.Module]],
                                      reshard_after_forward: bool, names: Dict[int, str]) -> None:
@@ -217,6 +259,9 @@ class FullyShardedDataParallel(MegatronModule):
                 if self.is_meta_init:
                     materialize_unit(m, self.device, names=names, what="FullyShardedDataParallel (FSDP unit)")
                 self._keep_fp32_main_params(m)
+                if self.expert_mesh is not None:
+                    for e in expert_submodules(m):
+                        self._shard_experts(e, reshard_after_forward)
                 if m is group[-1]:
                     self._shard(group if len(group) > 1 else m,
                                 reshard_after_forward=reshard_after_forward and id(m) not in no_reshard)
@@ -232,6 +277,12 @@ class FullyShardedDataParallel(MegatronModule):
         self._keep_fp32_main_params(module)
         if self.ddp_config.fp8_param_gather:
             self._check_fp8_param_gather(module)
+        if self.expert_mesh is not None:  # experts outside the units (a bare MoE layer as the root)
+            from torch.distributed.fsdp import FSDPModule
+
+            for e in expert_submodules(module):
+                if not isinstance(e, FSDPModule):
+                    self._shard_experts(e, reshard_after_forward)
         self._shard(module, reshard_after_forward=reshard_after_forward)
 
     # ---- construction helpers ----------------------------------------------------------------------------
