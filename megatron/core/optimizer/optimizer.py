@@ -86,14 +86,14 @@ def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     ``param`` is a DTensor)."""
     if not _is_dtensor(param) or _is_dtensor(value):
         return value
-    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import chunk_range
+    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import local_chunk_range
 
     out = torch.zeros_like(param, dtype=value.dtype)
     local = out.to_local()
     if tuple(value.shape) == tuple(local.shape):
         local.copy_(value)
     elif tuple(value.shape) == tuple(param.shape):
-        start, length = chunk_range(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+        start, length = local_chunk_range(param, "optimizer state")
         local.copy_(value[start : start + length])
     else:
         raise RuntimeError(
@@ -347,7 +347,8 @@ class MegatronOptimizer:
     @torch.no_grad()
     def count_zeros(self) -> int:
         """Zeros in the gradients: DTensor shards are summed over the data-parallel group (every rank takes part:
-        the set of parameters is the same on all ranks), plain (replicated) grads are counted locally."""
+        the set of parameters is the same on all ranks; expert shards of every EP rank are in it, replicas of
+        hybrid sharding counted once), plain (replicated) grads are counted locally."""
         grads = self._grads()
         sharded = [g for g in grads if _is_dtensor(g)]
         plain = sum(int((g == 0).sum().item()) for g in grads if not _is_dtensor(g))
@@ -357,7 +358,8 @@ class MegatronOptimizer:
             group = parallel_state.get_data_parallel_group()
             if group is not None:
                 dist.all_reduce(t, group=group)
-            local = int(t.item())
+            # hybrid sharding: each shard is held by every instance of the data-parallel group
+            local = int(t.item()) // parallel_state.get_num_distributed_optimizer_instances()
         return local + plain
 
     @torch.no_grad()

@@ -22,8 +22,9 @@ def _config(ep, tp=1, **kw):
                        moe_token_dispatcher_type="alltoall", **kw)
 
 
-def _build(wrapper, ep, tp=1, seed=5, meta=False):
-    """``(model, optimizer)`` at (TP, EP); ``wrapper``: 'fsdp' or 'ddp'; clipping at 0.05 (the norm matters)."""
+def _build(wrapper, ep, tp=1, seed=5, meta=False, instances=1):
+    """``(model, optimizer)`` at (TP, EP) with ``instances`` distributed-optimizer instances (hybrid sharding);
+    ``wrapper``: 'fsdp' or 'ddp'; clipping at 0.05 (the norm matters)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig, wrap_data_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -31,7 +32,8 @@ def _build(wrapper, ep, tp=1, seed=5, meta=False):
     from tests.unit_tests.distributed._common import build_gpt
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             num_distributed_optimizer_instances=instances)
     model_parallel_cuda_manual_seed(seed)
     cfg = _config(ep, tp, init_model_with_meta_device=meta)
     model = build_gpt(cfg, seed, meta=meta)

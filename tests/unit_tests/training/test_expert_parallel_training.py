@@ -1,6 +1,6 @@
 """pretrain_gpt on 2 CPU gloo ranks with --expert-model-parallel-size 2: it trains like EP=1 (the same init, losses
-equal up to reduction-order rounding), saves, and resumes at EP=1 and under Megatron-FSDP x EP=2 with meta-device
-init, with the loss continuing."""
+equal up to reduction-order rounding), saves, and resumes at EP=1, under Megatron-FSDP x EP=2 with meta-device
+init and under Megatron-FSDP hybrid sharding (2 instances), with the loss continuing."""
 import numpy as np
 
 from tests.unit_tests.dist_utils import run_distributed
@@ -36,6 +36,13 @@ def _body(rank, world_size, ckpt):
                 on_iteration_end=lambda it, model, loss: seen.append(type(model[0]).__name__))
     assert seen[-1] == "FullyShardedDataParallel" and sorted(fsdp.losses) == [4, 5, 6]
     np.testing.assert_allclose([fsdp.losses[i] for i in (4, 5, 6)], curve[3:], rtol=1e-5, atol=0)
+    # and under hybrid sharding (2 instances of 1 rank: replicated across, as a multi-node job's outer dimension)
+    hybrid = _run(TINY + NO_DROPOUT + MOE + ["--load", ckpt, "--use-megatron-fsdp",
+                                              "--num-distributed-optimizer-instances", 2],
+                  on_iteration_end=lambda it, model, loss: seen.append(
+                      tuple(model[0].module.decoder.layers[0].mlp.router.weight.device_mesh.mesh_dim_names)))
+    assert seen[-1] == ("dp_replicate", "dp_shard") and sorted(hybrid.losses) == [4, 5, 6]
+    np.testing.assert_allclose([hybrid.losses[i] for i in (4, 5, 6)], curve[3:], rtol=1e-5, atol=0)
 
 
 def test_pretrain_gpt_ep2_saves_and_resumes_at_ep1(tmp_path):

@@ -50,6 +50,43 @@ def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
     return start, max(0, min(size, dim0 - start))
 
 
+def dtensor_shard_layout(t, key: str = "parameter") -> Tuple[int, int, int]:
+    """``(shard rank, shard count, replica rank)`` of a Megatron-FSDP DTensor: ``Shard(0)`` on its last mesh
+    dimension, ``Replicate()`` on the ones before it (hybrid sharding: replicas are the instances,
+    ``--num-distributed-optimizer-instances``); anything else is refused naming ``key``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements, mesh = tuple(t.placements), t.device_mesh
+    if not placements or placements[-1] != Shard(0) or not all(isinstance(p, Replicate) for p in placements[:-1]):
+        raise NotImplementedError(f"{key}: only Shard(0) DTensors (after Replicate() mesh dimensions: hybrid "
+                                  f"sharding) are supported, got {placements}")
+    replica = 0
+    for d in range(mesh.ndim - 1):
+        replica = replica * mesh.size(d) + mesh.get_local_rank(d)
+    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), replica
+
+
+def local_chunk_range(t, key: str = "parameter") -> Tuple[int, int]:
+    """``(offset, length)`` on dim 0 of the full tensor of a Megatron-FSDP DTensor's local shard."""
+    rank, count, _ = dtensor_shard_layout(t, key)
+    return chunk_range(t.shape[0], count, rank)
+
+
+def hybrid_mesh(dp_group: dist.ProcessGroup, instances: int, device_type: str):
+    """Hybrid sharding's 2-D ``DeviceMesh`` (``--num-distributed-optimizer-instances N``, ``--outer-dp-sharding-strategy
+    no_shard``): dimension 0 (``dp_replicate``) replicates over the N instances (parallel_state's inter-partial
+    data-parallel group), dimension 1 (``dp_shard``) shards within one (the intra-partial data-parallel group: N
+    contiguous pieces of the data-parallel ranks, as upstream). FSDP2 then reduce-scatters within an instance and
+    all-reduces across instances (HSDP)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = dist.get_process_group_ranks(dp_group)
+    inner = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    outer = parallel_state.get_inter_partial_data_parallel_group()
+    mesh = torch.tensor(ranks, dtype=torch.int).view(instances, len(ranks) // instances)
+    return DeviceMesh.from_group([outer, inner], device_type, mesh=mesh, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
 def fsdp_unit_policy(module: torch.nn.Module, unit_types: Tuple[Type[torch.nn.Module], ...]) -> List[torch.nn.Module]:
     """Step "unit policy": the FSDP units, in ``module.modules()`` order: every submodule of a ``unit_types`` type
     (``TransformerLayer``), then, with untied embeddings, the GPT's ``embedding`` and ``output_layer`` (so meta
@@ -181,7 +218,19 @@ class FullyShardedDataParallel(MegatronModule):
             # copy after forward to cast and "gather" it again in backward (pure overhead), so it is kept instead
             reshard_after_forward = strategy != "optim_grads" and dist.get_world_size(self.process_group) > 1
         self.device = torch.device(device) if device is not None else default_device()
-        self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        self.instances = parallel_state.get_num_distributed_optimizer_instances()
+        if self.instances > 1:
+            if process_group is not None:
+                raise ValueError("FullyShardedDataParallel: process_group= cannot be combined with hybrid sharding "
+                                 "(--num-distributed-optimizer-instances > 1): its groups come from parallel_state")
+            if parallel_state.get_expert_model_parallel_world_size() > 1:
+                raise NotImplementedError(
+                    "--num-distributed-optimizer-instances > 1 (hybrid sharding) with --expert-model-parallel-size "
+                    "> 1 is not supported yet under --use-megatron-fsdp: the expert-data-parallel group is not split "
+                    "into instances; use one of the two")
+            self.mesh = hybrid_mesh(self.process_group, self.instances, self.device.type)
+        else:
+            self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         # Expert parallelism: each EP rank holds other experts, so expert weights get their own FSDP2 units over the
         # expert-data-parallel group (the ranks holding the same experts); None without EP (they share ``mesh``)
         self.expert_mesh = None
@@ -224,6 +273,9 @@ class FullyShardedDataParallel(MegatronModule):
 
         kw.setdefault("mesh", self.mesh)
         fully_shard(m, mp_policy=self.mp_policy, **kw)
+        if self.instances > 1 and dist.get_backend(self.process_group) == "gloo":
+            # gloo's all-reduce has no AVG: hybrid sharding sums over both mesh dimensions, then divides
+            (m[0] if isinstance(m, list) else m).set_force_sum_reduction_for_comms(True)
 
     def _shard_experts(self, m: torch.nn.Module, reshard_after_forward: bool) -> None:
         """Step "shard experts" (expert parallelism): ``fully_shard`` of an expert module over the
@@ -445,8 +497,7 @@ class FullyShardedDataParallel(MegatronModule):
         if tuple(value.shape) == tuple(local.shape):
             local.copy_(value)
         elif tuple(value.shape) == tuple(target.shape):
-            rank, ws = target.device_mesh.get_local_rank(), target.device_mesh.size()
-            start, length = chunk_range(target.shape[0], ws, rank)
+            start, length = local_chunk_range(target, key)
             local.copy_(value[start : start + length])
         else:
             raise RuntimeError(

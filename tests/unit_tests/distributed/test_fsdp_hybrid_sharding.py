@@ -1,0 +1,110 @@
+"""Hybrid sharding under Megatron-FSDP on 4 gloo ranks (``--num-distributed-optimizer-instances 2``: 2 instances of
+2 ranks): parallel_state's intra/inter partial data-parallel groups as upstream (contiguous pieces of the DP ranks),
+parameters ``(Replicate(), Shard(0))`` DTensors on the 2-D mesh, FSDP (hybrid, meta-device build) equals DDP in the
+initial weights, the losses, the clipped gradient norms and the weights after 3 steps (fp32); checkpoints load across
+the hybrid and the flat layouts (and DDP), the eval loss and one more step equal the saving run's."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed._common import routers
+from tests.unit_tests.distributed.test_fsdp_expert_parallel import _build, _eval, _full_state, _load, _save, _train
+
+
+def _ranks(group):
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def _body(rank, world_size, tmp):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.optimizer import dtensor_shard_group
+
+    ref, ref_opt = _build("ddp", ep=1)
+    ref_init = _full_state(ref)
+    model, opt = _build("fsdp", ep=1, meta=True, instances=2)
+    # upstream's groups: instance i holds DP ranks [2i, 2i + 1]
+    assert ps.get_num_distributed_optimizer_instances() == 2
+    intra = _ranks(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True))
+    assert intra == [rank // 2 * 2, rank // 2 * 2 + 1] == _ranks(ps.get_intra_distributed_optimizer_instance_group())
+    assert ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True) == 2
+    assert _ranks(ps.get_inter_partial_data_parallel_group()) == [rank % 2, rank % 2 + 2]
+    assert _ranks(ps.get_inter_distributed_optimizer_instance_group()) == [rank % 2, rank % 2 + 2]
+    assert _ranks(ps.get_data_parallel_group()) == [0, 1, 2, 3]
+    w = model.module.decoder.layers[0].self_attention.linear_qkv.weight
+    assert tuple(w.placements) == (Replicate(), Shard(0)) and w.device_mesh.mesh_dim_names == ("dp_replicate",
+                                                                                                "dp_shard")
+    assert w.to_local().shape[0] == w.shape[0] // 2  # sharded within the instance only
+    assert _ranks(dtensor_shard_group(w)) == intra
+    got = _full_state(model)
+    for k, v in ref_init.items():  # meta init == eager init
+        assert torch.equal(got[k], v), k
+
+    ref_steps, steps = _train(ref, ref_opt, 3), _train(model, opt, 3)
+    for (l_ref, n_ref), (l, n) in zip(ref_steps, steps):
+        assert l == pytest.approx(l_ref, rel=1e-5) and n == pytest.approx(n_ref, rel=1e-5), (ref_steps, steps)
+    assert all(n > 0.05 for _, n in steps)
+    ref_state, state = _full_state(ref), _full_state(model)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    # replicas agree: instance 1's shard equals instance 0's
+    local = w.to_local().detach().clone()
+    inter = ps.get_inter_partial_data_parallel_group()
+    gathered = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(gathered, local, group=inter)
+    assert torch.equal(gathered[0], gathered[1])
+
+    # hybrid -> flat FSDP and DDP; flat FSDP -> hybrid
+    for src, instances in (("hybrid", 2), ("flat", 1)):
+        saver, o = (model, opt) if src == "hybrid" else _build("fsdp", ep=1, instances=1)
+        if src == "flat":
+            _train(saver, o, 3)
+        path = os.path.join(tmp, src)
+        _save(saver, o, path)
+        before = _eval(saver)
+        (_, norm), = _train(saver, o, 1, seed=7)
+        after = _eval(saver)
+        targets = (("fsdp", 1), ("ddp", 1)) if src == "hybrid" else (("fsdp", 2),)
+        for wrapper, n in targets:
+            m, mo = _build(wrapper, ep=1, seed=77, instances=n)
+            mo.init_state()
+            _load(m, mo, path)
+            what = f"{src} -> {wrapper} x{n}"
+            assert _eval(m) == pytest.approx(before, rel=1e-5, abs=1e-6), what
+            assert len(routers(m.module)) == 2
+            (_, n2), = _train(m, mo, 1, seed=7)
+            assert n2 == pytest.approx(norm, rel=1e-6), what
+            assert _eval(m) == pytest.approx(after, rel=1e-5, abs=1e-6), what
+
+
+def test_hybrid_sharding_equals_ddp_and_checkpoints_load_across_layouts(tmp_path):
+    run_distributed(_body, 4, str(tmp_path))
+
+
+def test_hybrid_sharding_flags():
+    from tests.unit_tests.training.test_arguments import _args
+
+    args = _args("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--outer-dp-sharding-strategy",
+                 "no_shard", world_size=4)
+    assert (args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy) == (2, "no_shard")
+    refused = (
+        (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--outer-dp-sharding-strategy", "optim"),
+         ["--outer-dp-sharding-strategy optim", "HFSDP", "no_shard"]),
+        (("--use-distributed-optimizer", "--num-distributed-optimizer-instances", 2),
+         ["--num-distributed-optimizer-instances 2 needs --use-megatron-fsdp"]),
+        (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--data-parallel-sharding-strategy",
+          "optim"), ["--data-parallel-sharding-strategy optim_grads or optim_grads_params", "got optim"]),
+        (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 3),
+         ["--num-distributed-optimizer-instances (3) must divide the data-parallel size (4)"]),
+        (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 0), ["must be a positive integer"]),
+        (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--num-experts", 4,
+          "--expert-model-parallel-size", 2), ["--expert-model-parallel-size 2 is not supported yet"]),
+    )
+    for argv, words in refused:
+        with pytest.raises(SystemExit) as exc:
+            _args(*argv, world_size=4)
+        assert all(w in str(exc.value) for w in words), (argv, str(exc.value))
