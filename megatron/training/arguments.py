@@ -530,9 +530,14 @@ def _validate_data_parallel_args(args):
         _fail(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it nothing is "
               "sharded: no_shard)")
     args.data_parallel_sharding_strategy = "no_shard"
-    if args.use_distributed_optimizer and (args.fp8_param_gather or args.fp4_param_gather):
-        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather / "
-              "--fp4-param-gather (quantized weights are gathered by Megatron-FSDP only); add --use-megatron-fsdp")
+    if args.use_distributed_optimizer and args.fp4_param_gather:
+        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp4-param-gather (NVFP4 "
+              "weights hold half a byte per element: the distributed optimizer gathers FP8 bytes); add "
+              "--use-megatron-fsdp")
+    if args.use_distributed_optimizer and args.fp8_param_gather and args.fp8_recipe == "mxfp8":
+        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather with "
+              "--fp8-recipe mxfp8 (per-rank 1x32 block scales; Transformer Engine cannot re-point MXFP8 data); use "
+              "delayed, tensorwise or blockwise, or add --use-megatron-fsdp")
     for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
                        ("overlap_param_gather", "parameters are not gathered (DDP replicates them)"),
                        ("suggested_communication_unit_size", "it sizes Megatron-FSDP's units")):
@@ -719,8 +724,9 @@ def validate_args(args, defaults={}):
     # (_validate_configs, below)
 
     # ---- distributed / FSDP -------------------------------------------------------------------------------
-    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
-        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-FSDP materializes the model)")
+    if args.init_model_with_meta_device and not (args.use_megatron_fsdp or args.use_distributed_optimizer):
+        _fail("--init-model-with-meta-device needs --use-megatron-fsdp or --use-distributed-optimizer (their "
+              "wrappers materialize the model)")
     _validate_data_parallel_args(args)
 
     # ---- data ---------------------------------------------------------------------------------------------

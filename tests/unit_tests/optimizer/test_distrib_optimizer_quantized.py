@@ -1,0 +1,150 @@
+"""The distributed optimizer with quantized weights (``--use-distributed-optimizer --fp8-param-gather`` under DDP), on
+real gloo ranks with the tests' FP8 stand-in (``FakeQuantizedTensor``, per-tensor delayed and tensorwise scaling):
+each rank quantizes only its own slices of the fp32 main params (tensorwise: amax reduced over DP), the FP8 bytes
+are all-gathered, and after 3 steps every rank's weights are bit-identical (FP8 bytes, scale, amax history,
+transpose cache) to the replicated optimizer's, which quantizes whole tensors; a state-dict round trip restores the
+weights from the main params; unsupported kinds are refused by name. The real TE path runs in
+tests/unit_tests/models/test_gpt_te_distrib_optimizer.py (GPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed._common import tiny_config
+
+SHAPES = {"fc1.weight": (24, 16), "fc2.weight": (8, 24)}
+
+
+class _Toy(torch.nn.Module):
+    """Two quantized weights (uneven across the ranks' flat ranges, one with a transpose cache) and plain params."""
+
+    def __init__(self, mode, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Linear(16, 24)
+        self.fc2 = torch.nn.Linear(24, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        with torch.no_grad():
+            for i, lin in enumerate((self.fc1, self.fc2)):
+                w = torch.randn(lin.weight.shape, generator=g) * 0.1
+                lin.weight = torch.nn.Parameter(FakeQuantizedTensor.quantize(w, mode, with_transpose=i == 0))
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
+
+
+def _grads(model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = {}
+    for n, p in model.named_parameters():
+        out[n] = (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype)
+    return out
+
+
+def _build(mode, distributed):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(tiny_config(moe=False), DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), _Toy(mode, 3))  # (bf16 grads: same sums)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.01, clip_grad=0.0,
+                                                 use_distributed_optimizer=distributed), [ddp])
+    return ddp, opt
+
+
+def _quantized_state(model):
+    out = {}
+    for n in SHAPES:
+        w = model.get_parameter(n)
+        q = w._quantizer
+        out[n] = {"data": w._data.view(torch.uint8).clone(), "scale_inv": w._scale_inv.clone(),
+                  "history": q.amax_history.clone(), "scale": q.scale.clone()}
+        if w._transpose is not None:
+            out[n]["transpose"] = w._transpose.view(torch.uint8).clone()
+    return out
+
+
+def _body(rank, ws, mode):
+    from megatron.core.optimizer import DistributedOptimizer
+
+    ref, ref_opt = _build(mode, distributed=False)
+    ddp, opt = _build(mode, distributed=True)
+    assert isinstance(opt, DistributedOptimizer) and [s.quantized for s in opt.spaces] == [False, True]
+    quantized_space = opt.spaces[1]
+    assert [n for n in SHAPES] == [ddp.param_to_name[p] for p in quantized_space.params]
+    owned = sum(s.stop - s.start for s in opt.slices if s.space == 1)
+    assert owned == quantized_space.shard_numel or rank == ws - 1  # this rank's half of the FP8 index space
+    for step in range(3):
+        for model, o in ((ref, ref_opt), (ddp, opt)):
+            o.zero_grad()
+            mine = _grads(model.module, step, rank)
+            for n, p in model.module.named_parameters():
+                p.grad = mine[n].clone()
+            model.finish_grad_sync()
+            assert o.step()[0]
+        want, got = _quantized_state(ref.module), _quantized_state(ddp.module)
+        for n in SHAPES:
+            for k in want[n]:
+                assert torch.equal(got[n][k], want[n][k]), f"{mode} step {step}: {n} {k}"
+        for n, p in ref.module.named_parameters():
+            if n not in SHAPES:
+                torch.testing.assert_close(ddp.module.get_parameter(n).detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    assert "transpose" in want["fc1.weight"]
+    w = ddp.module.fc1.weight
+    assert torch.equal(w._transpose.view(torch.uint8), w._data.view(24, 16).t().contiguous().view(torch.uint8))
+    if mode == "delayed":  # the amax of every step was recorded (reduced over the ranks: the whole tensor's)
+        assert float(w._quantizer.amax_history[0]) > 0
+    # the main params reload the weights: scramble them, load the optimizer's own state back
+    sd = {k: v for k, v in opt.state_dict().items()}
+    before = _quantized_state(ddp.module)
+    with torch.no_grad():
+        for n in SHAPES:
+            ddp.module.get_parameter(n)._data.zero_()
+    opt.load_state_dict(sd)
+    after = _quantized_state(ddp.module)
+    for n in SHAPES:
+        assert torch.equal(after[n]["data"], before[n]["data"]), n
+    dist.barrier()
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "delayed"])
+def test_fp8_param_gather_matches_replicated_optimizer(mode):
+    run_distributed(_body, 2, mode)
+
+
+def _refusal_body(rank, ws):
+    with pytest.raises(NotImplementedError, match=r"fc1.weight is a mxfp8 quantized weight; the distributed "
+                                                  r"optimizer gathers quantized weights of the kinds"):
+        _build("mxfp8", distributed=True)
+
+
+def test_unsupported_quantized_kinds_are_refused_by_name():
+    run_distributed(_refusal_body, 2)
+
+
+def _meta_body(rank, ws):
+    import numpy as np
+
+    from tests.unit_tests.training.test_expert_parallel_training import MOE
+    from tests.unit_tests.training.test_training import NO_DROPOUT, TINY, _run
+
+    biases = []
+    argv = TINY + NO_DROPOUT + MOE + ["--use-distributed-optimizer", "--train-iters", 3]
+    eager = _run(argv)
+    meta = _run(argv + ["--init-model-with-meta-device"], on_iteration_end=lambda it, model, loss: biases.append(
+        model[0].module.decoder.layers[0].mlp.router.expert_bias.clone()))
+    np.testing.assert_array_equal([meta.losses[i] for i in (1, 2, 3)], [eager.losses[i] for i in (1, 2, 3)])
+    assert all(torch.isfinite(b).all() for b in biases) and not torch.equal(biases[-1], torch.zeros(4))
+
+
+def test_meta_device_init_under_the_distributed_optimizer():
+    """``--init-model-with-meta-device`` with ``--use-distributed-optimizer`` (DDP materialises the model): the
+    losses equal an eager build's bit for bit, the router's expert_bias stays finite and is updated."""
+    run_distributed(_meta_body, 2)
+
+
+def test_distributed_optimizer_fp8_param_gather_flags():
+    from tests.unit_tests.training.test_arguments import _args
+
+    args = _args("--use-distributed-optimizer", "--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                 "--fp8-param-gather", "--transformer-impl", "transformer_engine", world_size=2)
+    assert args.use_distributed_optimizer and args.fp8_param_gather and not args.use_megatron_fsdp
