@@ -30,10 +30,15 @@ BASE = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-s
         "--hidden-dropout 0 --attention-dropout 0 --ckpt-format torch_dist").split()
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-router-enable-expert-bias --use-megatron-fsdp "
        "--init-model-with-meta-device").split()
+DIST_OPT = ("--num-experts 4 --moe-router-topk 2 --moe-router-enable-expert-bias --use-distributed-optimizer "
+            "--init-model-with-meta-device").split()
 CASES = {
     "delayed": ["--fp8-recipe", "delayed"],
     "tensorwise": ["--fp8-recipe", "tensorwise"],
     "delayed_moe_fsdp_meta": ["--fp8-recipe", "delayed"] + MOE,
+    # the distributed optimizer (DDP) with FP8 weights: shards quantized into the weights, FP8 bytes gathered
+    "delayed_moe_distopt_meta": ["--fp8-recipe", "delayed"] + DIST_OPT,
+    "tensorwise_moe_distopt_meta": ["--fp8-recipe", "tensorwise"] + DIST_OPT,
 }
 
 
@@ -160,3 +165,17 @@ def test_fsdp_unit_groups_train_exactly_like_one_unit_per_layer(tmp_path):
     assert runs["grouped"]["losses"] == want["losses"]
     for i in want["fp8"]:
         _assert_fp8_equal(runs["grouped"]["fp8"][i], want["fp8"][i], f"iteration {i}")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_distributed_optimizer_fp8_param_gather_trains_like_the_replicated_optimizer(recipe, tmp_path):
+    """``--use-distributed-optimizer --fp8-param-gather`` (DDP): the weights stay TE FP8 tensors updated from the
+    optimizer's fp32 main shards (TE's quantize_master_weights; the cast goes through bf16 as upstream's) and the
+    losses follow the replicated optimizer's (which quantizes the fp32 main values directly) to bf16 rounding."""
+    args = BASE + ["--fp8-recipe", recipe, "--train-iters", 6]
+    ref = _torchrun(tmp_path / "ref.pt", args, tmp_path / "ref.log")
+    got = _torchrun(tmp_path / "distopt.pt", args + ["--use-distributed-optimizer"], tmp_path / "distopt.log")
+    assert sorted(got["losses"]) == sorted(ref["losses"]) == list(range(1, 7))
+    for i in range(1, 7):
+        assert got["losses"][i] == pytest.approx(ref["losses"][i], rel=2e-2), (i, got["losses"], ref["losses"])
+    assert got["losses"][6] < got["losses"][1]
