@@ -12,6 +12,9 @@ second index space laid out the same way: after the step each rank quantizes its
 into the weights (``fp8_utils.quantize_master_shards``: tensorwise scaling reduces the amax over the DP group,
 delayed scaling keeps its amax history, blockwise reduces per block) and the FP8 bytes, not bf16, are all-gathered.
 
+Expert weights (``allreduce=False``: each expert-parallel rank holds other experts) have index spaces of their own
+over the expert-data-parallel group (the ranks holding the same experts).
+
 Step: the gradients of all parameters are flattened and reduce-scattered over the DP group (each rank receives
 the sum of its own range, then divided by ``D``: the mean, as DDP's all-reduce gives), the owned slices are
 stepped, and the updated slices are all-gathered back into every rank's parameters. The collectives are
@@ -77,10 +80,16 @@ class _Space:
     offsets: Dict[torch.nn.Parameter, int]
     shard_numel: int
     quantized: bool
+    expert: bool = False  # expert weights (``allreduce=False``): sharded over the expert-data-parallel group
+    group: Optional[dist.ProcessGroup] = None
+    size: int = 1
+    rank: int = 0
 
 
-def _dp_group_and_size():
-    group = parallel_state.get_data_parallel_group()
+def _dp_group_and_size(expert: bool = False):
+    """``(group, size, rank)`` of the data-parallel group (``expert``: the expert-data-parallel group)."""
+    group = (parallel_state.get_expert_data_parallel_group(check_initialized=False) if expert
+             else parallel_state.get_data_parallel_group())
     if group is None or not is_distributed():
         return None, 1, 0
     return group, get_world_size(group), get_rank(group)
@@ -137,26 +146,31 @@ class DistributedOptimizer(MegatronOptimizer):
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.device = self.all_params[0].device if self.all_params else torch.device("cpu")
 
-        # flat layouts (plain parameters; quantized weights in a space of their own, gathered as bytes) and this
+        # flat layouts (plain parameters; quantized weights in a space of their own, gathered as bytes; expert
+        # weights, which differ across expert-parallel ranks, in spaces over the expert-data-parallel group) and this
         # rank's range of each
         self.spaces: List[_Space] = []
         space_of: Dict[torch.nn.Parameter, int] = {}
-        for quantized in (False, True):
-            params = [p for p in self.all_params if _is_quantized_param(p) == quantized]
-            if not params:
-                continue
-            offsets, total = {}, 0
-            for p in params:
-                offsets[p], total = total, total + p.numel()
-                space_of[p] = len(self.spaces)
-            self.spaces.append(_Space(params, offsets, max(1, math.ceil(total / self.dp_size)), quantized))
+        for expert in (False, True):
+            group, size, rank = _dp_group_and_size(expert)
+            for quantized in (False, True):
+                params = [p for p in self.all_params
+                          if _is_quantized_param(p) == quantized and (not getattr(p, "allreduce", True)) == expert]
+                if not params:
+                    continue
+                offsets, total = {}, 0
+                for p in params:
+                    offsets[p], total = total, total + p.numel()
+                    space_of[p] = len(self.spaces)
+                self.spaces.append(_Space(params, offsets, max(1, math.ceil(total / size)), quantized, expert,
+                                          group, size, rank))
         self.slices: List[_Slice] = []
         shard_groups, main_params = [], []
         for g in groups:
             mains = []
             for p in g["params"]:
                 space = self.spaces[space_of[p]]
-                lo, hi = self.dp_rank * space.shard_numel, (self.dp_rank + 1) * space.shard_numel
+                lo, hi = space.rank * space.shard_numel, (space.rank + 1) * space.shard_numel
                 o = space.offsets[p]
                 a, b = max(o, lo), min(o + p.numel(), hi)
                 if a >= b:
@@ -181,11 +195,13 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
-        """Reduce-scatter the flattened model grads (mean over DP; one collective per index space) and hand each
-        owned slice to its main param."""
+        """Reduce-scatter the flattened model grads (one collective per index space, over its group) and hand each
+        owned slice to its main param. Divided by the data-parallel size: the mean over DP; for expert weights the
+        sum over expert-DP / DP, as ``DistributedDataParallel`` (each expert's gradient already sums the tokens of
+        its whole EP group)."""
         shards = []
         for space in self.spaces:
-            flat = torch.zeros(space.shard_numel * self.dp_size, dtype=self.reduce_dtype, device=self.device)
+            flat = torch.zeros(space.shard_numel * space.size, dtype=self.reduce_dtype, device=self.device)
             for p in space.params:
                 g = getattr(p, "main_grad", None)
                 if g is None:
@@ -193,12 +209,13 @@ class DistributedOptimizer(MegatronOptimizer):
                 if g is not None:
                     o = space.offsets[p]
                     flat[o : o + p.numel()].copy_(g.reshape(-1))
-            if self.dp_size > 1:
+            if space.size > 1:
                 shard = torch.empty(space.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                _reduce_scatter(shard, flat, self.group, self.dp_rank)
-                shard.div_(self.dp_size)
+                _reduce_scatter(shard, flat, space.group, space.rank)
             else:
                 shard = flat
+            if self.dp_size > 1:
+                shard.div_(self.dp_size)
             if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
                 raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
             shards.append(shard)
@@ -217,7 +234,8 @@ class DistributedOptimizer(MegatronOptimizer):
         """Global L2 norm (``global_grad_norm``): the owned slices' squares summed over the DP group, each value
         counted once under tensor parallelism."""
         entries = [(s.model_param, main.grad) for s, main in zip(self.slices, self.main_params)]
-        return global_grad_norm(entries, shard_group=self.group if self.dp_size > 1 else None,
+        groups = {"dense": self.group, "expert": _dp_group_and_size(expert=True)[0]}
+        return global_grad_norm(entries, shard_group=groups,
                                 kinds=self._kept_norm_kinds())  # model_params are the slices' params, in order
 
     @torch.no_grad()
@@ -245,16 +263,16 @@ class DistributedOptimizer(MegatronOptimizer):
                 mine = {id(s.model_param): (s, main) for s, main in owned}
                 found = [mine.get(id(p)) for p in space.params]
                 quantize_master_shards(space.params, [None if f is None else f[1].detach() for f in found],
-                                       [0 if f is None else f[0].start for f in found], self.group)
+                                       [0 if f is None else f[0].start for f in found], space.group)
                 dtype, values = torch.uint8, (lambda s, main: rowwise_bytes(s.model_param)[s.start : s.stop])
             else:
                 dtype, values = self.param_dtype, (lambda s, main: main.detach())
             shard = torch.zeros(space.shard_numel, dtype=dtype, device=self.device)
             for s, main in owned:
                 shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(values(s, main))
-            if self.dp_size > 1:
-                full = torch.empty(space.shard_numel * self.dp_size, dtype=dtype, device=self.device)
-                _all_gather(full, shard, self.group)
+            if space.size > 1:
+                full = torch.empty(space.shard_numel * space.size, dtype=dtype, device=self.device)
+                _all_gather(full, shard, space.group)
             else:
                 full = shard
             for p in space.params:

@@ -24,7 +24,8 @@ def _config(ep, tp=1, **kw):
 
 def _build(wrapper, ep, tp=1, seed=5, meta=False, instances=1):
     """``(model, optimizer)`` at (TP, EP) with ``instances`` distributed-optimizer instances (hybrid sharding);
-    ``wrapper``: 'fsdp' or 'ddp'; clipping at 0.05 (the norm matters)."""
+    ``wrapper``: 'fsdp', 'ddp' or 'distopt' (DDP + the distributed optimizer); clipping at 0.05 (the norm
+    matters)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig, wrap_data_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -40,11 +41,12 @@ def _build(wrapper, ep, tp=1, seed=5, meta=False, instances=1):
     for r in routers(model):  # a real (non-meta) buffer even in a meta build: must survive materialisation
         with torch.no_grad():
             r.expert_bias.copy_(torch.tensor([0.03, -0.01, 0.02, 0.0]))
-    fsdp = wrapper == "fsdp"
-    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=fsdp,
+    fsdp, distopt = wrapper == "fsdp", wrapper == "distopt"
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=fsdp, use_distributed_optimizer=distopt,
                                                data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard")
     model = wrap_data_parallel(cfg, ddp_config, model)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.01, clip_grad=0.05, adam_eps=1e-6), [model])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.01, clip_grad=0.05, adam_eps=1e-6,
+                                                 use_distributed_optimizer=distopt), [model])
     return model, opt
 
 
@@ -156,3 +158,35 @@ def _body(rank, world_size, tmp):
 
 def test_fsdp_ep_equals_ddp_ep_and_checkpoints_reshard(tmp_path):
     run_distributed(_body, 4, str(tmp_path))
+
+
+def _distopt_body(rank, world_size, tmp):
+    """The distributed optimizer under EP=2: expert weights sharded over expert-DP, equal to DDP x EP after 3 clipped
+    steps; its checkpoint loads at EP=1 (expert-DP 4) with the same eval loss and next step."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    ref, ref_opt = _build("ddp", ep=2)
+    model, opt = _build("distopt", ep=2)
+    assert isinstance(opt, DistributedOptimizer)
+    assert [(sp.expert, sp.size) for sp in opt.spaces] == [(False, 4), (True, 2)]
+    ref_steps, steps = _train(ref, ref_opt, 3), _train(model, opt, 3)
+    for (l_ref, n_ref), (l, n) in zip(ref_steps, steps):
+        assert l == pytest.approx(l_ref, rel=1e-5) and n == pytest.approx(n_ref, rel=1e-5), (ref_steps, steps)
+    ref_state, state = _full_state(ref), _full_state(model)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    path = os.path.join(tmp, "distopt_ep2")
+    _save(model, opt, path)
+    before = _eval(model)
+    (_, norm), = _train(model, opt, 1, seed=7)
+    after = _eval(model)
+    other, o = _build("distopt", ep=1, seed=77)
+    o.init_state()
+    _load(other, o, path)
+    assert _eval(other) == pytest.approx(before, rel=1e-5, abs=1e-6)
+    (_, n), = _train(other, o, 1, seed=7)
+    assert n == pytest.approx(norm, rel=1e-6) and _eval(other) == pytest.approx(after, rel=1e-5, abs=1e-6)
+
+
+def test_distributed_optimizer_with_expert_parallelism(tmp_path):
+    run_distributed(_distopt_body, 4, str(tmp_path))
