@@ -82,13 +82,9 @@ def _eval(model, seed=99):
 
 
 def _save(model, opt, path):
-    from megatron.core import dist_checkpointing
+    from tests.unit_tests.tensor_parallel._tp_common import save_model_and_optimizer
 
-    if dist.get_rank() == 0:
-        os.makedirs(path)
-    dist.barrier()
-    sd = model.sharded_state_dict()
-    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, path)
+    save_model_and_optimizer(model, opt, path)
 
 
 def _load(model, opt, path):
