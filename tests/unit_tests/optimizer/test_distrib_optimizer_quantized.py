@@ -3,7 +3,9 @@ real gloo ranks with the tests' FP8 stand-in (``FakeQuantizedTensor``, per-tenso
 each rank quantizes only its own slices of the fp32 main params (tensorwise: amax reduced over DP), the FP8 bytes
 are all-gathered, and after 3 steps every rank's weights are bit-identical (FP8 bytes, scale, amax history,
 transpose cache) to the replicated optimizer's, which quantizes whole tensors; a state-dict round trip restores the
-weights from the main params; unsupported kinds are refused by name. The real TE path runs in
+weights from the main params; a checkpoint saved at DP=2 loads at DP=1 (streaming into the FP8 weights) and DP=4
+with the same FP8 bytes; meta-device init works under the distributed optimizer; unsupported kinds are refused by
+name. The real TE path runs in
 tests/unit_tests/models/test_gpt_te_distrib_optimizer.py (GPU)."""
 import pytest
 import torch
@@ -31,6 +33,11 @@ class _Toy(torch.nn.Module):
                 lin.weight = torch.nn.Parameter(FakeQuantizedTensor.quantize(w, mode, with_transpose=i == 0))
                 lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix)
+
 
 def _grads(model, step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -40,12 +47,12 @@ def _grads(model, step, rank):
     return out
 
 
-def _build(mode, distributed):
+def _build(mode, distributed, seed=3):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(tiny_config(moe=False), DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), _Toy(mode, 3))  # (bf16 grads: same sums)
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), _Toy(mode, seed))  # (bf16 grads: same sums)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.01, clip_grad=0.0,
                                                  use_distributed_optimizer=distributed), [ddp])
     return ddp, opt
@@ -148,3 +155,50 @@ def test_distributed_optimizer_fp8_param_gather_flags():
     args = _args("--use-distributed-optimizer", "--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
                  "--fp8-param-gather", "--transformer-impl", "transformer_engine", world_size=2)
     assert args.use_distributed_optimizer and args.fp8_param_gather and not args.use_megatron_fsdp
+
+
+def _save_body(rank, ws, ckpt, out):
+    from megatron.core import dist_checkpointing
+
+    ddp, opt = _build("tensorwise", distributed=True)
+    for step in range(2):
+        opt.zero_grad()
+        for n, p in ddp.module.named_parameters():
+            p.grad = _grads(ddp.module, step, rank)[n]
+        assert opt.step()[0]
+    sd = ddp.sharded_state_dict()
+    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, ckpt)
+    if rank == 0:
+        torch.save(_quantized_state(ddp.module), out)
+
+
+def _load_body(rank, ws, ckpt, out, stream):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    ddp, opt = _build("tensorwise", distributed=True, seed=8)  # other weights: all must come from the checkpoint
+    opt.init_state()
+    sd = ddp.sharded_state_dict()
+    weights = [ddp.module.fc1.weight, ddp.module.fc2.weight]
+    FakeQuantizedTensor.dequantize_calls = 0
+    loaded = dist_checkpointing.load({"model": sd, "optimizer": opt.sharded_state_dict(sd, is_loading=True)}, ckpt,
+                                     TorchDistLoadShardedStrategy(stream_ckpt_dequant=stream))
+    if stream:  # streamed into the FP8 weights themselves, never dequantized upfront
+        assert loaded["model"]["fc1.weight"] is weights[0] and FakeQuantizedTensor.dequantize_calls == 0
+    ddp.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])  # fp32 main shards -> quantized into the weights, bytes gathered
+    want, got = torch.load(out), _quantized_state(ddp.module)
+    for n in SHAPES:
+        for k in ("data", "scale_inv"):
+            assert torch.equal(got[n][k], want[n][k]), (ws, stream, n, k)
+
+
+@pytest.mark.parametrize("load_ws,stream", [(1, True), (4, False)])
+def test_checkpoint_reshards_across_dp_sizes(tmp_path, load_ws, stream):
+    """Saved at DP=2, loaded at DP=1 (streaming into the FP8 weights) and at DP=4: the weights' FP8 bytes and scale
+    equal the saving run's (fully_sharded_model_space: the fp32 main slices reshard, then each rank quantizes its
+    new slices)."""
+    (tmp_path / "ckpt").mkdir()
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "want.pt")
+    run_distributed(_save_body, 2, ckpt, out)
+    run_distributed(_load_body, load_ws, ckpt, out, stream)
