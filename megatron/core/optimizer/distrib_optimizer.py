@@ -200,7 +200,11 @@ class DistributedOptimizer(MegatronOptimizer):
         sum over expert-DP / DP, as ``DistributedDataParallel`` (each expert's gradient already sums the tokens of
         its whole EP group)."""
         shards = []
-        for space in self.spaces:
+        for k, space in enumerate(self.spaces):
+            if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
+                shards.append(None)
+                self._own_grads_to_main(k)
+                continue
             flat = torch.zeros(space.shard_numel * space.size, dtype=self.reduce_dtype, device=self.device)
             for p in space.params:
                 g = getattr(p, "main_grad", None)
@@ -220,7 +224,23 @@ class DistributedOptimizer(MegatronOptimizer):
                 raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
             shards.append(shard)
         for s, main in zip(self.slices, self.main_params):
-            main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start].float().clone()
+            if shards[s.space] is not None:
+                main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start].float().clone()
+
+    def _own_grads_to_main(self, k: int) -> None:
+        """Space ``k`` over one rank (one GPU, or experts without expert-DP): each main grad is its parameter's
+        gradient in fp32 (divided by the DP size for experts, as the reduce-scatter path)."""
+        for s, main in zip(self.slices, self.main_params):
+            if s.space != k:
+                continue
+            g = getattr(s.model_param, "main_grad", None)
+            if g is None:
+                g = s.model_param.grad
+            g = (torch.zeros(s.stop - s.start, dtype=torch.float32, device=self.device) if g is None
+                 else g.reshape(-1)[s.start : s.stop].float())
+            main.grad = g / self.dp_size if self.dp_size > 1 else g
+            if self.check_for_nan_in_grad and not torch.isfinite(main.grad).all():
+                raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
 
     def _dp_sum(self, value: float, dtype=torch.float64) -> float:
         t = torch.tensor([value], dtype=dtype)
@@ -267,6 +287,13 @@ class DistributedOptimizer(MegatronOptimizer):
                 dtype, values = torch.uint8, (lambda s, main: rowwise_bytes(s.model_param)[s.start : s.stop])
             else:
                 dtype, values = self.param_dtype, (lambda s, main: main.detach())
+            if space.size == 1:  # one rank: the weights already hold the quantized values; plain ones are copied
+                for s, main in owned:
+                    if not space.quantized:
+                        s.model_param.data.view(-1)[s.start : s.stop].copy_(main.detach())
+                if space.quantized:
+                    finish_param_gather(space.params)
+                continue
             shard = torch.zeros(space.shard_numel, dtype=dtype, device=self.device)
             for s, main in owned:
                 shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(values(s, main))
