@@ -53,6 +53,8 @@ _DESCRIPTIONS = {
     "intra_dp_cp": "Intra partial data parallel group with context parallel combined",
     "intra_dp_cp_gloo": "Intra partial data parallel group-gloo with context parallel combined",
     "inter_dp_cp": "Inter partial data parallel group",
+    "intra_edp": "Intra partial expert data parallel group",
+    "inter_edp": "Inter partial expert data parallel group",
     "intra_dist_opt": "Intra distributed optimizer instance group",
     "inter_dist_opt": "Inter distributed optimizer instance group",
 }
@@ -347,6 +349,11 @@ def initialize_model_parallel(
                 build("intra_dp_cp_gloo", dp_cp_pieces, "", gloo=True)
             build("inter_dp_cp", [p for ranks in dense.get_ranks("dp-cp") for p in _strided_pieces(ranks, n)],
                   "inter_dp_cp")
+            edp_pieces = [p for ranks in expert.get_ranks("dp")
+                          for p in _contiguous_pieces(ranks, n, "the expert-data-parallel group")]
+            build("intra_edp", edp_pieces, "intra_ep_dp")
+            build("inter_edp", [p for ranks in expert.get_ranks("dp") for p in _strided_pieces(ranks, n)],
+                  "inter_ep_dp")
         _NUM_INSTANCES["n"] = n
     except BaseException:
         destroy_model_parallel()
@@ -497,8 +504,17 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True, with
 
 
 def get_expert_data_parallel_group(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
-    """The expert-data-parallel group (the WORLD group before initialisation, as the data-parallel group)."""
+    """The expert-data-parallel group (the WORLD group before initialisation, as the data-parallel group);
+    ``partial_expert_data_parallel``: its piece within this rank's distributed-optimizer instance."""
+    if partial_expert_data_parallel and _INITIALIZED and _NUM_INSTANCES["n"] > 1:
+        return _group("intra_edp", check_initialized)
     return _group("edp", check_initialized)
+
+
+def get_inter_partial_expert_data_parallel_group(check_initialized=True):
+    """The expert-data-parallel ranks at this rank's position in every instance (only with several
+    distributed-optimizer instances): Megatron-FSDP's hybrid sharding replicates experts over this group."""
+    return _group("inter_edp", check_initialized)
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):

@@ -502,10 +502,10 @@ def _validate_hybrid_sharding_args(args):
     if args.data_parallel_size % n:
         _fail(f"--num-distributed-optimizer-instances ({n}) must divide the data-parallel size "
               f"({args.data_parallel_size})")
-    if args.expert_model_parallel_size > 1:
-        _fail(f"--num-distributed-optimizer-instances {n} with --expert-model-parallel-size "
-              f"{args.expert_model_parallel_size} is not supported yet under --use-megatron-fsdp (the "
-              "expert-data-parallel group is not split into instances)")
+    ep_tp = args.expert_model_parallel_size * args.tensor_model_parallel_size
+    if args.num_experts is not None and (args.world_size // ep_tp) % n:
+        _fail(f"--num-distributed-optimizer-instances ({n}) must divide the expert-data-parallel size "
+              f"({args.world_size // ep_tp} = world / (--expert-model-parallel-size x --tensor-model-parallel-size))")
 
 
 def _validate_data_parallel_args(args):

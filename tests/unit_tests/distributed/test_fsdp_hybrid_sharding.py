@@ -2,7 +2,8 @@
 2 ranks): parallel_state's intra/inter partial data-parallel groups as upstream (contiguous pieces of the DP ranks),
 parameters ``(Replicate(), Shard(0))`` DTensors on the 2-D mesh, FSDP (hybrid, meta-device build) equals DDP in the
 initial weights, the losses, the clipped gradient norms and the weights after 3 steps (fp32); checkpoints load across
-the hybrid and the flat layouts (and DDP), the eval loss and one more step equal the saving run's."""
+the hybrid and the flat layouts (and DDP), the eval loss and one more step equal the saving run's. With EP=2 the
+expert-data-parallel group is cut into the instances too (hybrid sharding x EP equals DDP x EP)."""
 import os
 
 import pytest
@@ -85,12 +86,50 @@ def test_hybrid_sharding_equals_ddp_and_checkpoints_load_across_layouts(tmp_path
     run_distributed(_body, 4, str(tmp_path))
 
 
+def _ep_body(rank, world_size, tmp):
+    """Hybrid sharding x EP=2 (expert-DP [r % 2, r % 2 + 2] cut into 2 instances of 1 rank: experts replicated across
+    them, dense weights 2 x 2) equals DDP x EP=2; its checkpoint loads into flat Megatron-FSDP at EP=1."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron.core import parallel_state as ps
+
+    ref, ref_opt = _build("ddp", ep=2)
+    model, opt = _build("fsdp", ep=2, meta=True, instances=2)
+    assert _ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)) == [rank]
+    assert _ranks(ps.get_inter_partial_expert_data_parallel_group()) == [rank % 2, rank % 2 + 2]
+    w = model.module.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
+    assert tuple(w.placements) == (Replicate(), Shard(0)) and tuple(w.device_mesh.shape) == (2, 1)
+    ref_steps, steps = _train(ref, ref_opt, 3), _train(model, opt, 3)
+    for (l_ref, n_ref), (l, n) in zip(ref_steps, steps):
+        assert l == pytest.approx(l_ref, rel=1e-5) and n == pytest.approx(n_ref, rel=1e-5), (ref_steps, steps)
+    for k, v in _full_state(ref).items():
+        torch.testing.assert_close(_full_state(model)[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    path = os.path.join(tmp, "hybrid_ep2")
+    _save(model, opt, path)
+    before = _eval(model)
+    (_, norm), = _train(model, opt, 1, seed=7)
+    after = _eval(model)
+    other, o = _build("fsdp", ep=1, seed=77)
+    o.init_state()
+    _load(other, o, path)
+    assert _eval(other) == pytest.approx(before, rel=1e-5, abs=1e-6)
+    (_, n), = _train(other, o, 1, seed=7)
+    assert n == pytest.approx(norm, rel=1e-6) and _eval(other) == pytest.approx(after, rel=1e-5, abs=1e-6)
+
+
+def test_hybrid_sharding_with_expert_parallelism(tmp_path):
+    run_distributed(_ep_body, 4, str(tmp_path))
+
+
 def test_hybrid_sharding_flags():
     from tests.unit_tests.training.test_arguments import _args
 
     args = _args("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--outer-dp-sharding-strategy",
                  "no_shard", world_size=4)
     assert (args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy) == (2, "no_shard")
+    args = _args("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--num-experts", 4,
+                 "--expert-model-parallel-size", 2, world_size=4)
+    assert args.expert_model_parallel_size == 2  # hybrid sharding x EP
     refused = (
         (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--outer-dp-sharding-strategy", "optim"),
          ["--outer-dp-sharding-strategy optim", "HFSDP", "no_shard"]),
@@ -102,7 +141,8 @@ def test_hybrid_sharding_flags():
          ["--num-distributed-optimizer-instances (3) must divide the data-parallel size (4)"]),
         (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 0), ["must be a positive integer"]),
         (("--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2, "--num-experts", 4,
-          "--expert-model-parallel-size", 2), ["--expert-model-parallel-size 2 is not supported yet"]),
+          "--expert-model-parallel-size", 4), ["--num-distributed-optimizer-instances (2) must divide the "
+                                               "expert-data-parallel size (1"]),
     )
     for argv, words in refused:
         with pytest.raises(SystemExit) as exc:

@@ -72,17 +72,17 @@ def local_chunk_range(t, key: str = "parameter") -> Tuple[int, int]:
     return chunk_range(t.shape[0], count, rank)
 
 
-def hybrid_mesh(dp_group: dist.ProcessGroup, instances: int, device_type: str):
+def hybrid_mesh(dp_group: dist.ProcessGroup, instances: int, device_type: str, inner: dist.ProcessGroup,
+                outer: dist.ProcessGroup):
     """Hybrid sharding's 2-D ``DeviceMesh`` (``--num-distributed-optimizer-instances N``, ``--outer-dp-sharding-strategy
-    no_shard``): dimension 0 (``dp_replicate``) replicates over the N instances (parallel_state's inter-partial
-    data-parallel group), dimension 1 (``dp_shard``) shards within one (the intra-partial data-parallel group: N
-    contiguous pieces of the data-parallel ranks, as upstream). FSDP2 then reduce-scatters within an instance and
-    all-reduces across instances (HSDP)."""
+    no_shard``) over ``dp_group`` (the data-parallel or, for experts, the expert-data-parallel group): dimension 0
+    (``dp_replicate``) replicates over the N instances (``outer``: parallel_state's inter-partial group), dimension 1
+    (``dp_shard``) shards within one (``inner``: the intra-partial group, one of N contiguous pieces of
+    ``dp_group``'s ranks, as upstream). FSDP2 then reduce-scatters within an instance and all-reduces across
+    instances (HSDP)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = dist.get_process_group_ranks(dp_group)
-    inner = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
-    outer = parallel_state.get_inter_partial_data_parallel_group()
     mesh = torch.tensor(ranks, dtype=torch.int).view(instances, len(ranks) // instances)
     return DeviceMesh.from_group([outer, inner], device_type, mesh=mesh, mesh_dim_names=("dp_replicate", "dp_shard"))
 
@@ -223,12 +223,10 @@ class FullyShardedDataParallel(MegatronModule):
             if process_group is not None:
                 raise ValueError("FullyShardedDataParallel: process_group= cannot be combined with hybrid sharding "
                                  "(--num-distributed-optimizer-instances > 1): its groups come from parallel_state")
-            if parallel_state.get_expert_model_parallel_world_size() > 1:
-                raise NotImplementedError(
-                    "--num-distributed-optimizer-instances > 1 (hybrid sharding) with --expert-model-parallel-size "
-                    "> 1 is not supported yet under --use-megatron-fsdp: the expert-data-parallel group is not split "
-                    "into instances; use one of the two")
-            self.mesh = hybrid_mesh(self.process_group, self.instances, self.device.type)
+            self.mesh = hybrid_mesh(
+                self.process_group, self.instances, self.device.type,
+                parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+                parallel_state.get_inter_partial_data_parallel_group())
         else:
             self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         # Expert parallelism: each EP rank holds other experts, so expert weights get their own FSDP2 units over the
@@ -239,8 +237,14 @@ class FullyShardedDataParallel(MegatronModule):
                 raise ValueError("FullyShardedDataParallel: process_group= cannot be combined with expert "
                                  "parallelism (--expert-model-parallel-size > 1): the expert-data-parallel group "
                                  "comes from parallel_state")
-            self.expert_mesh = DeviceMesh.from_group(parallel_state.get_expert_data_parallel_group(),
-                                                     self.device.type)
+            edp = parallel_state.get_expert_data_parallel_group()
+            if self.instances > 1:  # hybrid: experts replicated across the instances' expert-DP pieces too
+                self.expert_mesh = hybrid_mesh(
+                    edp, self.instances, self.device.type,
+                    parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+                    parallel_state.get_inter_partial_expert_data_parallel_group())
+            else:
+                self.expert_mesh = DeviceMesh.from_group(edp, self.device.type)
         if fsdp_unit_modules is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -286,11 +290,10 @@ class FullyShardedDataParallel(MegatronModule):
         ranks never disagree on the collective."""
         self._shard(m, mesh=self.expert_mesh, reshard_after_forward=reshard_after_forward)
         m.set_gradient_divide_factor(float(dist.get_world_size(self.process_group)))
-        group = self.expert_mesh.get_group()
-        if dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo":
-            # gloo has no PREMUL_SUM: a sum, then the division (not with one rank: torch 2.13's FSDP2 would then
-            # divide twice, and no collective runs anyway)
-            m.set_force_sum_reduction_for_comms(True)
+        group = self.expert_mesh.get_group(mesh_dim=self.expert_mesh.ndim - 1)  # the sharding dimension
+        # gloo has no PREMUL_SUM: a sum, then the division; not with one rank on the sharding dimension: torch 2.13's
+        # FSDP2 would then divide twice (no reduce-scatter runs there, and the hybrid all-reduce is a plain SUM)
+        m.set_force_sum_reduction_for_comms(dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo")
         m.set_reduce_scatter_unused_params(True)
 
     def _materialize_and_shard_units(self, module: torch.nn.Module, groups: List[List[torch.nn.Module]],
