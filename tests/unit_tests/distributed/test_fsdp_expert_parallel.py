@@ -96,6 +96,39 @@ def _load(model, opt, path):
     opt.load_state_dict(loaded["optimizer"])
 
 
+def train_alike(ref, ref_opt, model, opt, steps=3):
+    """``steps`` clipped steps of both: equal losses and gradient norms, equal weights after; returns
+    ``(ref state, state)`` (full tensors)."""
+    ref_steps, got = _train(ref, ref_opt, steps), _train(model, opt, steps)
+    for (l_ref, n_ref), (l, n) in zip(ref_steps, got):
+        assert l == pytest.approx(l_ref, rel=1e-5) and n == pytest.approx(n_ref, rel=1e-5), (ref_steps, got)
+    assert all(n > 0.05 for _, n in got)  # every step was clipped: the norm decides the update
+    ref_state, state = _full_state(ref), _full_state(model)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    return ref_state, state
+
+
+def save_and_resume_elsewhere(model, opt, path, layouts, check=None):
+    """Save ``model``/``opt`` at ``path``; for each ``layouts`` entry (``_build`` keyword arguments) a model built
+    with other weights loads it: its eval loss, then one more step's gradient norm and eval loss, equal the saving
+    run's (``check(model)`` runs right after each load)."""
+    _save(model, opt, path)
+    before = _eval(model)
+    (_, norm), = _train(model, opt, 1, seed=7)
+    after = _eval(model)
+    for kw in layouts:
+        other, o = _build(seed=77, **kw)  # other weights: all must come from the checkpoint
+        o.init_state()
+        _load(other, o, path)
+        assert _eval(other) == pytest.approx(before, rel=1e-5, abs=1e-6), kw
+        if check is not None:
+            check(other)
+        (_, n), = _train(other, o, 1, seed=7)
+        assert n == pytest.approx(norm, rel=1e-6), kw  # (a one-rank expert mesh once divided twice: 0.97x)
+        assert _eval(other) == pytest.approx(after, rel=1e-5, abs=1e-6), kw
+
+
 def _body(rank, world_size, tmp):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -121,35 +154,18 @@ def _body(rank, world_size, tmp):
         assert torch.equal(got[k], v), k
     assert torch.equal(routers(fsdp.module)[0].expert_bias, torch.tensor([0.03, -0.01, 0.02, 0.0]))
 
-    ref_steps = _train(ref, ref_opt, 3)
-    steps = _train(fsdp, opt, 3)
-    for (l_ref, n_ref), (l, n) in zip(ref_steps, steps):
-        assert l == pytest.approx(l_ref, rel=1e-5) and n == pytest.approx(n_ref, rel=1e-5), (ref_steps, steps)
-    assert all(n > 0.05 for _, n in steps)  # every step was clipped: the norm decides the update
-    ref_state, state = _full_state(ref), _full_state(fsdp)
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    ref_state, state = train_alike(ref, ref_opt, fsdp, opt)
     assert not torch.equal(ref_state["decoder.layers.0.mlp.router.expert_bias"], ref_init[
         "decoder.layers.0.mlp.router.expert_bias"])  # the bias was updated, equally
     moved = [k for k in ref_state if ".experts." in k and not torch.equal(ref_state[k], ref_init[k])]
     assert moved, "no expert weight was trained"
-
-    path = os.path.join(tmp, "fsdp_ep2")
-    _save(fsdp, opt, path)
-    before = _eval(fsdp)
-    (_, norm), = _train(fsdp, opt, 1, seed=7)
-    after = _eval(fsdp)
-    # the same checkpoint under other layouts: the eval loss, then one more step, equal the saving run's
-    for wrapper, tp, ep in (("fsdp", 1, 1), ("fsdp", 2, 2), ("ddp", 1, 2)):
-        model, o = _build(wrapper, ep=ep, tp=tp, seed=77)  # other weights: all must come from the checkpoint
-        o.init_state()
-        _load(model, o, path)
-        what = f"{wrapper} tp{tp} ep{ep}"
-        assert _eval(model) == pytest.approx(before, rel=1e-5, abs=1e-6), what
+    def bias_loaded(model):
         assert torch.equal(routers(model.module)[0].expert_bias, state["decoder.layers.0.mlp.router.expert_bias"])
-        (_, n), = _train(model, o, 1, seed=7)
-        assert n == pytest.approx(norm, rel=1e-6), what  # (a one-rank expert mesh once divided twice: 0.97x)
-        assert _eval(model) == pytest.approx(after, rel=1e-5, abs=1e-6), what
+
+    # the same checkpoint under other layouts: the eval loss, then one more step, equal the saving run's
+    save_and_resume_elsewhere(fsdp, opt, os.path.join(tmp, "fsdp_ep2"),
+                              [dict(wrapper="fsdp", tp=1, ep=1), dict(wrapper="fsdp", tp=2, ep=2),
+                               dict(wrapper="ddp", tp=1, ep=2)], check=bias_loaded)
 
 
 def test_fsdp_ep_equals_ddp_ep_and_checkpoints_reshard(tmp_path):
@@ -165,25 +181,9 @@ def _distopt_body(rank, world_size, tmp):
     model, opt = _build("distopt", ep=2)
     assert isinstance(opt, DistributedOptimizer)
     assert [(sp.expert, sp.size) for sp in opt.spaces] == [(False, world_size), (True, world_size // 2)]
-    ref_steps, steps = _train(ref, ref_opt, 3), _train(model, opt, 3)
-    for (l_ref, n_ref), (l, n) in zip(ref_steps, steps):
-        assert l == pytest.approx(l_ref, rel=1e-5) and n == pytest.approx(n_ref, rel=1e-5), (ref_steps, steps)
-    ref_state, state = _full_state(ref), _full_state(model)
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
-    if tmp is None:
-        return
-    path = os.path.join(tmp, "distopt_ep2")
-    _save(model, opt, path)
-    before = _eval(model)
-    (_, norm), = _train(model, opt, 1, seed=7)
-    after = _eval(model)
-    other, o = _build("distopt", ep=1, seed=77)
-    o.init_state()
-    _load(other, o, path)
-    assert _eval(other) == pytest.approx(before, rel=1e-5, abs=1e-6)
-    (_, n), = _train(other, o, 1, seed=7)
-    assert n == pytest.approx(norm, rel=1e-6) and _eval(other) == pytest.approx(after, rel=1e-5, abs=1e-6)
+    train_alike(ref, ref_opt, model, opt)
+    if tmp is not None:
+        save_and_resume_elsewhere(model, opt, os.path.join(tmp, "distopt_ep2"), [dict(wrapper="distopt", ep=1)])
 
 
 def test_distributed_optimizer_with_expert_parallelism(tmp_path):
