@@ -510,7 +510,13 @@ def quantize_master_shards(weights, masters, offsets, group) -> None:
             raise RuntimeError("--use-distributed-optimizer with --fp8-param-gather needs Transformer Engine's "
                                "quantize_master_weights (transformer_engine.pytorch.tensor.utils); upgrade it")
         w, m, o = (list(x) for x in zip(*te_items))
-        _te.te_quantize_master_weights(w, m, o, group, manual_post_all_gather_processing=True)
+        fn = _te.te_quantize_master_weights
+        import inspect
+
+        if "manual_post_all_gather_processing" in inspect.signature(fn).parameters:
+            fn(w, m, o, group, manual_post_all_gather_processing=True)  # finish_param_gather does it
+        else:  # an older TE: it refreshes the derived buffers at the next forward itself
+            fn(w, m, o, group)
     if own:
         amax = torch.stack([m.detach().abs().max().float() if m is not None and m.numel()
                             else torch.zeros((), device=w.device) for w, m, _ in own])

@@ -102,11 +102,11 @@ def _have_te():
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine")]
 
 
-def _torchrun(out, argv, log):
+def _torchrun(out, argv, log, nproc=1):
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     env.pop("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", None)  # the resume must not need the unsafe opt-in
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.abspath(__file__), str(out)] + [str(a) for a in argv]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     with open(log, "w") as f:
@@ -179,3 +179,19 @@ def test_distributed_optimizer_fp8_param_gather_trains_like_the_replicated_optim
     for i in range(1, 7):
         assert got["losses"][i] == pytest.approx(ref["losses"][i], rel=2e-2), (i, got["losses"], ref["losses"])
     assert got["losses"][6] < got["losses"][1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_ep2_fp8_param_gather_resumes_exactly(tmp_path):
+    """Megatron-FSDP x EP=2 on 2 GPUs with meta init, FP8 (delayed) weights gathered in FP8 (experts over the
+    expert-data-parallel mesh of one rank, dense weights over both): trains (the loss falls), and a resume with
+    --stream-ckpt-dequant continues exactly."""
+    ckpt = tmp_path / "ckpt"
+    args = BASE + ["--fp8-recipe", "delayed", "--train-iters", ITERS, "--expert-model-parallel-size", 2] + MOE
+    full = _torchrun(tmp_path / "full.pt", args + ["--save", ckpt, "--save-interval", SAVE_AT], tmp_path / "full.log",
+                     nproc=2)
+    assert full["losses"][ITERS] < full["losses"][1]
+    res = _torchrun(tmp_path / "res.pt", args + ["--load", ckpt, "--ckpt-step", SAVE_AT, "--stream-ckpt-dequant"],
+                    tmp_path / "res.log", nproc=2)
+    after = list(range(SAVE_AT + 1, ITERS + 1))
+    assert [res["losses"][i] for i in after] == [full["losses"][i] for i in after]
