@@ -16,6 +16,7 @@ Recognized tensors:
 
 Plain tensors pass through every function unchanged, so callers need no ``if``.
 """
+import functools
 from typing import Dict, Optional
 
 import torch
@@ -493,6 +494,13 @@ def rowwise_bytes(t) -> Optional[torch.Tensor]:
     return data.view(torch.uint8).view(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_manual_post_processing(fn) -> bool:
+    import inspect
+
+    return "manual_post_all_gather_processing" in inspect.signature(fn).parameters
+
+
 @torch.no_grad()
 def quantize_master_shards(weights, masters, offsets, group) -> None:
     """Step "quantize own shard" of the distributed optimizer: ``masters[i]`` (the fp32 main values of flat elements
@@ -511,9 +519,7 @@ def quantize_master_shards(weights, masters, offsets, group) -> None:
                                "quantize_master_weights (transformer_engine.pytorch.tensor.utils); upgrade it")
         w, m, o = (list(x) for x in zip(*te_items))
         fn = _te.te_quantize_master_weights
-        import inspect
-
-        if "manual_post_all_gather_processing" in inspect.signature(fn).parameters:
+        if _takes_manual_post_processing(fn):
             fn(w, m, o, group, manual_post_all_gather_processing=True)  # finish_param_gather does it
         else:  # an older TE: it refreshes the derived buffers at the next forward itself
             fn(w, m, o, group)

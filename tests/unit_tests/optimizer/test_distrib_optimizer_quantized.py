@@ -202,3 +202,27 @@ def test_checkpoint_reshards_across_dp_sizes(tmp_path, load_ws, stream):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "want.pt")
     run_distributed(_save_body, 2, ckpt, out)
     run_distributed(_load_body, load_ws, ckpt, out, stream)
+
+
+@pytest.mark.parametrize("new_te", [True, False])
+def test_te_weights_go_through_te_quantize_master_weights(monkeypatch, new_te):
+    """TE weights are handed to TE's quantize_master_weights (weights, masters, offsets, group), with
+    manual post-processing where TE has it (then finish_param_gather runs TE's post_all_gather_processing)."""
+    from megatron.core import fp8_utils
+
+    calls = []
+    if new_te:
+        def quantize(w, m, o, group, fsdp_shard_model_weights=None, manual_post_all_gather_processing=False):
+            calls.append(("quantize", w, m, o, group, manual_post_all_gather_processing))
+    else:
+        def quantize(w, m, o, group):
+            calls.append(("quantize", w, m, o, group, None))
+    te_w, plain_w = torch.zeros(4), torch.zeros(2)
+    monkeypatch.setattr(fp8_utils, "_is_te_quantized", lambda t: t is te_w)
+    monkeypatch.setattr(fp8_utils._te, "te_quantize_master_weights", quantize)
+    monkeypatch.setattr(fp8_utils._te, "te_post_all_gather_processing", lambda ws: calls.append(("post", ws)))
+    master = torch.ones(2)
+    fp8_utils.quantize_master_shards([te_w], [master], [2], "group")
+    fp8_utils.finish_param_gather([te_w, plain_w])
+    assert calls[0] == ("quantize", [te_w], [master], [2], "group", True if new_te else None)
+    assert calls[1][0] == "post" and calls[1][1] == [te_w]
