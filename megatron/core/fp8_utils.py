@@ -16,6 +16,7 @@ Recognized tensors:
 
 Plain tensors pass through every function unchanged, so callers need no ``if``.
 """
+import functools
 from typing import Dict, Optional
 
 import torch
@@ -469,3 +470,75 @@ def _te_quantize_rows(dst, r0: int, src2d: torch.Tensor) -> None:
     if dst._columnwise_data is not None and tmp._columnwise_data is not None:
         dst._columnwise_data.view(cols, -1)[:, r0:r0 + n].copy_(tmp._columnwise_data.view(cols, n))
         dst._columnwise_scale_inv[:, r0 // g:r0 // g + k].copy_(tmp._columnwise_scale_inv[:, :k])
+
+
+# ---- the distributed optimizer's quantized param gather (--use-distributed-optimizer --fp8-param-gather) -----------
+DIST_OPT_KINDS = (DELAYED, TENSORWISE, BLOCKWISE)
+"""Kinds whose weights the distributed optimizer can update shard by shard and all-gather as bytes: one byte per
+element in the rowwise data, the scales equal on every rank after the amax reduction (per tensor, or per block for
+blockwise). MXFP8 (per-rank E8M0 scales of 1x32 blocks, TE cannot re-point its data) and NVFP4 (half a byte per
+element) are not."""
+
+
+def rowwise_bytes(t) -> Optional[torch.Tensor]:
+    """The flat, 1-byte-per-element rowwise data of a quantized weight of a :data:`DIST_OPT_KINDS` kind (TE
+    Float8Tensor ``_data``, Float8BlockwiseQTensor ``_rowwise_data``; the protocol's ``_data``), viewed as uint8;
+    None for anything else."""
+    if quantization_kind(t) not in DIST_OPT_KINDS:
+        return None
+    data = getattr(t, "_rowwise_data", None) if quantization_kind(t) == BLOCKWISE else None
+    if data is None:
+        data = getattr(t, "_data", None)
+    if not isinstance(data, torch.Tensor) or data.numel() != t.numel() or data.element_size() != 1:
+        return None
+    return data.view(torch.uint8).view(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_manual_post_processing(fn) -> bool:
+    import inspect
+
+    return "manual_post_all_gather_processing" in inspect.signature(fn).parameters
+
+
+@torch.no_grad()
+def quantize_master_shards(weights, masters, offsets, group) -> None:
+    """Step "quantize own shard" of the distributed optimizer: ``masters[i]`` (the fp32 main values of flat elements
+    ``[offsets[i], offsets[i] + numel)`` of ``weights[i]``, or None when this rank owns none) is quantized into that
+    range of the weight's rowwise bytes. Scaling as upstream: delayed scaling uses the weight's current scale and
+    records the amax, current (tensorwise) scaling takes its scale from the amax reduced over ``group`` (so every rank
+    computes the same scale), blockwise reduces each block's amax. A collective over ``group`` (every rank passes the
+    same weights). TE weights go through TE's ``quantize_master_weights``; protocol tensors through their
+    ``quantize_master_shard_(offset, master, amax)`` with the group's per-tensor amax."""
+    te_items = [(w, m, o) for w, m, o in zip(weights, masters, offsets) if _is_te_quantized(w)]
+    own = [(w, m, o) for w, m, o in zip(weights, masters, offsets) if not _is_te_quantized(w)]
+    if te_items:
+        if _te.te_quantize_master_weights is None:
+            _te.require_te("--use-distributed-optimizer with --fp8-param-gather")
+            raise RuntimeError("--use-distributed-optimizer with --fp8-param-gather needs Transformer Engine's "
+                               "quantize_master_weights (transformer_engine.pytorch.tensor.utils); upgrade it")
+        w, m, o = (list(x) for x in zip(*te_items))
+        fn = _te.te_quantize_master_weights
+        if _takes_manual_post_processing(fn):
+            fn(w, m, o, group, manual_post_all_gather_processing=True)  # finish_param_gather does it
+        else:  # an older TE: it refreshes the derived buffers at the next forward itself
+            fn(w, m, o, group)
+    if own:
+        amax = torch.stack([m.detach().abs().max().float() if m is not None and m.numel()
+                            else torch.zeros((), device=w.device) for w, m, _ in own])
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        for (w, m, o), a in zip(own, amax):
+            w.quantize_master_shard_(o, m, a)
+
+
+@torch.no_grad()
+def finish_param_gather(weights) -> None:
+    """After the rowwise bytes of ``weights`` were all-gathered: rebuild what derives from them (TE: transpose /
+    columnwise data, ``post_all_gather_processing``; the protocol's ``finish_rows_quantize_``)."""
+    te_weights = [w for w in weights if _is_te_quantized(w)]
+    if te_weights and _te.te_post_all_gather_processing is not None:
+        _te.te_post_all_gather_processing(te_weights)
+    for w in weights:
+        if not _is_te_quantized(w) and hasattr(w, "finish_rows_quantize_"):
+            w.finish_rows_quantize_()

@@ -50,6 +50,11 @@ _DESCRIPTIONS = {
     "etp_ep_pp": "Expert tensor-model-pipeline parallel group",
     "edp": "Expert data parallel group",
     "edp_gloo": "Expert data parallel group-gloo",
+    "intra_dp_cp": "Intra partial data parallel group with context parallel combined",
+    "intra_dp_cp_gloo": "Intra partial data parallel group-gloo with context parallel combined",
+    "inter_dp_cp": "Inter partial data parallel group",
+    "intra_edp": "Intra partial expert data parallel group",
+    "inter_edp": "Inter partial expert data parallel group",
     "intra_dist_opt": "Intra distributed optimizer instance group",
     "inter_dist_opt": "Inter distributed optimizer instance group",
 }
@@ -57,6 +62,7 @@ _DESCRIPTIONS = {
 _WORLD_BEFORE_INIT = {"dp", "dp_cp", "tp_dp", "tp_dp_cp", "edp", "intra_dist_opt"}
 
 _INITIALIZED = False
+_NUM_INSTANCES = {"n": 1}  # --num-distributed-optimizer-instances (hybrid sharding under Megatron-FSDP)
 _GROUPS: Dict[str, dist.ProcessGroup] = {}  # name -> this rank's group
 _RANKS: Dict[str, List[int]] = {}  # name -> global ranks of this rank's group
 _CREATED: Dict[tuple, object] = {}  # (ranks, backend, options) -> group, so equal groups are created once
@@ -167,7 +173,6 @@ def _refuse_unsupported(tp, pp, vpp, cp, hcp, hybrid_cp, ep, etp, gtp, egtp, ins
         (bool(hybrid_cp), "hybrid_context_parallel=True: hybrid data x context parallelism"),
         (gtp > 1, f"gtp_remat_size={gtp}: generalized tensor parallel weight rematerialization"),
         (egtp > 1, f"expert_gtp_remat_size={egtp}: generalized tensor parallel weight rematerialization"),
-        (instances > 1, f"num_distributed_optimizer_instances={instances} (--num-distributed-optimizer-instances)"),
         (bool(use_sharp), "use_sharp=True (--use-sharp): SHARP"),
     )
     for bad, what in refused:
@@ -179,6 +184,21 @@ def _refuse_unsupported(tp, pp, vpp, cp, hcp, hybrid_cp, ep, etp, gtp, egtp, ins
     if pp_backend not in (None, "nccl", "ucc"):
         raise ValueError(f'"{pp_backend}" backend for PP communication is currently not supported '
                          "(--pipeline-model-parallel-comm-backend: nccl or ucc)")
+
+
+def _contiguous_pieces(ranks: List[int], n: int, what: str) -> List[List[int]]:
+    """``ranks`` cut into ``n`` contiguous pieces (one per distributed-optimizer instance)."""
+    if len(ranks) % n:
+        raise RuntimeError(f"num_distributed_optimizer_instances ({n}, --num-distributed-optimizer-instances) must "
+                           f"divide the size of {what} ({len(ranks)})")
+    size = len(ranks) // n
+    return [list(ranks[i * size:(i + 1) * size]) for i in range(n)]
+
+
+def _strided_pieces(ranks: List[int], n: int) -> List[List[int]]:
+    """The ranks at the same position of each of the ``n`` contiguous pieces of ``ranks``."""
+    size = len(ranks) // n
+    return [list(ranks[j::size]) for j in range(size)]
 
 
 def _load_nccl_configs(path: Optional[str], high_priority_stream_groups: Optional[List[str]]) -> dict:
@@ -314,8 +334,27 @@ def initialize_model_parallel(
         build("edp", expert.get_ranks("dp"), "ep_dp")
         if create_gloo_process_groups:
             build("edp_gloo", expert.get_ranks("dp"), "", gloo=True)
-        # One distributed-optimizer instance: the model-parallel groups of all its expert-data-parallel replicas.
-        build("intra_dist_opt", [[r for g in expert.get_ranks("tp-ep-pp") for r in g]], "intra_dist_opt_instance")
+        # A distributed-optimizer instance: the model-parallel groups of its expert-data-parallel replicas; with N
+        # instances the ranks (and each data-parallel group) are cut into N contiguous pieces, as upstream: the
+        # intra-partial data-parallel group shards (Megatron-FSDP's hybrid sharding), the inter-partial one replicates
+        instance_ranks = [r for g in expert.get_ranks("tp-ep-pp") for r in g]
+        n = num_distributed_optimizer_instances
+        build("intra_dist_opt", _contiguous_pieces(instance_ranks, n, "the world"), "intra_dist_opt_instance")
+        if n > 1:
+            build("inter_dist_opt", _strided_pieces(instance_ranks, n), "inter_dist_opt_instance")
+            dp_cp_pieces = [p for ranks in dense.get_ranks("dp-cp")
+                            for p in _contiguous_pieces(ranks, n, "the data-parallel x context-parallel group")]
+            build("intra_dp_cp", dp_cp_pieces, "intra_dp_cp")
+            if create_gloo_process_groups:
+                build("intra_dp_cp_gloo", dp_cp_pieces, "", gloo=True)
+            build("inter_dp_cp", [p for ranks in dense.get_ranks("dp-cp") for p in _strided_pieces(ranks, n)],
+                  "inter_dp_cp")
+            edp_pieces = [p for ranks in expert.get_ranks("dp")
+                          for p in _contiguous_pieces(ranks, n, "the expert-data-parallel group")]
+            build("intra_edp", edp_pieces, "intra_ep_dp")
+            build("inter_edp", [p for ranks in expert.get_ranks("dp") for p in _strided_pieces(ranks, n)],
+                  "inter_ep_dp")
+        _NUM_INSTANCES["n"] = n
     except BaseException:
         destroy_model_parallel()
         raise
@@ -343,6 +382,7 @@ def destroy_model_parallel() -> None:
     _RANKS.clear()
     _CREATED.clear()
     _OVERRIDES.clear()
+    _NUM_INSTANCES["n"] = 1
     _VIRTUAL_PIPELINE.update(size=None, rank=None)
     _GLOBAL_MEMORY_BUFFER = None
 
@@ -385,6 +425,8 @@ def _rank(name: str, override: Optional[str] = None) -> int:
 def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     if partial_data_parallel and not with_context_parallel:
         raise AssertionError("Partial DP for Optimizer needs to include CP")
+    if partial_data_parallel and _NUM_INSTANCES["n"] > 1:
+        return "intra_dp_cp"
     return "dp_cp" if with_context_parallel else "dp"  # one optimizer instance: partial DP == DP
 
 
@@ -462,8 +504,17 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True, with
 
 
 def get_expert_data_parallel_group(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
-    """The expert-data-parallel group (the WORLD group before initialisation, as the data-parallel group)."""
+    """The expert-data-parallel group (the WORLD group before initialisation, as the data-parallel group);
+    ``partial_expert_data_parallel``: its piece within this rank's distributed-optimizer instance."""
+    if partial_expert_data_parallel and _INITIALIZED and _NUM_INSTANCES["n"] > 1:
+        return _group("intra_edp", check_initialized)
     return _group("edp", check_initialized)
+
+
+def get_inter_partial_expert_data_parallel_group(check_initialized=True):
+    """The expert-data-parallel ranks at this rank's position in every instance (only with several
+    distributed-optimizer instances): Megatron-FSDP's hybrid sharding replicates experts over this group."""
+    return _group("inter_edp", check_initialized)
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
@@ -475,8 +526,19 @@ def get_intra_distributed_optimizer_instance_group(check_initialized=True):
 
 
 def get_inter_distributed_optimizer_instance_group(check_initialized=True):
-    """Only exists with several distributed-optimizer instances, which this fork refuses."""
+    """The ranks at this rank's position in every distributed-optimizer instance (only with several instances)."""
     return _group("inter_dist_opt", check_initialized)
+
+
+def get_inter_partial_data_parallel_group(check_initialized=True):
+    """The data-parallel(-with-context) ranks at this rank's position in every instance: Megatron-FSDP's hybrid
+    sharding replicates over this group (only with several distributed-optimizer instances)."""
+    return _group("inter_dp_cp", check_initialized)
+
+
+def get_num_distributed_optimizer_instances() -> int:
+    """``num_distributed_optimizer_instances`` of ``initialize_model_parallel`` (1 before it)."""
+    return _NUM_INSTANCES["n"] if _INITIALIZED else 1
 
 
 # ---------------------------------------------------------------------------------------------- sizes and ranks

@@ -287,6 +287,13 @@ def _add_distributed_args(parser):
                    help="What Megatron-FSDP shards over data-parallel ranks (with --use-megatron-fsdp; default "
                         "optim_grads_params): optim_grads_params (ZeRO-3), optim_grads (ZeRO-2), optim (ZeRO-1, "
                         "optimizer state only), no_shard (nothing).")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="Hybrid sharding with --use-megatron-fsdp: the data-parallel ranks form this many instances "
+                        "(contiguous pieces); parameters, gradients and optimizer state are sharded within an "
+                        "instance and replicated across instances (gradients all-reduced across them).")
+    g.add_argument("--outer-dp-sharding-strategy", type=str, default="no_shard", choices=["no_shard", "optim"],
+                   help="Across the instances of --num-distributed-optimizer-instances: no_shard (replicate, HSDP); "
+                        "optim (HFSDP) is refused.")
     g.add_argument("--suggested-communication-unit-size", type=int, default=None,
                    help="Megatron-FSDP: consecutive transformer layers whose parameters total at most this many "
                         "elements are gathered and reduced together as one FSDP2 unit (fewer, larger collectives "
@@ -510,12 +517,39 @@ def _validate_sample_based_args(args):
     args.lr_decay_iters = max(1, args.lr_decay_samples // args.global_batch_size)
 
 
+def _validate_hybrid_sharding_args(args):
+    """``--num-distributed-optimizer-instances N`` / ``--outer-dp-sharding-strategy``: hybrid sharding exists under
+    Megatron-FSDP's FSDP2 strategies only (a 2-D mesh: replicate across the N instances, shard within one)."""
+    n, outer = args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy
+    if outer == "optim":
+        _fail("--outer-dp-sharding-strategy optim (HFSDP: optimizer state also sharded across the instances) is not "
+              "supported: FSDP2's 2-D mesh replicates across instances; use no_shard")
+    if n is None or n < 1:
+        _fail(f"--num-distributed-optimizer-instances ({n}) must be a positive integer")
+    if n == 1:
+        return
+    if not args.use_megatron_fsdp:
+        _fail(f"--num-distributed-optimizer-instances {n} needs --use-megatron-fsdp (hybrid sharding); without it "
+              "the distributed optimizer shards over the whole data-parallel group (use 1)")
+    if (args.data_parallel_sharding_strategy or "optim_grads_params") not in ("optim_grads", "optim_grads_params"):
+        _fail(f"--num-distributed-optimizer-instances {n} needs --data-parallel-sharding-strategy optim_grads or "
+              f"optim_grads_params (got {args.data_parallel_sharding_strategy}: a DDP wrapper)")
+    if args.data_parallel_size % n:
+        _fail(f"--num-distributed-optimizer-instances ({n}) must divide the data-parallel size "
+              f"({args.data_parallel_size})")
+    ep_tp = args.expert_model_parallel_size * args.tensor_model_parallel_size
+    if args.num_experts is not None and (args.world_size // ep_tp) % n:
+        _fail(f"--num-distributed-optimizer-instances ({n}) must divide the expert-data-parallel size "
+              f"({args.world_size // ep_tp} = world / (--expert-model-parallel-size x --tensor-model-parallel-size))")
+
+
 def _validate_data_parallel_args(args):
     """The data-parallel flags that this fork supports only under ``--use-megatron-fsdp``; refused with a message
     otherwise. Under it ``--data-parallel-sharding-strategy`` (upstream's default ``optim_grads_params``) decides
     what is sharded (``megatron/core/distributed/data_parallel_wrapper.py``), so it also sets
     ``use_distributed_optimizer``: optimizer state is sharded by every strategy but ``no_shard``."""
     strategy = args.data_parallel_sharding_strategy
+    _validate_hybrid_sharding_args(args)
     if args.use_megatron_fsdp:
         strategy = args.data_parallel_sharding_strategy = strategy or "optim_grads_params"
         args.use_distributed_optimizer = strategy != "no_shard"
@@ -531,9 +565,14 @@ def _validate_data_parallel_args(args):
         _fail(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it nothing is "
               "sharded: no_shard)")
     args.data_parallel_sharding_strategy = "no_shard"
-    if args.use_distributed_optimizer and (args.fp8_param_gather or args.fp4_param_gather):
-        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather / "
-              "--fp4-param-gather (quantized weights are gathered by Megatron-FSDP only); add --use-megatron-fsdp")
+    if args.use_distributed_optimizer and args.fp4_param_gather:
+        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp4-param-gather (NVFP4 "
+              "weights hold half a byte per element: the distributed optimizer gathers FP8 bytes); add "
+              "--use-megatron-fsdp")
+    if args.use_distributed_optimizer and args.fp8_param_gather and args.fp8_recipe == "mxfp8":
+        _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather with "
+              "--fp8-recipe mxfp8 (per-rank 1x32 block scales; Transformer Engine cannot re-point MXFP8 data); use "
+              "delayed, tensorwise or blockwise, or add --use-megatron-fsdp")
     for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
                        ("overlap_param_gather", "parameters are not gathered (DDP replicates them)"),
                        ("suggested_communication_unit_size", "it sizes Megatron-FSDP's units")):
@@ -642,8 +681,6 @@ def validate_args(args, defaults={}):
         if args.world_size % (ep * args.tensor_model_parallel_size):  # expert TP = TP: the experts span tp x ep
             _fail(f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x --expert-model-parallel-size "
                   f"({ep}) must divide the world size ({args.world_size})")
-        if ep > 1 and args.use_megatron_fsdp:
-            _fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet (use DDP)")
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
@@ -722,8 +759,9 @@ def validate_args(args, defaults={}):
     # (_validate_configs, below)
 
     # ---- distributed / FSDP -------------------------------------------------------------------------------
-    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
-        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-FSDP materializes the model)")
+    if args.init_model_with_meta_device and not (args.use_megatron_fsdp or args.use_distributed_optimizer):
+        _fail("--init-model-with-meta-device needs --use-megatron-fsdp or --use-distributed-optimizer (their "
+              "wrappers materialize the model)")
     _validate_data_parallel_args(args)
 
     # ---- data ---------------------------------------------------------------------------------------------

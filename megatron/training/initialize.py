@@ -57,6 +57,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         pipeline_model_parallel_size=parsed_args.pipeline_model_parallel_size,
         context_parallel_size=parsed_args.context_parallel_size,
         expert_model_parallel_size=parsed_args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=parsed_args.num_distributed_optimizer_instances,
         distributed_timeout_minutes=parsed_args.distributed_timeout_minutes,
     )
     set_random_seed(parsed_args.seed)

@@ -57,6 +57,13 @@ te_is_fp8_block_scaling_available = _optional("transformer_engine.pytorch", "is_
 te_is_mxfp8_available = _optional("transformer_engine.pytorch", "is_mxfp8_available")
 te_is_nvfp4_available = _optional("transformer_engine.pytorch", "is_nvfp4_available")
 
+# ZeRO-1 with quantized weights (the distributed optimizer's param gather): each rank quantizes its shard of the
+# fp32 main params into the weights (amax reduced over the group), the caller all-gathers the bytes, then TE
+# refreshes the derived buffers (transpose / columnwise copies).
+te_quantize_master_weights = _optional("transformer_engine.pytorch.tensor.utils", "quantize_master_weights") or \
+    _optional("transformer_engine.pytorch.tensor.utils", "cast_master_weights_to_fp8")
+te_post_all_gather_processing = _optional("transformer_engine.pytorch.tensor.utils", "post_all_gather_processing")
+
 # ---- layers and autocast (used by megatron/core/transformer/) --------------------------------------------
 TELinear = _optional("transformer_engine.pytorch", "Linear")
 TELayerNormLinear = _optional("transformer_engine.pytorch", "LayerNormLinear")

@@ -7,6 +7,14 @@ intersects, it keeps an fp32 main copy of that flat slice, and the torch optimiz
 slices, so the main params and the optimizer state on a rank are ``1/D`` of the whole (the last rank less the
 padding).
 
+Quantized weights (TE FP8 tensors, ``--fp8-param-gather``; delayed, tensorwise or blockwise scaling) live in a
+second index space laid out the same way: after the step each rank quantizes its own slices of the fp32 main params
+into the weights (``fp8_utils.quantize_master_shards``: tensorwise scaling reduces the amax over the DP group,
+delayed scaling keeps its amax history, blockwise reduces per block) and the FP8 bytes, not bf16, are all-gathered.
+
+Expert weights (``allreduce=False``: each expert-parallel rank holds other experts) have index spaces of their own
+over the expert-data-parallel group (the ranks holding the same experts).
+
 Step: the gradients of all parameters are flattened and reduce-scattered over the DP group (each rank receives
 the sum of its own range, then divided by ``D``: the mean, as DDP's all-reduce gives), the owned slices are
 stepped, and the updated slices are all-gathered back into every rank's parameters. The collectives are
@@ -32,6 +40,14 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
+from megatron.core.fp8_utils import (
+    DIST_OPT_KINDS,
+    dequantize,
+    finish_param_gather,
+    quantization_kind,
+    quantize_master_shards,
+    rowwise_bytes,
+)
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     _is_dtensor,
@@ -46,16 +62,34 @@ SHARDING_TYPE = "fully_sharded_model_space"
 @dataclasses.dataclass
 class _Slice:
     """The part of ``model_param`` (flat elements ``[start, stop)``) this rank owns, at ``shard_offset`` of the
-    rank's flat shard."""
+    rank's flat shard of index space ``space``."""
 
     model_param: torch.nn.Parameter
     start: int
     stop: int
     shard_offset: int
+    space: int = 0
 
 
-def _dp_group_and_size():
-    group = parallel_state.get_data_parallel_group()
+@dataclasses.dataclass
+class _Space:
+    """One flat index space (see the module docstring): ``params`` at ``offsets``, ``shard_numel`` elements per
+    rank. ``quantized``: the TE quantized weights (``--fp8-param-gather``), gathered as their FP8 bytes."""
+
+    params: List[torch.nn.Parameter]
+    offsets: Dict[torch.nn.Parameter, int]
+    shard_numel: int
+    quantized: bool
+    expert: bool = False  # expert weights (``allreduce=False``): sharded over the expert-data-parallel group
+    group: Optional[dist.ProcessGroup] = None
+    size: int = 1
+    rank: int = 0
+
+
+def _dp_group_and_size(expert: bool = False):
+    """``(group, size, rank)`` of the data-parallel group (``expert``: the expert-data-parallel group)."""
+    group = (parallel_state.get_expert_data_parallel_group(check_initialized=False) if expert
+             else parallel_state.get_data_parallel_group())
     if group is None or not is_distributed():
         return None, 1, 0
     return group, get_world_size(group), get_rank(group)
@@ -92,40 +126,58 @@ class DistributedOptimizer(MegatronOptimizer):
         self.all_params = [p for g in groups for p in g["params"]]
         for p in self.all_params:
             name = param_to_name.get(p, "<unnamed>")
-            if _is_dtensor(p) or _is_quantized_param(p):
+            if _is_dtensor(p):
+                raise NotImplementedError(f"--use-distributed-optimizer without --use-megatron-fsdp: parameter {name} "
+                                          "is a DTensor (Megatron-FSDP's); its optimizer shards it already")
+            if _is_quantized_param(p) and rowwise_bytes(p) is None:
                 raise NotImplementedError(
                     f"--use-distributed-optimizer without --use-megatron-fsdp: parameter {name} is a "
-                    f"{'DTensor' if _is_dtensor(p) else 'quantized (FP8/FP4) tensor'}; use --use-megatron-fsdp"
+                    f"{quantization_kind(p) or type(p).__name__} quantized weight; the distributed optimizer "
+                    f"gathers quantized weights of the kinds {DIST_OPT_KINDS} only (--fp8-recipe delayed, "
+                    "tensorwise or blockwise); use --use-megatron-fsdp for MXFP8 / NVFP4 (--fp4-param-gather)"
                 )
             if not p.is_contiguous():
                 raise ValueError(f"DistributedOptimizer: parameter {name} is not contiguous")
+        plain = [p for p in self.all_params if not _is_quantized_param(p)]
         dtypes = {p.dtype for p in self.all_params}
         self.reduce_dtype = (torch.float32 if grad_reduce_in_fp32 or len(dtypes) != 1 else next(iter(dtypes)))
-        self.param_dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+        plain_dtypes = {p.dtype for p in plain}
+        self.param_dtype = next(iter(plain_dtypes)) if len(plain_dtypes) == 1 else torch.float32
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.device = self.all_params[0].device if self.all_params else torch.device("cpu")
 
-        # flat layout and this rank's range
-        self.offsets: Dict[torch.nn.Parameter, int] = {}
-        total = 0
-        for p in self.all_params:
-            self.offsets[p] = total
-            total += p.numel()
-        self.numel = total
-        self.shard_numel = max(1, math.ceil(total / self.dp_size))
-        lo, hi = self.dp_rank * self.shard_numel, (self.dp_rank + 1) * self.shard_numel
+        # flat layouts (plain parameters; quantized weights in a space of their own, gathered as bytes; expert
+        # weights, which differ across expert-parallel ranks, in spaces over the expert-data-parallel group) and this
+        # rank's range of each
+        self.spaces: List[_Space] = []
+        space_of: Dict[torch.nn.Parameter, int] = {}
+        for expert in (False, True):
+            group, size, rank = _dp_group_and_size(expert)
+            for quantized in (False, True):
+                params = [p for p in self.all_params
+                          if _is_quantized_param(p) == quantized and (not getattr(p, "allreduce", True)) == expert]
+                if not params:
+                    continue
+                offsets, total = {}, 0
+                for p in params:
+                    offsets[p], total = total, total + p.numel()
+                    space_of[p] = len(self.spaces)
+                self.spaces.append(_Space(params, offsets, max(1, math.ceil(total / size)), quantized, expert,
+                                          group, size, rank))
         self.slices: List[_Slice] = []
         shard_groups, main_params = [], []
         for g in groups:
             mains = []
             for p in g["params"]:
-                o = self.offsets[p]
+                space = self.spaces[space_of[p]]
+                lo, hi = space.rank * space.shard_numel, (space.rank + 1) * space.shard_numel
+                o = space.offsets[p]
                 a, b = max(o, lo), min(o + p.numel(), hi)
                 if a >= b:
                     continue
-                s = _Slice(p, a - o, b - o, a - lo)
+                s = _Slice(p, a - o, b - o, a - lo, space_of[p])
                 self.slices.append(s)
-                main = torch.nn.Parameter(p.detach().reshape(-1)[s.start : s.stop].float().clone())
+                main = torch.nn.Parameter(_flat_values(p)[s.start : s.stop].float().clone())
                 mains.append(main)
             main_params.extend(mains)
             shard_groups.append({**g, "params": mains})
@@ -143,26 +195,52 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
-        """Reduce-scatter the flattened model grads (mean over DP) and hand each owned slice to its main param."""
-        padded = self.shard_numel * self.dp_size
-        flat = torch.zeros(padded, dtype=self.reduce_dtype, device=self.device)
-        for p in self.all_params:
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                g = p.grad
-            if g is not None:
-                o = self.offsets[p]
-                flat[o : o + p.numel()].copy_(g.reshape(-1))
-        if self.dp_size > 1:
-            shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            _reduce_scatter(shard, flat, self.group, self.dp_rank)
-            shard.div_(self.dp_size)
-        else:
-            shard = flat
-        if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
-            raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+        """Reduce-scatter the flattened model grads (one collective per index space, over its group) and hand each
+        owned slice to its main param. Divided by the data-parallel size: the mean over DP; for expert weights the
+        sum over expert-DP / DP, as ``DistributedDataParallel`` (each expert's gradient already sums the tokens of
+        its whole EP group)."""
+        shards = []
+        for k, space in enumerate(self.spaces):
+            if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
+                shards.append(None)
+                self._own_grads_to_main(k)
+                continue
+            flat = torch.zeros(space.shard_numel * space.size, dtype=self.reduce_dtype, device=self.device)
+            for p in space.params:
+                g = getattr(p, "main_grad", None)
+                if g is None:
+                    g = p.grad
+                if g is not None:
+                    o = space.offsets[p]
+                    flat[o : o + p.numel()].copy_(g.reshape(-1))
+            if space.size > 1:
+                shard = torch.empty(space.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                _reduce_scatter(shard, flat, space.group, space.rank)
+            else:
+                shard = flat
+            if self.dp_size > 1:
+                shard.div_(self.dp_size)
+            if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
+                raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+            shards.append(shard)
         for s, main in zip(self.slices, self.main_params):
-            main.grad = shard[s.shard_offset : s.shard_offset + s.stop - s.start].float().clone()
+            if shards[s.space] is not None:
+                main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start].float().clone()
+
+    def _own_grads_to_main(self, k: int) -> None:
+        """Space ``k`` over one rank (one GPU, or experts without expert-DP): each main grad is its parameter's
+        gradient in fp32 (divided by the DP size for experts, as the reduce-scatter path)."""
+        for s, main in zip(self.slices, self.main_params):
+            if s.space != k:
+                continue
+            g = getattr(s.model_param, "main_grad", None)
+            if g is None:
+                g = s.model_param.grad
+            g = (torch.zeros(s.stop - s.start, dtype=torch.float32, device=self.device) if g is None
+                 else g.reshape(-1)[s.start : s.stop].float())
+            main.grad = g / self.dp_size if self.dp_size > 1 else g
+            if self.check_for_nan_in_grad and not torch.isfinite(main.grad).all():
+                raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
 
     def _dp_sum(self, value: float, dtype=torch.float64) -> float:
         t = torch.tensor([value], dtype=dtype)
@@ -176,7 +254,8 @@ class DistributedOptimizer(MegatronOptimizer):
         """Global L2 norm (``global_grad_norm``): the owned slices' squares summed over the DP group, each value
         counted once under tensor parallelism."""
         entries = [(s.model_param, main.grad) for s, main in zip(self.slices, self.main_params)]
-        return global_grad_norm(entries, shard_group=self.group if self.dp_size > 1 else None,
+        groups = {"dense": self.group, "expert": _dp_group_and_size(expert=True)[0]}
+        return global_grad_norm(entries, shard_group=groups,
                                 kinds=self._kept_norm_kinds())  # model_params are the slices' params, in order
 
     @torch.no_grad()
@@ -194,23 +273,46 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
-        """All-gather the updated slices into every rank's parameters."""
-        shard = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
-        for s, main in zip(self.slices, self.main_params):
-            shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(main.detach())
-        if self.dp_size > 1:
-            full = torch.empty(self.shard_numel * self.dp_size, dtype=self.param_dtype, device=self.device)
-            _all_gather(full, shard, self.group)
-        else:
-            full = shard
-        for p in self.all_params:
-            o = self.offsets[p]
-            p.data.view(-1).copy_(full[o : o + p.numel()])
+        """All-gather the updated slices into every rank's parameters: plain ones in their dtype; quantized weights
+        (``--fp8-param-gather``) are first quantized shard by shard on their owners (``quantize_master_shards``:
+        amax reduced over DP), then their FP8 bytes are gathered (1 byte per element), then their derived buffers
+        rebuilt (``finish_param_gather``)."""
+        for k, space in enumerate(self.spaces):
+            owned = [(s, main) for s, main in zip(self.slices, self.main_params) if s.space == k]
+            if space.quantized:
+                mine = {id(s.model_param): (s, main) for s, main in owned}
+                found = [mine.get(id(p)) for p in space.params]
+                quantize_master_shards(space.params, [None if f is None else f[1].detach() for f in found],
+                                       [0 if f is None else f[0].start for f in found], space.group)
+                dtype, values = torch.uint8, (lambda s, main: rowwise_bytes(s.model_param)[s.start : s.stop])
+            else:
+                dtype, values = self.param_dtype, (lambda s, main: main.detach())
+            if space.size == 1:  # one rank: the weights already hold the quantized values; plain ones are copied
+                for s, main in owned:
+                    if not space.quantized:
+                        s.model_param.data.view(-1)[s.start : s.stop].copy_(main.detach())
+                if space.quantized:
+                    finish_param_gather(space.params)
+                continue
+            shard = torch.zeros(space.shard_numel, dtype=dtype, device=self.device)
+            for s, main in owned:
+                shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(values(s, main))
+            if space.size > 1:
+                full = torch.empty(space.shard_numel * space.size, dtype=dtype, device=self.device)
+                _all_gather(full, shard, space.group)
+            else:
+                full = shard
+            for p in space.params:
+                o = space.offsets[p]
+                dest = rowwise_bytes(p) if space.quantized else p.data.view(-1)
+                dest.copy_(full[o : o + p.numel()])
+            if space.quantized:
+                finish_param_gather(space.params)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
         for s, main in zip(self.slices, self.main_params):
-            main.copy_(s.model_param.detach().reshape(-1)[s.start : s.stop])
+            main.copy_(_flat_values(s.model_param)[s.start : s.stop])
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         result = super().step()
@@ -293,6 +395,11 @@ class DistributedOptimizer(MegatronOptimizer):
             if st and "step" in st:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
         self._copy_main_params_to_model()
+
+
+def _flat_values(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s values, flat (a quantized weight dequantized to its nominal dtype)."""
+    return dequantize(p.detach()).reshape(-1)
 
 
 def _flat_state_sharded_tensor(sh, key: str, data: torch.Tensor, flat: slice):

@@ -86,14 +86,14 @@ def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     ``param`` is a DTensor)."""
     if not _is_dtensor(param) or _is_dtensor(value):
         return value
-    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import chunk_range
+    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import local_chunk_range
 
     out = torch.zeros_like(param, dtype=value.dtype)
     local = out.to_local()
     if tuple(value.shape) == tuple(local.shape):
         local.copy_(value)
     elif tuple(value.shape) == tuple(param.shape):
-        start, length = chunk_range(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+        start, length = local_chunk_range(param, "optimizer state")
         local.copy_(value[start : start + length])
     else:
         raise RuntimeError(
@@ -131,12 +131,24 @@ def norm_kind(param) -> Optional[str]:
 
 
 @torch.no_grad()
-def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None,
-                     kinds: Optional[List[Optional[str]]] = None) -> float:
+def dtensor_shard_group(t) -> Optional[dist.ProcessGroup]:
+    """The process group of the mesh dimension a DTensor is sharded on (Megatron-FSDP: the data-parallel or, for
+    experts, the expert-data-parallel group; under hybrid sharding the inner, sharding group); None when it is
+    not sharded (replicated on every mesh dimension)."""
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, pl in enumerate(t.placements) if isinstance(pl, Shard)]
+    if not dims:
+        return None
+    return t.device_mesh.get_group(mesh_dim=dims[-1])
+
+
+def global_grad_norm(entries, shard_group=None, kinds: Optional[List[Optional[str]]] = None) -> float:
     """L2 norm over ``entries`` = ``(model parameter, local gradient or None)`` pairs with each value counted once:
     a TP-split parameter on every TP rank, a TP-replicated one on TP rank 0 only
     (``param_is_not_tensor_parallel_duplicate``). The squares are summed over ``shard_group`` first when the local
-    gradients are shards of it (Megatron-FSDP's mesh, the distributed optimizer's DP group), then dense ones over the
+    gradients are shards of it (Megatron-FSDP's mesh, the distributed optimizer's DP group; a dict ``{'dense':
+    group, 'expert': group}`` when the two kinds are sharded over different groups), then dense ones over the
     tensor-parallel group and expert ones (``allreduce=False``) over the expert tensor x model parallel group (each EP
     rank holds other experts). ``kinds``: each entry's :func:`norm_kind`, when the caller keeps them. Collective;
     the same value on every rank."""
@@ -147,9 +159,11 @@ def global_grad_norm(entries, shard_group: Optional[dist.ProcessGroup] = None,
         if kind is not None:
             grads[kind].append(g)
     sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()}
-    if shard_group is not None and dist.get_world_size(shard_group) > 1:
-        for t in sums.values():
-            dist.all_reduce(t, group=shard_group)
+    groups = shard_group if isinstance(shard_group, dict) else {kind: shard_group for kind in sums}
+    for kind, t in sums.items():
+        group = groups.get(kind)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
     for kind, group in (("dense", parallel_state.get_tensor_model_parallel_group(check_initialized=False)),
                         ("expert", parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False))):
         if group is not None and get_world_size(group) > 1:
@@ -180,6 +194,7 @@ class MegatronOptimizer:
         self._main_grad_bufs: Optional[List[Optional[torch.Tensor]]] = None  # fp32 main grads, made on first step
         self._model_param_quantized: Optional[List[bool]] = None  # per model param, computed on first step
         self._norm_kinds: Optional[List[Optional[str]]] = None  # per model param (norm_kind), on first step
+        self._kind_groups: Optional[Dict[str, dist.ProcessGroup]] = None  # see _shard_groups
         opt_order = [p for g in optimizer.param_groups for p in g["params"]]
         expected = self.main_params if self.main_params is not None else self.model_params
         if len(opt_order) != len(expected) or any(a is not b for a, b in zip(opt_order, expected)):
@@ -222,7 +237,7 @@ class MegatronOptimizer:
 
         self.model_params = [_final(old_to_new, p) for p in self.model_params]
         self._model_param_quantized = None  # recomputed for the new objects
-        self._norm_kinds = None
+        self._norm_kinds = self._kind_groups = None
         self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
         if self.main_params is None:
             remap_param_keyed_maps(old_to_new, self.optimizer)
@@ -291,15 +306,22 @@ class MegatronOptimizer:
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients (``global_grad_norm``; DTensor grads: their local shards, summed over
         their mesh). Same value on every rank."""
-        entries, mesh_group = [], None
+        entries = []
         for mp, p in zip(self.model_params, self.get_parameters()):
             g = p.grad
-            if g is not None and _is_dtensor(g):
-                if mesh_group is None:  # every DTensor gradient is sharded over the one data-parallel mesh
-                    mesh_group = g.device_mesh.get_group()
-                g = _local(g)
-            entries.append((mp, g))
-        return global_grad_norm(entries, shard_group=mesh_group, kinds=self._kept_norm_kinds())
+            entries.append((mp, _local(g) if g is not None and _is_dtensor(g) else g))
+        return global_grad_norm(entries, shard_group=self._shard_groups(), kinds=self._kept_norm_kinds())
+
+    def _shard_groups(self) -> Dict[str, dist.ProcessGroup]:
+        """{norm kind: the group its DTensor parameters are sharded over} (Megatron-FSDP: dense over data-parallel,
+        experts over expert-data-parallel), from the parameters (a gradient may be None on one rank only); computed
+        on the first call, reset by :meth:`remap_params`."""
+        if self._kind_groups is None:
+            self._kind_groups = {}
+            for p, kind in zip(self.get_parameters(), self._kept_norm_kinds()):
+                if kind is not None and kind not in self._kind_groups and _is_dtensor(p):
+                    self._kind_groups[kind] = dtensor_shard_group(p)
+        return self._kind_groups
 
     def _kept_norm_kinds(self) -> List[Optional[str]]:
         """:func:`norm_kind` of every model parameter, computed on the first call (fixed per parameter; reset by
@@ -325,7 +347,8 @@ class MegatronOptimizer:
     @torch.no_grad()
     def count_zeros(self) -> int:
         """Zeros in the gradients: DTensor shards are summed over the data-parallel group (every rank takes part:
-        the set of parameters is the same on all ranks), plain (replicated) grads are counted locally."""
+        the set of parameters is the same on all ranks; expert shards of every EP rank are in it, replicas of
+        hybrid sharding counted once), plain (replicated) grads are counted locally."""
         grads = self._grads()
         sharded = [g for g in grads if _is_dtensor(g)]
         plain = sum(int((g == 0).sum().item()) for g in grads if not _is_dtensor(g))
@@ -335,7 +358,8 @@ class MegatronOptimizer:
             group = parallel_state.get_data_parallel_group()
             if group is not None:
                 dist.all_reduce(t, group=group)
-            local = int(t.item())
+            # hybrid sharding: each shard is held by every instance of the data-parallel group
+            local = int(t.item()) // parallel_state.get_num_distributed_optimizer_instances()
         return local + plain
 
     @torch.no_grad()

@@ -100,21 +100,20 @@ def _dtensor_sharded_tensor(tensor, key: str, prepend_offsets, tp_axis: Optional
     """The local shard of a ``Shard(0)`` DTensor (torch.chunk-style, possibly uneven or empty) placed in the global
     tensor: its dim 0 is global axis ``len(prepend_offsets)``. With ``tp_axis`` the DTensor is this TP rank's piece
     (split on ``tp_axis``), placed at ``tp_rank * piece`` on that axis. A TP-split or DP-sharded piece is distinct
-    on every rank (``replica_id=0``); a TP-replicated one is written by TP rank 0 (``replica_id=(0, tp_rank, 0)``)."""
-    from torch.distributed.tensor import Shard
-
+    on every rank (``replica_id=0``); a TP-replicated one is written by TP rank 0 (``replica_id=(0, tp_rank, 0)``);
+    under hybrid sharding (``(Replicate(), Shard(0))``) the shards of instance 0 are written (last replica entry:
+    the instance)."""
     from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import chunk_range
+    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import chunk_range, dtensor_shard_layout
 
-    if len(tensor.placements) != 1 or tensor.placements[0] != Shard(0):
-        raise NotImplementedError(f"{key}: only Shard(0) DTensor parameters are supported, got {tensor.placements}")
+    shard_rank, shard_count, replica = dtensor_shard_layout(tensor, key)
     tp_shape = tuple(tensor.shape)
     if not tp_shape:
         raise NotImplementedError(f"{key}: 0-dim sharded parameter")
     local = tensor.to_local()
     if isinstance(local, torch.nn.Parameter):
         local = local.data
-    start, length = chunk_range(tp_shape[0], tensor.device_mesh.size(), tensor.device_mesh.get_local_rank())
+    start, length = chunk_range(tp_shape[0], shard_count, shard_rank)
     if local.shape[0] != length or tuple(local.shape[1:]) != tp_shape[1:]:
         raise RuntimeError(
             f"{key}: local shard shape {tuple(local.shape)} is not torch.chunk's piece {length} of {tp_shape}"
@@ -122,12 +121,12 @@ def _dtensor_sharded_tensor(tensor, key: str, prepend_offsets, tp_axis: Optional
     offs = _check_prepend_offsets(key, prepend_offsets)
     global_shape, offset = list(tp_shape), [start] + [0] * (len(tp_shape) - 1)
     tp_rank, tp_size = _tp_info(tp_group)
-    replica_id = 0
+    replica_id = 0 if replica == 0 else (0, 0, replica)  # hybrid sharding: instance 0 writes
     if tp_axis is not None:
         global_shape[tp_axis] *= tp_size
         offset[tp_axis] += tp_rank * tp_shape[tp_axis]
     elif tp_size > 1:
-        replica_id = (0, tp_rank, 0)
+        replica_id = (0, tp_rank, replica)
     return ShardedTensor.from_global_offsets(
         key,
         local,

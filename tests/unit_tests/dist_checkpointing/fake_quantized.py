@@ -218,6 +218,26 @@ class FakeQuantizedTensor(torch.Tensor):
             scale = q.scale.clone()
         self._write_rows(row_start, x, scale, transpose=False)
 
+    def quantize_master_shard_(self, offset: int, master, amax: torch.Tensor) -> None:
+        """The distributed optimizer's protocol (per-tensor modes): encode ``master`` (flat float32, or None) into
+        flat elements ``[offset, offset + numel)`` of the data; ``amax``: the whole tensor's, reduced over the ranks
+        (tensorwise takes its scale from it, delayed records it, as TE's cast + recipe would). The transpose cache is
+        rebuilt by ``finish_rows_quantize_`` once every rank's bytes are gathered."""
+        q = self._quantizer
+        if q.mode not in PER_TENSOR:
+            raise NotImplementedError(f"{q.mode}: quantize_master_shard_ is implemented for per-tensor modes only")
+        if q.mode == "tensorwise":
+            scale = (FP8_MAX / amax if float(amax) > 0 else torch.ones(())).reshape(1).to(torch.float32)
+            q.scale.copy_(scale)
+        else:
+            scale = q.scale.clone()
+            q.amax_history.copy_(torch.roll(q.amax_history, 1))
+            q.amax_history[0] = amax
+        self._scale_inv.copy_(1.0 / scale)
+        if master is not None and master.numel():
+            flat = self._data.view(-1)
+            flat[offset:offset + master.numel()].copy_(_to_fp8(master.detach().float().reshape(-1) * scale))
+
     def finish_rows_quantize_(self) -> None:
         """The transpose cache rebuilt from the data (as TE's ``_create_transpose`` in fp8_utils; an invalid one is
         left invalid, as fp8_utils leaves TE's)."""

@@ -30,10 +30,15 @@ BASE = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-s
         "--hidden-dropout 0 --attention-dropout 0 --ckpt-format torch_dist").split()
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-router-enable-expert-bias --use-megatron-fsdp "
        "--init-model-with-meta-device").split()
+DIST_OPT = ("--num-experts 4 --moe-router-topk 2 --moe-router-enable-expert-bias --use-distributed-optimizer "
+            "--init-model-with-meta-device").split()
 CASES = {
     "delayed": ["--fp8-recipe", "delayed"],
     "tensorwise": ["--fp8-recipe", "tensorwise"],
     "delayed_moe_fsdp_meta": ["--fp8-recipe", "delayed"] + MOE,
+    # the distributed optimizer (DDP) with FP8 weights: shards quantized into the weights, FP8 bytes gathered
+    "delayed_moe_distopt_meta": ["--fp8-recipe", "delayed"] + DIST_OPT,
+    "tensorwise_moe_distopt_meta": ["--fp8-recipe", "tensorwise"] + DIST_OPT,
 }
 
 
@@ -97,11 +102,11 @@ def _have_te():
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine")]
 
 
-def _torchrun(out, argv, log):
+def _torchrun(out, argv, log, nproc=1):
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     env.pop("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", None)  # the resume must not need the unsafe opt-in
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.abspath(__file__), str(out)] + [str(a) for a in argv]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     with open(log, "w") as f:
@@ -160,3 +165,33 @@ def test_fsdp_unit_groups_train_exactly_like_one_unit_per_layer(tmp_path):
     assert runs["grouped"]["losses"] == want["losses"]
     for i in want["fp8"]:
         _assert_fp8_equal(runs["grouped"]["fp8"][i], want["fp8"][i], f"iteration {i}")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_distributed_optimizer_fp8_param_gather_trains_like_the_replicated_optimizer(recipe, tmp_path):
+    """``--use-distributed-optimizer --fp8-param-gather`` (DDP): the weights stay TE FP8 tensors updated from the
+    optimizer's fp32 main shards (TE's quantize_master_weights; the cast goes through bf16 as upstream's) and the
+    losses follow the replicated optimizer's (which quantizes the fp32 main values directly) to bf16 rounding."""
+    args = BASE + ["--fp8-recipe", recipe, "--train-iters", 6]
+    ref = _torchrun(tmp_path / "ref.pt", args, tmp_path / "ref.log")
+    got = _torchrun(tmp_path / "distopt.pt", args + ["--use-distributed-optimizer"], tmp_path / "distopt.log")
+    assert sorted(got["losses"]) == sorted(ref["losses"]) == list(range(1, 7))
+    for i in range(1, 7):
+        assert got["losses"][i] == pytest.approx(ref["losses"][i], rel=2e-2), (i, got["losses"], ref["losses"])
+    assert got["losses"][6] < got["losses"][1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_ep2_fp8_param_gather_resumes_exactly(tmp_path):
+    """Megatron-FSDP x EP=2 on 2 GPUs with meta init, FP8 (delayed) weights gathered in FP8 (experts over the
+    expert-data-parallel mesh of one rank, dense weights over both): trains (the loss falls), and a resume with
+    --stream-ckpt-dequant continues exactly."""
+    ckpt = tmp_path / "ckpt"
+    args = BASE + ["--fp8-recipe", "delayed", "--train-iters", ITERS, "--expert-model-parallel-size", 2] + MOE
+    full = _torchrun(tmp_path / "full.pt", args + ["--save", ckpt, "--save-interval", SAVE_AT], tmp_path / "full.log",
+                     nproc=2)
+    assert full["losses"][ITERS] < full["losses"][1]
+    res = _torchrun(tmp_path / "res.pt", args + ["--load", ckpt, "--ckpt-step", SAVE_AT, "--stream-ckpt-dequant"],
+                    tmp_path / "res.log", nproc=2)
+    after = list(range(SAVE_AT + 1, ITERS + 1))
+    assert [res["losses"][i] for i in after] == [full["losses"][i] for i in after]

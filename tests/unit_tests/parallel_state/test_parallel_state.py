@@ -137,7 +137,11 @@ REFUSALS = [
     (dict(virtual_pipeline_model_parallel_size=2), RuntimeError, "--num-layers-per-virtual-pipeline-stage"),
     (dict(hierarchical_context_parallel_sizes=[2, 1]), ValueError, "--hierarchical-context-parallel-sizes"),
     (dict(hybrid_context_parallel=True), ValueError, "hybrid_context_parallel"),
-    (dict(num_distributed_optimizer_instances=2), ValueError, "--num-distributed-optimizer-instances"),
+    (dict(num_distributed_optimizer_instances=3), RuntimeError,
+     r"num_distributed_optimizer_instances \(3, --num-distributed-optimizer-instances\) must divide the size of the "
+     r"world \(2\)"),
+    (dict(num_distributed_optimizer_instances=2, tensor_model_parallel_size=2), RuntimeError,
+     r"must divide the size of the data-parallel x context-parallel group \(1\)"),
     (dict(gtp_remat_size=2), ValueError, "gtp_remat_size=2"),
     (dict(use_sharp=True), ValueError, "--use-sharp"),
     (dict(sharp_enabled_group="dp"), ValueError, "sharp_enabled_group is only valid when use_sharp is True"),

@@ -109,8 +109,13 @@ def test_bad_value_is_one_short_line(capsys):
 
 
 REFUSED = [
-    (["--use-distributed-optimizer", "--fp8-format", "e4m3", "--fp8-param-gather", "--transformer-impl",
-      "transformer_engine"], ["--use-distributed-optimizer without --use-megatron-fsdp does not support"]),
+    (["--use-distributed-optimizer", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather",
+      "--transformer-impl", "transformer_engine"],
+     ["--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather with "
+      "--fp8-recipe mxfp8"]),
+    (["--use-distributed-optimizer", "--fp4-format", "e2m1", "--fp4-param-gather", "--transformer-impl",
+      "transformer_engine"], ["--use-distributed-optimizer without --use-megatron-fsdp does not support "
+                              "--fp4-param-gather"]),
     (["--overlap-grad-reduce"], ["--overlap-grad-reduce is not supported without --use-megatron-fsdp"]),
     (["--overlap-param-gather"], ["--overlap-param-gather is not supported without --use-megatron-fsdp"]),
     (["--loss-scale", 1024], ["--loss-scale=1024.0) is the static fp16 loss scale: it needs fp16 (--fp16)"]),
@@ -187,7 +192,8 @@ ERRORS = [
     (["--fp4-param-gather"], None, ["--fp4-param-gather", "--fp4-format"]),
     (["--fp8-format", "e4m3", "--fp4-format", "e2m1"], None, ["--fp8-format", "--fp4-format"]),
     (["--fp8-format", "hybrid", "--transformer-impl", "local"], None, ["--fp8-format", "--transformer-impl"]),
-    (["--init-model-with-meta-device"], None, ["--init-model-with-meta-device", "--use-megatron-fsdp"]),
+    (["--init-model-with-meta-device"], None, ["--init-model-with-meta-device", "--use-megatron-fsdp or "
+                                                "--use-distributed-optimizer"]),
     (["--moe-router-enable-expert-bias"], None, ["--moe-router-enable-expert-bias", "--num-experts"]),
     (["--moe-ffn-hidden-size", 8], None, ["--moe-ffn-hidden-size", "--num-experts"]),
     (["--num-experts", 2, "--moe-router-topk", 3], None, ["--moe-router-topk=3", "--num-experts=2"]),

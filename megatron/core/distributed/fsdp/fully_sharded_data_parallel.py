@@ -50,6 +50,43 @@ def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
     return start, max(0, min(size, dim0 - start))
 
 
+def dtensor_shard_layout(t, key: str = "parameter") -> Tuple[int, int, int]:
+    """``(shard rank, shard count, replica rank)`` of a Megatron-FSDP DTensor: ``Shard(0)`` on its last mesh
+    dimension, ``Replicate()`` on the ones before it (hybrid sharding: replicas are the instances,
+    ``--num-distributed-optimizer-instances``); anything else is refused naming ``key``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements, mesh = tuple(t.placements), t.device_mesh
+    if not placements or placements[-1] != Shard(0) or not all(isinstance(p, Replicate) for p in placements[:-1]):
+        raise NotImplementedError(f"{key}: only Shard(0) DTensors (after Replicate() mesh dimensions: hybrid "
+                                  f"sharding) are supported, got {placements}")
+    replica = 0
+    for d in range(mesh.ndim - 1):
+        replica = replica * mesh.size(d) + mesh.get_local_rank(d)
+    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), replica
+
+
+def local_chunk_range(t, key: str = "parameter") -> Tuple[int, int]:
+    """``(offset, length)`` on dim 0 of the full tensor of a Megatron-FSDP DTensor's local shard."""
+    rank, count, _ = dtensor_shard_layout(t, key)
+    return chunk_range(t.shape[0], count, rank)
+
+
+def hybrid_mesh(dp_group: dist.ProcessGroup, instances: int, device_type: str, inner: dist.ProcessGroup,
+                outer: dist.ProcessGroup):
+    """Hybrid sharding's 2-D ``DeviceMesh`` (``--num-distributed-optimizer-instances N``, ``--outer-dp-sharding-strategy
+    no_shard``) over ``dp_group`` (the data-parallel or, for experts, the expert-data-parallel group): dimension 0
+    (``dp_replicate``) replicates over the N instances (``outer``: parallel_state's inter-partial group), dimension 1
+    (``dp_shard``) shards within one (``inner``: the intra-partial group, one of N contiguous pieces of
+    ``dp_group``'s ranks, as upstream). FSDP2 then reduce-scatters within an instance and all-reduces across
+    instances (HSDP)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = dist.get_process_group_ranks(dp_group)
+    mesh = torch.tensor(ranks, dtype=torch.int).view(instances, len(ranks) // instances)
+    return DeviceMesh.from_group([outer, inner], device_type, mesh=mesh, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
 def fsdp_unit_policy(module: torch.nn.Module, unit_types: Tuple[Type[torch.nn.Module], ...]) -> List[torch.nn.Module]:
     """Step "unit policy": the FSDP units, in ``module.modules()`` order: every submodule of a ``unit_types`` type
     (``TransformerLayer``), then, with untied embeddings, the GPT's ``embedding`` and ``output_layer`` (so meta
@@ -82,6 +119,26 @@ def group_units(units: List[torch.nn.Module], unit_types: Tuple[Type[torch.nn.Mo
             groups.append([u])
             size = n
     return groups
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """An expert weight (``allreduce=False``: held by one expert-parallel rank, reduced over expert-DP)."""
+    return not getattr(p, "allreduce", True)
+
+
+def expert_submodules(unit: torch.nn.Module) -> List[torch.nn.Module]:
+    """The largest submodules of ``unit`` whose parameters are all expert parameters (the MoE layer's ``experts``,
+    whatever its class), in ``modules()`` order; each becomes an FSDP2 unit of the expert-data-parallel mesh."""
+    out: List[torch.nn.Module] = []
+    inside = set()
+    for m in unit.modules():
+        if m is unit or id(m) in inside:
+            continue
+        params = list(m.parameters())
+        if params and all(is_expert_param(p) for p in params):
+            out.append(m)
+            inside.update(id(sub) for sub in m.modules())
+    return out
 
 
 DEFAULT_UNIT_ELEMENTS = 2**28
@@ -160,13 +217,34 @@ class FullyShardedDataParallel(MegatronModule):
             # one data-parallel rank a shard is the whole parameter: resharding would only free the compute-dtype
             # copy after forward to cast and "gather" it again in backward (pure overhead), so it is kept instead
             reshard_after_forward = strategy != "optim_grads" and dist.get_world_size(self.process_group) > 1
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            # experts differ across EP ranks: they would need their own FSDP units over the expert-data-parallel
-            # group; sharding them over the data-parallel group would mix different experts' gradients
-            raise NotImplementedError("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported "
-                                      "yet: use DDP (without --use-megatron-fsdp) for expert parallelism")
         self.device = torch.device(device) if device is not None else default_device()
-        self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        self.instances = parallel_state.get_num_distributed_optimizer_instances()
+        if self.instances > 1:
+            if process_group is not None:
+                raise ValueError("FullyShardedDataParallel: process_group= cannot be combined with hybrid sharding "
+                                 "(--num-distributed-optimizer-instances > 1): its groups come from parallel_state")
+            self.mesh = hybrid_mesh(
+                self.process_group, self.instances, self.device.type,
+                parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+                parallel_state.get_inter_partial_data_parallel_group())
+        else:
+            self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        # Expert parallelism: each EP rank holds other experts, so expert weights get their own FSDP2 units over the
+        # expert-data-parallel group (the ranks holding the same experts); None without EP (they share ``mesh``)
+        self.expert_mesh = None
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            if process_group is not None:
+                raise ValueError("FullyShardedDataParallel: process_group= cannot be combined with expert "
+                                 "parallelism (--expert-model-parallel-size > 1): the expert-data-parallel group "
+                                 "comes from parallel_state")
+            edp = parallel_state.get_expert_data_parallel_group()
+            if self.instances > 1:  # hybrid: experts replicated across the instances' expert-DP pieces too
+                self.expert_mesh = hybrid_mesh(
+                    edp, self.instances, self.device.type,
+                    parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+                    parallel_state.get_inter_partial_expert_data_parallel_group())
+            else:
+                self.expert_mesh = DeviceMesh.from_group(edp, self.device.type)
         if fsdp_unit_modules is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -197,7 +275,26 @@ class FullyShardedDataParallel(MegatronModule):
         """Step "shard": ``fully_shard`` over the data-parallel mesh with the mixed-precision policy."""
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(m, mesh=self.mesh, mp_policy=self.mp_policy, **kw)
+        kw.setdefault("mesh", self.mesh)
+        fully_shard(m, mp_policy=self.mp_policy, **kw)
+        if self.instances > 1 and dist.get_backend(self.process_group) == "gloo":
+            # gloo's all-reduce has no AVG: hybrid sharding sums over both mesh dimensions, then divides
+            (m[0] if isinstance(m, list) else m).set_force_sum_reduction_for_comms(True)
+
+    def _shard_experts(self, m: torch.nn.Module, reshard_after_forward: bool) -> None:
+        """Step "shard experts" (expert parallelism): ``fully_shard`` of an expert module over the
+        expert-data-parallel mesh, before its layer (the layer's unit then leaves these parameters out). FSDP2
+        averages a reduce-scatter over its mesh; an expert's gradient already sums the tokens of its whole EP group,
+        so it is divided by the data-parallel size instead, as ``DistributedDataParallel`` does (sum over expert-DP
+        / DP). An expert that got no token on some rank still takes part in the reduce-scatter (zeros) so the
+        ranks never disagree on the collective."""
+        self._shard(m, mesh=self.expert_mesh, reshard_after_forward=reshard_after_forward)
+        m.set_gradient_divide_factor(float(dist.get_world_size(self.process_group)))
+        group = self.expert_mesh.get_group(mesh_dim=self.expert_mesh.ndim - 1)  # the sharding dimension
+        # gloo has no PREMUL_SUM: a sum, then the division; not with one rank on the sharding dimension: torch 2.13's
+        # FSDP2 would then divide twice (no reduce-scatter runs there, and the hybrid all-reduce is a plain SUM)
+        m.set_force_sum_reduction_for_comms(dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo")
+        m.set_reduce_scatter_unused_params(True)
 
     def _materialize_and_shard_units(self, module: torch.nn.Module, groups: List[List[torch.nn.Module]],
                                      reshard_after_forward: bool, names: Dict[int, str]) -> None:
@@ -217,6 +314,9 @@ class FullyShardedDataParallel(MegatronModule):
                 if self.is_meta_init:
                     materialize_unit(m, self.device, names=names, what="FullyShardedDataParallel (FSDP unit)")
                 self._keep_fp32_main_params(m)
+                if self.expert_mesh is not None:
+                    for e in expert_submodules(m):
+                        self._shard_experts(e, reshard_after_forward)
                 if m is group[-1]:
                     self._shard(group if len(group) > 1 else m,
                                 reshard_after_forward=reshard_after_forward and id(m) not in no_reshard)
@@ -232,6 +332,12 @@ class FullyShardedDataParallel(MegatronModule):
         self._keep_fp32_main_params(module)
         if self.ddp_config.fp8_param_gather:
             self._check_fp8_param_gather(module)
+        if self.expert_mesh is not None:  # experts outside the units (a bare MoE layer as the root)
+            from torch.distributed.fsdp import FSDPModule
+
+            for e in expert_submodules(module):
+                if not isinstance(e, FSDPModule):
+                    self._shard_experts(e, reshard_after_forward)
         self._shard(module, reshard_after_forward=reshard_after_forward)
 
     # ---- construction helpers ----------------------------------------------------------------------------
@@ -394,8 +500,7 @@ class FullyShardedDataParallel(MegatronModule):
         if tuple(value.shape) == tuple(local.shape):
             local.copy_(value)
         elif tuple(value.shape) == tuple(target.shape):
-            rank, ws = target.device_mesh.get_local_rank(), target.device_mesh.size()
-            start, length = chunk_range(target.shape[0], ws, rank)
+            start, length = local_chunk_range(target, key)
             local.copy_(value[start : start + length])
         else:
             raise RuntimeError(

@@ -231,15 +231,13 @@ def _state_like(value, new_param):
     if not isinstance(value, torch.Tensor) or value.is_meta:
         return value
     if isinstance(new_param, DTensor) and not isinstance(value, DTensor) and tuple(value.shape) == tuple(new_param.shape):
+        from megatron.core.distributed.fsdp.fully_sharded_data_parallel import local_chunk_range
+
         out = torch.zeros_like(new_param, dtype=value.dtype)
         local = out.to_local()
-        mesh = new_param.device_mesh
-        rank = mesh.get_local_rank() if mesh.ndim == 1 else None
-        if rank is None:
-            raise NotImplementedError("remapping optimizer state onto a multi-dimensional mesh")
-        chunks = torch.chunk(value, mesh.size(), dim=0)
-        if rank < len(chunks) and local.numel():
-            local.copy_(chunks[rank].to(local.device))
+        start, length = local_chunk_range(new_param, "optimizer state")
+        if length:
+            local.copy_(value[start:start + length].to(local.device))
         return out
     return value
 

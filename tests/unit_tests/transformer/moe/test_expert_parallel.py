@@ -107,8 +107,12 @@ def _bad_layout(rank, world_size):
 
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=1,
                             expert_model_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="--use-megatron-fsdp with --expert-model-parallel-size > 1"):
-        FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), MoELayer(cfg))
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"process_group= cannot be combined with expert parallelism "
+                                         r"\(--expert-model-parallel-size > 1\)"):
+        FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True), MoELayer(cfg),
+                                 process_group=dist.group.WORLD)
 
 
 def test_bad_expert_layouts_are_refused():

@@ -111,7 +111,7 @@ def test_checkpoint_across_expert_parallel_layouts(tmp_path, save, load):
     run_distributed(_load_body, load[0] * load[1], str(tmp_path), load[0], save_ws)
 
 
-def _fixture_body(rank, ws, ckpt, dispatcher):
+def _fixture_body(rank, ws, ckpt, dispatcher, wrapper="none"):
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -123,13 +123,24 @@ def _fixture_body(rank, ws, ckpt, dispatcher):
     cfg.update(expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher)
     model = GPTModel(TransformerConfig(**cfg), **gpt).eval()
     assert model.decoder.layers[0].mlp.experts.local_expert_indices == [2 * rank, 2 * rank + 1]
+    if wrapper == "fsdp":  # Megatron-FSDP x EP: experts sharded over expert-DP (1 rank), dense weights over DP (2)
+        from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model.config, DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"), model)
     loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
     model.load_state_dict(loaded, strict=True)
     with torch.no_grad():
         logits = model(ref["input_ids"][rank:rank + 1], ref["position_ids"][rank:rank + 1], None)
     torch.testing.assert_close(logits, ref["logits"][rank:rank + 1], atol=1e-4, rtol=0)
-    for r in routers(model):
+    for r in routers(getattr(model, "module", model)):
         assert torch.equal(r.expert_bias, torch.tensor(ref["expert_bias"], dtype=torch.float32))
+
+
+@needs_fixtures
+def test_upstream_gpt_moe_fixture_under_megatron_fsdp_at_ep2(tmp_path):
+    """Upstream 0.19.2's checkpoint (EP=1) loads into Megatron-FSDP x EP=2 and gives the reference logits."""
+    run_distributed(_fixture_body, 2, str(copy_fixture_ckpt("gpt_moe", tmp_path / "ckpt")), "alltoall", "fsdp")
 
 
 @needs_fixtures
