@@ -417,11 +417,13 @@ def set_aside_non_finite(partial_dir: str, checkpoint_dir: str) -> str:
 MODEL_ARGS = (
     ("num_layers", None), ("hidden_size", None), ("ffn_hidden_size", None), ("num_attention_heads", None),
     ("kv_channels", None), ("group_query_attention", False), ("num_query_groups", 1),
-    ("padded_vocab_size", None), ("max_position_embeddings", None), ("position_embedding_type", "learned_absolute"),
+    ("max_position_embeddings", None), ("position_embedding_type", "learned_absolute"),
     ("normalization", "LayerNorm"), ("swiglu", False), ("add_bias_linear", True), ("add_qkv_bias", False),
     ("untie_embeddings_and_output_weights", False), ("num_experts", None), ("moe_ffn_hidden_size", None),
     ("moe_layer_freq", 1),
-)  # Parallel sizes are not compared: torch_dist checkpoints reshard (upstream skips them with dist ckpt too).
+)  # Parallel sizes are not compared: torch_dist checkpoints reshard (upstream skips them with dist ckpt too). Nor is
+# ``padded_vocab_size`` (upstream does not with dist ckpt): the padding depends on TP, and the word-embedding and
+# output-layer rows load where both have them (``vocab_padding_note``).
 
 
 def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, object]]:
@@ -451,22 +453,46 @@ def format_mismatches(mismatches) -> str:
 NON_MODEL_TENSOR_PREFIXES = ("optimizer.",)
 
 
-def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple]) -> List[str]:
+def _rows_may_differ(key: str, model_shape: tuple, ckpt_shape: tuple, resizable) -> bool:
+    """A tensor marked ``allow_shape_mismatch`` (the word embedding, the output layer: the padded vocabulary) whose
+    shapes differ only in the number of rows."""
+    return key in resizable and len(model_shape) == len(ckpt_shape) and tuple(model_shape[1:]) == tuple(ckpt_shape[1:])
+
+
+def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple], resizable=()) -> List[str]:
     """Problems of loading a model whose tensors are ``requested`` ({key: global shape}) from a checkpoint holding
     ``ckpt_shapes`` ({key: global shape}, every tensor): tensors of the model missing from the checkpoint, global
-    shapes that differ, and checkpoint tensors the model does not have (every tensor outside ``optimizer.*``, the
-    optimizer state's namespace, is a model tensor)."""
+    shapes that differ (but the row count of ``resizable`` keys), and checkpoint tensors the model does not have
+    (every tensor outside ``optimizer.*``, the optimizer state's namespace, is a model tensor)."""
     problems = []
     for key in sorted(requested):
         if key not in ckpt_shapes:
             problems.append(f"model key {key} is not in the checkpoint")
-        elif tuple(ckpt_shapes[key]) != tuple(requested[key]):
+        elif tuple(ckpt_shapes[key]) != tuple(requested[key]) and not _rows_may_differ(
+                key, requested[key], ckpt_shapes[key], resizable):
             problems.append(f"model key {key}: checkpoint shape {tuple(ckpt_shapes[key])}, "
                             f"model shape {tuple(requested[key])}")
     unexpected = sorted(k for k in ckpt_shapes if k not in requested and not k.startswith(NON_MODEL_TENSOR_PREFIXES))
     if unexpected:
         problems.append(f"unexpected model keys in the checkpoint (not in the model): {short_list(unexpected, 4)}")
     return problems
+
+
+def vocab_padding_note(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple], resizable) -> Optional[str]:
+    """One line when the vocabulary padding differs between the checkpoint and the model (upstream allows it:
+    the padding is a multiple of ``--make-vocab-size-divisible-by`` x TP): which rows load, which checkpoint rows are
+    dropped or which model rows keep their fresh initialisation; None when nothing differs."""
+    keys = sorted(k for k in resizable if k in ckpt_shapes and k in requested
+                  and tuple(ckpt_shapes[k]) != tuple(requested[k])
+                  and _rows_may_differ(k, requested[k], ckpt_shapes[k], resizable))
+    if not keys:
+        return None
+    ckpt_rows, model_rows = ckpt_shapes[keys[0]][0], requested[keys[0]][0]
+    kept = min(ckpt_rows, model_rows)
+    rest = (f"checkpoint rows {kept}-{ckpt_rows - 1} dropped" if ckpt_rows > model_rows
+            else f"model rows {kept}-{model_rows - 1} keep their fresh initialisation")
+    return (f"vocabulary padding differs ({', '.join(keys)}): checkpoint {ckpt_rows} rows, model {model_rows}: "
+            f"rows 0-{kept - 1} loaded, {rest}")
 
 
 # ---- weights finite -----------------------------------------------------------------------------------------

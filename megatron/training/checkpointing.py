@@ -441,13 +441,14 @@ def _copy_model_values(model_chunk, sharded_sd: dict, loaded: dict, strict: bool
                     raise CheckpointError(f"model key {key}: {e}") from e
 
 
-def _requested_model_shapes(sharded_model_sds: dict) -> dict:
-    """{key: global shape} of every tensor the model requests (factories built), united over the ranks."""
+def _requested_model_shapes(sharded_model_sds: dict) -> Tuple[dict, set]:
+    """({key: global shape} of every tensor the model requests (factories built), the keys whose shape may differ
+    from the checkpoint's (``allow_shape_mismatch``: the padded vocabulary)), united over the ranks."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    shapes = {}
+    shapes, resizable = {}, set()
 
     def visit(values):
         for v in values:
@@ -455,14 +456,17 @@ def _requested_model_shapes(sharded_model_sds: dict) -> dict:
                 visit(nested_values(v.build()))
             elif isinstance(v, ShardedTensor):
                 shapes[v.key] = tuple(v.global_shape)
+                if v.allow_shape_mismatch:
+                    resizable.add(v.key)
 
     visit(nested_values(sharded_model_sds))
     if get_world_size() > 1:
         gathered = [None] * get_world_size()
-        dist.all_gather_object(gathered, shapes)
-        for d in gathered:
+        dist.all_gather_object(gathered, (shapes, resizable))
+        for d, r in gathered:
             shapes.update(d)
-    return shapes
+            resizable.update(r)
+    return shapes, resizable
 
 
 def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bool) -> None:
@@ -471,7 +475,7 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
     ``--finetune`` a difference is only a warning, as long as the tensors still fit), then the model's tensor keys
     and global shapes vs the checkpoint's (missing, resized and unexpected model keys are errors;
     ``--dist-ckpt-strictness log_*`` or ``strict=False``: warnings; ``ignore_all``: not checked)."""
-    requested = _requested_model_shapes(sharded_model_sds)
+    requested, resizable = _requested_model_shapes(sharded_model_sds)
     error = None
     if get_rank() == 0:
         from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -489,7 +493,11 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
             mismatches = safety.checkpoint_args_mismatches(ckpt_args, args) if ckpt_args is not None else []
             differ = f"arguments that differ: {safety.format_mismatches(mismatches)}" if mismatches else ""
             strictness = str(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
-            problems = [] if strictness == "ignore_all" else safety.model_key_problems(requested, ckpt_shapes)
+            problems = [] if strictness == "ignore_all" else safety.model_key_problems(requested, ckpt_shapes,
+                                                                                      resizable)
+            note = safety.vocab_padding_note(requested, ckpt_shapes, resizable)
+            if note:
+                print(f"checkpoint {checkpoint_dir}: {note}", flush=True)
             problems = [safety.short_list(problems, 2, "; ")] if problems else []  # one line: a count for the rest
             if mismatches and not args.finetune:
                 error = (f"checkpoint {checkpoint_dir} was saved by a different model: {differ} "

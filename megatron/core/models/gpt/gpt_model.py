@@ -88,11 +88,16 @@ class GPTModel(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
         """Upstream's layout (see TransformerBlock.sharded_state_dict). ``output_layer._extra_state`` is left out,
-        as upstream does (older GPT checkpoints have no such key); it never holds anything here."""
+        as upstream does (older GPT checkpoints have no such key); it never holds anything here. The output layer's
+        rows, like the word embedding's, may differ from the checkpoint's (``allow_shape_mismatch``: the padded
+        vocabulary depends on TP)."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         extra = out.pop(f"{prefix}output_layer._extra_state", None)
         if extra is not None and extra.data is not None:
             raise RuntimeError(f"{prefix}output_layer._extra_state holds {type(extra.data)}: it would be dropped")
+        for name in ("weight", "bias"):  # rows follow the padded vocabulary, which may differ (as the embedding's)
+            if f"{prefix}output_layer.{name}" in out:
+                out[f"{prefix}output_layer.{name}"].allow_shape_mismatch = True
         return out
 
     def forward(
