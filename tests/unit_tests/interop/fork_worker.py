@@ -13,21 +13,32 @@ import torch.distributed as dist  # noqa: E402
 import roundtrip_cases as rc  # noqa: E402
 
 
-def build_model(model: str, layout: str):
+def build_model(model: str, layout: str, recipe=False):
+    """Our GPTModel: local layers on CPU; on the GPU TE layers (``recipe``: None, or the FP8 recipe with FP8
+    weights, ``--fp8-param-gather``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
     model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(**rc.model_config(model, layout), params_dtype=torch.float32)
-    return GPTModel(config, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"])
+    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32)
+    if recipe is not False:
+        cfg.update(transformer_impl="transformer_engine")
+    if recipe:
+        cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
+    device = torch.device("cuda") if recipe is not False else torch.device("cpu")
+    with device:
+        return GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
+                        **rc.MODELS[model]["gpt"])
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:
     import megatron.core
 
     assert not hasattr(megatron.core, "package_info"), "upstream megatron-core is first on the path"
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
     for phase in phases.split(","):
         rc.drive("fork", "upstream", phase, workdir, layouts, build_model)
     dist.destroy_process_group()

@@ -36,7 +36,12 @@ LAYOUTS = {
     "tp1": (2, 1, 1, False),
     "tp2": (4, 2, 1, False),
     "tp2_sp_ep2": (4, 2, 2, True),
+    # one GPU with Transformer Engine: TE layer specs, and FP8 weights (--fp8-param-gather) per recipe
+    "gpu_te": (1, 1, 1, False),
 }
+GPU_LAYOUTS = ("gpu_te",)
+FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
+FP8_TOLERANCE = 1e-3  # FP8 logits: the same kernels on both sides, compared loosely all the same
 
 EXPERT_BIAS = [0.5, -0.25, 0.125, 0.0]
 
@@ -52,16 +57,20 @@ def model_config(model: str, layout: str) -> dict:
 
 
 def cases(layout: str):
-    """(model, fully_parallel_save, async_save) of one layout: every model with the fully parallel save on and off;
-    the dense model once more with an async save (tp1 only)."""
-    out = [(m, fp, False) for m in MODELS for fp in (True, False)]
+    """(model, fully_parallel_save, async_save, fp8 recipe) of one layout: on CPU every model with the fully
+    parallel save on and off, the dense model once more with an async save (tp1 only), recipe False (local layers);
+    on the GPU every model with TE layers per FP8 recipe (None: no FP8)."""
+    if layout in GPU_LAYOUTS:
+        return [(m, False, False, r) for m in MODELS for r in FP8_RECIPES]
+    out = [(m, fp, False, False) for m in MODELS for fp in (True, False)]  # recipe False: no TE
     if layout == "tp1":
-        out.append(("dense", True, True))
+        out.append(("dense", True, True, False))
     return out
 
 
-def case_name(model: str, fully_parallel: bool, async_save: bool) -> str:
-    return f"{model}_fp{int(fully_parallel)}{'_async' if async_save else ''}"
+def case_name(model: str, fully_parallel: bool, async_save: bool, recipe=False) -> str:
+    quant = "" if recipe is False else f"_te_{recipe or 'noquant'}"
+    return f"{model}_fp{int(fully_parallel)}{'_async' if async_save else ''}{quant}"
 
 
 def results_path(workdir: str, side: str, phase: str, layout: str) -> str:
@@ -73,13 +82,13 @@ RESHARD = {"tp1": ("tp2_sp_ep2",)}
 
 
 def jobs(phase: str, layout: str):
-    """(model, fully_parallel, async_save, source layout, record name) of one phase in one layout."""
+    """(model, fully_parallel, async_save, fp8 recipe, source layout, record name) of one phase in one layout."""
     out = []
-    for model, fp, async_save in cases(layout):
-        name = case_name(model, fp, async_save)
-        out.append((model, fp, async_save, layout, name))
+    for model, fp, async_save, recipe in cases(layout):
+        name = case_name(model, fp, async_save, recipe)
+        out.append((model, fp, async_save, recipe, layout, name))
         if phase == "load" and not async_save:
-            out += [(model, fp, False, src, f"{name}<-{src}") for src in RESHARD.get(layout, ())]
+            out += [(model, fp, False, recipe, src, f"{name}<-{src}") for src in RESHARD.get(layout, ())]
     return out
 
 
@@ -97,16 +106,16 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
         assert dist.get_world_size() == world, (dist.get_world_size(), world)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         results = []
-        for model_name, fully_parallel, async_save, src_layout, record_name in jobs(phase, layout):
-            name = case_name(model_name, fully_parallel, async_save)
+        for model_name, fully_parallel, async_save, recipe, src_layout, record_name in jobs(phase, layout):
+            name = case_name(model_name, fully_parallel, async_save, recipe)
             torch.manual_seed(1000 if phase == "save" else 2000)  # identical on every rank: DP replicas agree
-            model = build_model(model_name, layout).eval()
+            model = build_model(model_name, layout, recipe).eval()
             routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
             record = {"side": side, "case": record_name, "phase": phase, "layout": layout}
             try:
                 if phase == "save":
                     for r in routers:
-                        r.expert_bias.copy_(torch.tensor(EXPERT_BIAS))
+                        r.expert_bias.copy_(torch.tensor(EXPERT_BIAS, device=r.expert_bias.device))
                     _save(model, os.path.join(workdir, side, layout, name), fully_parallel, async_save,
                           save_kwargs or {})
                     logits = _full_logits(model)  # collective over TP: on every rank
@@ -118,9 +127,10 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                     before = float((_full_logits(model) - ref["logits"]).abs().max())
                     _load(model, src, fully_parallel, load_wrapper_kwargs or {})
                     diff = float((_full_logits(model) - ref["logits"]).abs().max())
-                    bias_ok = all(torch.equal(r.expert_bias, torch.tensor(EXPERT_BIAS)) for r in routers)
+                    bias_ok = all(torch.equal(r.expert_bias.cpu(), torch.tensor(EXPERT_BIAS)) for r in routers)
+                    tolerance = FP8_TOLERANCE if recipe else TOLERANCE
                     record.update(max_abs_diff=diff, max_abs_diff_before_load=before, expert_bias_ok=bias_ok,
-                                  ok=diff <= TOLERANCE < before and bias_ok)
+                                  ok=diff <= tolerance < before and bias_ok)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
@@ -182,10 +192,11 @@ def _full_logits(model):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    device = next(model.parameters()).device
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1).to(device)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1).to(device)
     with torch.no_grad():
         logits = model(ids, pos, mask)
     tp = ps.get_tensor_model_parallel_world_size()
@@ -193,4 +204,4 @@ def _full_logits(model):
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)
-    return logits.float()
+    return logits.float().cpu()

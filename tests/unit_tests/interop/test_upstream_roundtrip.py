@@ -32,9 +32,9 @@ def upstream_site():
         pytest.skip(f"upstream megatron-core could not be installed: {e}")
 
 
-def _launch(side: str, phases: str, workdir: Path, layouts: str, world: int, pythonpath: str) -> None:
+def _launch(side: str, phases: str, workdir: Path, layouts: str, world: int, pythonpath: str, **extra_env) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, str(HERE)]), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            str(HERE / f"{side}_worker.py"), phases, str(workdir), layouts]
     done = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=600)
@@ -52,27 +52,58 @@ def _records(workdir: Path, side: str, phase: str, layouts) -> list:
     return out
 
 
-def test_roundtrip_with_upstream_both_ways(upstream_site, tmp_path):
+def _roundtrip(site, workdir: Path, layouts, allow_bad=lambda r: False, **extra_env) -> list:
+    """Upstream saves -> the fork loads and saves -> upstream loads, for ``layouts`` (grouped by world size); the
+    load records, after checking that every job reported and every record not ``allow_bad`` is good."""
     by_world = {}
-    for layout, (world, *_rest) in rc.LAYOUTS.items():
-        by_world.setdefault(world, []).append(layout)
-    fork_path, up_path = str(REPO), str(upstream_site)
-    for side, phases, path in (("upstream", "save", up_path), ("fork", "load,save", fork_path),
-                               ("upstream", "load", up_path)):
-        for world, layouts in sorted(by_world.items()):
-            _launch(side, phases, tmp_path, ",".join(layouts), world, path)
-
-    layouts = list(rc.LAYOUTS)
-    saved = _records(tmp_path, "upstream", "save", layouts) + _records(tmp_path, "fork", "save", layouts)
-    loaded = _records(tmp_path, "fork", "load", layouts) + _records(tmp_path, "upstream", "load", layouts)
+    for layout in layouts:
+        by_world.setdefault(rc.LAYOUTS[layout][0], []).append(layout)
+    for side, phases, path in (("upstream", "save", str(site)), ("fork", "load,save", str(REPO)),
+                               ("upstream", "load", str(site))):
+        for world, group in sorted(by_world.items()):
+            _launch(side, phases, workdir, ",".join(group), world, path, **extra_env)
+    records = []
+    for side in ("upstream", "fork"):
+        for phase in ("save", "load"):
+            records += _records(workdir, side, phase, layouts)
     expected_jobs = sum(len(rc.jobs(phase, layout)) for layout in layouts for phase in ("save", "load"))
-    assert len(saved) + len(loaded) == 2 * expected_jobs
-    assert any(r["case"].endswith("_async") for r in loaded) and any("<-" in r["case"] for r in loaded)
-    bad = [r for r in saved + loaded if not r["ok"]]
+    assert len(records) == 2 * expected_jobs
+    bad = [r for r in records if not r["ok"] and not allow_bad(r)]
     assert not bad, "\n".join(
         f"{r['side']} {r['phase']} {r['layout']} {r['case']}: "
         f"{r.get('error') or (r.get('max_abs_diff'), r.get('max_abs_diff_before_load'), r.get('expert_bias_ok'))}"
         for r in bad)
+    return [r for r in records if r["phase"] == "load"]
+
+
+def test_roundtrip_with_upstream_both_ways(upstream_site, tmp_path):
+    loaded = _roundtrip(upstream_site, tmp_path, [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS])
+    assert any(r["case"].endswith("_async") for r in loaded) and any("<-" in r["case"] for r in loaded)
     # every load really changed the model (its logits were far from the saver's before) and then matched them
     for r in loaded:
         assert r["max_abs_diff"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
+
+
+@pytest.mark.gpu
+def test_roundtrip_with_upstream_te_fp8_on_gpu(upstream_site, tmp_path):
+    """The same with Transformer Engine on one GPU: TE layer specs, FP8 weights (``--fp8-param-gather``) per recipe
+    and their extra state, both ways. Delayed scaling: upstream's extra state is TE's pickle, which both TE 2.20 and
+    this fork load only with ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (set here); ours is plain data that upstream's
+    TE cannot read (a deviation listed in the README), so that direction is recorded, not required. Writes every
+    record to ``$OUT/upstream_roundtrip_gpu.jsonl`` when OUT is set."""
+    pytest.importorskip("transformer_engine.pytorch")
+
+    def delayed_into_upstream(r):
+        return r["side"] == "upstream" and r["phase"] == "load" and r["case"].endswith("_te_delayed")
+
+    try:
+        loaded = _roundtrip(upstream_site, tmp_path, list(rc.GPU_LAYOUTS), allow_bad=delayed_into_upstream,
+                            NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE="1")
+    finally:
+        out = os.environ.get("OUT")
+        if out:
+            lines = []
+            for f in sorted(tmp_path.glob("results_*.jsonl")):
+                lines += f.read_text().splitlines()
+            Path(out, "upstream_roundtrip_gpu.jsonl").write_text("\n".join(lines) + "\n")
+    assert {r["case"].split("_te_")[1] for r in loaded} == {"noquant", "tensorwise", "delayed"}

@@ -8,7 +8,8 @@ of the installed files) into ``<cache>/site``, with what its GPT model imports o
 code) and psutil (its async save). Workers then run ``PYTHONPATH=<cache>/site`` with this environment's torch.
 
 ``MCORE_UPSTREAM_CACHE`` chooses the cache (default ``~/.cache/megatron-core-fork/upstream-mcore-0.19.2``); a
-complete cache (its ``READY`` file) is reused. Setting up takes about 15 s and 290 MB (mostly triton)."""
+complete cache (its ``READY`` file) is reused. ``MCORE_UPSTREAM_SITE`` names a directory where upstream is installed
+already (a machine without a package index, e.g. the GPU machine: the wheel carried there and unpacked). Setting up takes about 15 s and 290 MB (mostly triton)."""
 import fcntl
 import os
 import subprocess
@@ -34,7 +35,10 @@ def _pip(*args: str) -> None:
 
 
 def ensure_upstream() -> Path:
-    """``<cache>/site`` holding upstream megatron-core ``VERSION`` (set up once; a lock serialises processes)."""
+    """``<cache>/site`` holding upstream megatron-core ``VERSION`` (set up once; a lock serialises processes), or
+    ``MCORE_UPSTREAM_SITE``."""
+    if os.environ.get("MCORE_UPSTREAM_SITE"):
+        return Path(os.environ["MCORE_UPSTREAM_SITE"]).resolve()
     root = cache_dir()
     site = root / "site"
     root.mkdir(parents=True, exist_ok=True)

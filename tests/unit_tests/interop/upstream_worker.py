@@ -43,27 +43,51 @@ def _shim_cuda():
     torch_norm.WrappedTorchNorm.__new__ = _new
 
 
-def build_model(model: str, layout: str):
+def build_model(model: str, layout: str, recipe=False):
+    """Upstream's GPTModel: the local layer spec on CPU; on the GPU its TE layer spec (``recipe``: None, or the FP8
+    recipe with FP8 weights built under TE's ``quantized_model_init``, as upstream's ``--fp8-param-gather``)."""
+    import contextlib
+
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
     get_cuda_rng_tracker().reset()
     model_parallel_cuda_manual_seed(1234)
-    cfg = rc.model_config(model, layout)
-    config = TransformerConfig(**cfg, params_dtype=torch.float32, use_cpu_initialization=True)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.get("num_moe_experts"),
-                                    normalization=cfg.get("normalization", "LayerNorm"))
-    return GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"])
+    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32)
+    experts = cfg.get("num_moe_experts")
+    if recipe is False:
+        cfg["use_cpu_initialization"] = True
+        spec = get_gpt_layer_local_spec(num_experts=experts, normalization=cfg.get("normalization", "LayerNorm"))
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+    if recipe:
+        cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
+    config = TransformerConfig(**cfg)
+    init = contextlib.nullcontext()
+    if recipe:
+        import transformer_engine.pytorch as te
+        from megatron.core.fp8_utils import get_fp8_recipe
+
+        init = te.quantized_model_init(enabled=True, recipe=get_fp8_recipe(config))
+    with init:
+        built = GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"])
+    return built.cuda() if recipe is not False else built
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:
     from megatron.core.package_info import __version__  # this fork has no package_info: upstream's alone
 
     assert __version__ == "0.19.2", __version__
-    _shim_cuda()
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    else:
+        _shim_cuda()
+    dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
     for phase in phases.split(","):
         rc.drive("upstream", "fork", phase, workdir, layouts, build_model, save_kwargs={"async_strategy": "mcore"},
                  load_wrapper_kwargs={"exchange_algo": "gather_object"})
