@@ -41,7 +41,18 @@ LAYOUTS = {
 }
 GPU_LAYOUTS = ("gpu_te",)
 FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
-FP8_TOLERANCE = 1e-3  # FP8 logits: the same kernels on both sides, compared loosely all the same
+# Logit tolerances on the GPU: the two sides' compute paths differ there (attention kernels, TF32 in fp32 GEMMs; in
+# MoE layers where the router probabilities are applied, which moves FP8 rounding). Measured on the H200
+# (2026-12-03): TE without FP8 <= 9e-5; FP8 dense / GQA <= 2e-6; FP8 MoE 3e-3 .. 1e-2, against ~1.0 before the load.
+GPU_TOLERANCE = {"noquant": 2e-4, "fp8": 1e-3, "fp8_moe": 3e-2}
+
+
+def tolerance(model: str, recipe) -> float:
+    if recipe is False:
+        return TOLERANCE
+    if not recipe:
+        return GPU_TOLERANCE["noquant"]
+    return GPU_TOLERANCE["fp8_moe" if "num_moe_experts" in MODELS[model]["config"] else "fp8"]
 
 EXPERT_BIAS = [0.5, -0.25, 0.125, 0.0]
 
@@ -128,9 +139,9 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                     _load(model, src, fully_parallel, load_wrapper_kwargs or {})
                     diff = float((_full_logits(model) - ref["logits"]).abs().max())
                     bias_ok = all(torch.equal(r.expert_bias.cpu(), torch.tensor(EXPERT_BIAS)) for r in routers)
-                    tolerance = FP8_TOLERANCE if recipe else TOLERANCE
+                    tol = tolerance(model_name, recipe)
                     record.update(max_abs_diff=diff, max_abs_diff_before_load=before, expert_bias_ok=bias_ok,
-                                  ok=diff <= tolerance < before and bias_ok)
+                                  tolerance=tol, ok=diff <= tol < 0.1 < before and bias_ok)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
