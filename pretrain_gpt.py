@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.dist_utils import barrier, is_distributed
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_tokenizer
@@ -22,14 +23,18 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     print_rank_0("building GPT model ...")
     if config is None:
         config = core_transformer_config_from_args(args)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine")
     return GPTModel(
         config,
+        spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
         pre_process=pre_process,
         post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
     )
 
 

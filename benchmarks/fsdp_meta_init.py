@@ -53,12 +53,12 @@ def _gpt(cfg, a, meta: bool):
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):
-            return GPTModel(cfg, a.vocab, a.seq)
+            return GPTModel(cfg, vocab_size=a.vocab, max_sequence_length=a.seq)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if dev is not None:
         with torch.device(dev):
-            return GPTModel(cfg, a.vocab, a.seq)
-    return GPTModel(cfg, a.vocab, a.seq)
+            return GPTModel(cfg, vocab_size=a.vocab, max_sequence_length=a.seq)
+    return GPTModel(cfg, vocab_size=a.vocab, max_sequence_length=a.seq)
 
 
 def _init_body(rank, ws, a, mode, q):

@@ -73,7 +73,7 @@ def _gpt(cfg, a, meta: bool = False):
 
     torch.manual_seed(0)
     with torch.device("meta" if meta else _device()):
-        return GPTModel(cfg, a.vocab, a.seq, share_embeddings_and_output_weights=True)
+        return GPTModel(cfg, vocab_size=a.vocab, max_sequence_length=a.seq, share_embeddings_and_output_weights=True)
 
 
 # ---- the modes ------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _config(a, grouped, **kw):
 def _build(a, cfg):
     torch.manual_seed(0)
     with torch.device(a.device):
-        model = GPTModel(cfg, a.vocab, a.seq, position_embedding_type="rope")
+        model = GPTModel(cfg, vocab_size=a.vocab, max_sequence_length=a.seq, position_embedding_type="rope")
     init_weights(model)
     return model
 

@@ -38,6 +38,7 @@ __all__ = [
     "SafeUnpickler",
     "safe_pickle_load",
     "safe_np_load",
+    "safe_numpy_load",
 ]
 
 
@@ -59,6 +60,19 @@ def _numpy_globals() -> List[Any]:
     return out
 
 
+def _enum_globals() -> List[Any]:
+    """Upstream's enums its args / configs hold (imported on use: ``transformer`` imports this package)."""
+    from megatron.core.transformer.enums import (
+        AttnBackend,
+        CudaGraphModule,
+        CudaGraphScope,
+        InferenceCudaGraphScope,
+        ModelType,
+    )
+
+    return [AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType]
+
+
 # Plain-data classes only: constructing them (``__new__`` + state) runs no code of the checkpoint's choosing.
 SAFE_GLOBALS: List[Any] = [
     argparse.Namespace,  # ``args`` in the common state
@@ -75,7 +89,7 @@ SAFE_GLOBALS: List[Any] = [
 def register_safe_globals(extra: Iterable[Any] = ()) -> None:
     """Admit ``SAFE_GLOBALS`` (and ``extra``: more plain-data classes of your own) to every
     ``torch.load(weights_only=True)`` of this process (``torch.serialization.add_safe_globals``)."""
-    torch.serialization.add_safe_globals(list(SAFE_GLOBALS) + list(extra))
+    torch.serialization.add_safe_globals(list(SAFE_GLOBALS) + _enum_globals() + list(extra))
 
 
 _REFUSED_GLOBAL = re.compile(r"(?:GLOBAL|global) ([\w.]+)")
@@ -189,8 +203,8 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Callable:
         if not self._is_safe(module, name):
             raise pickle.UnpicklingError(
-                f"{self.what}: refusing to unpickle global {module}.{name} (not on the allowlist of "
-                f"{type(self).__name__}); nothing from it was run"
+                f"Refusing to unpickle disallowed class '{module}.{name}' ({self.what}: not on the allowlist of "
+                f"{type(self).__name__}; nothing from it was run)"
             )
         replacement = self._REPLACEMENTS.get((module, name))
         return replacement if replacement is not None else super().find_class(module, name)
@@ -209,6 +223,17 @@ def safe_pickle_load(f, what: str, unpickler: type = SafeUnpickler) -> Any:
         raise CheckpointingException(msg if msg.startswith(what) else f"{what}: {msg}") from None
     except Exception as e:
         raise CheckpointingException(f"{what}: cannot be unpickled: {type(e).__name__}: {e}") from e
+
+
+def _safe_pickle_load(file, **kwargs) -> Any:
+    """Upstream's name: ``SafeUnpickler(file, **kwargs).load()`` (a refusal raises ``pickle.UnpicklingError``
+    starting "Refusing to unpickle")."""
+    return SafeUnpickler(file, **kwargs).load()
+
+
+def safe_numpy_load(path, **kwargs) -> Any:
+    """Upstream's name for ``safe_np_load`` (``allow_pickle=True`` is refused here: an object array is a pickle)."""
+    return safe_np_load(path, **kwargs)
 
 
 def safe_np_load(file, what: Optional[str] = None, **kwargs) -> Any:

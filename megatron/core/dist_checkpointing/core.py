@@ -4,11 +4,27 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
+
 CONFIG_FNAME = "metadata.json"
 
 
-class CheckpointingException(Exception):
-    """Any error of the distributed checkpointing machinery (bad input, bad checkpoint, bad sharding)."""
+class CheckpointingException(Exception, TorchCheckpointException):
+    """Any error of the distributed checkpointing machinery (bad input, bad checkpoint, bad sharding).
+
+    Also a ``torch.distributed.checkpoint.api.CheckpointException`` (what upstream raises for, e.g., a missing key
+    under ``StrictHandling.ASSUME_OK_UNEXPECTED``), so code catching torch's type catches it too; still an
+    ``Exception``. ``failures``: {rank: (exception, traceback)} when known, else empty; ``str()`` is the message."""
+
+    def __init__(self, msg: str = "", failures: Optional[dict] = None):
+        Exception.__init__(self, msg)
+        self._failures = dict(failures or {})
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)
+
+    def __reduce__(self):
+        return type(self), (Exception.__str__(self), self._failures)
 
 
 @dataclass

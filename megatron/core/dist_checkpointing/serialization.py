@@ -37,6 +37,7 @@ from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, sav
 from .integrity import save_integrity_manifest, verify_integrity_manifest
 from .dict_utils import extract_matching_values, map_matching_like, merge, restore_list_types
 from .mapping import ShardedObject, ShardedStateDict, StateDict, apply_factory_merges
+from .strategies.async_utils import check_async_strategy
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -103,8 +104,9 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
-    *,
+    async_strategy: Optional[str] = "nvrx",
     verify_integrity: bool = False,
+    *,
     common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
 ) -> Optional["AsyncRequest"]:  # noqa: F821
@@ -122,10 +124,14 @@ def save(
     scheduled and written in the background; ``metadata.json`` (and ``integrity.json``) are written by its finalize
     functions, after every rank finished writing, so until then the directory is not a loadable checkpoint.
 
-    Keyword-only extras: ``verify_integrity`` writes upstream's ``integrity.json`` (SHA-256 of every file) last;
-    ``common_strategy`` writes the legacy layout (``common.pt``) instead of upstream 0.19's; ``process_group``
+    ``async_strategy`` ("nvrx" or "mcore", upstream's 8th parameter): both run this fork's built-in asynchronous
+    save (nvidia-resiliency-ext is not needed; see ``async_utils.resolve_async_strategy``); anything else is refused.
+    ``verify_integrity`` (9th) writes upstream's ``integrity.json`` (SHA-256 of every file) last.
+
+    Keyword-only extras: ``common_strategy`` writes the legacy layout (``common.pt``) instead of upstream 0.19's; ``process_group``
     (default WORLD) is the group of the validation collectives (the DCP write itself always spans WORLD).
     """
+    check_async_strategy(async_strategy or "nvrx", "save")
     if sharded_strategy is not None and not isinstance(sharded_strategy, (SaveShardedStrategy, tuple)):
         raise CheckpointingException(
             f"save: sharded_strategy must be a SaveShardedStrategy or a (backend, version) tuple, got "
@@ -189,7 +195,7 @@ def save(
             raise CheckpointingException(
                 f"save(async_sharded_save=True): {type(sharded_strategy).__name__} cannot save asynchronously"
             )
-        request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+        request = sharded_strategy.async_save(sharded_part, checkpoint_dir, async_strategy or "nvrx")
         request.add_finalize_fn(finalize)
         return request
     sharded_strategy.save(sharded_part, checkpoint_dir)

@@ -26,6 +26,18 @@ def _optional(module: str, name: str):
         return None
 
 
+def te_version_string() -> str:
+    """The installed TE's version ("0.0.0" without TE, as upstream's ``get_te_version``)."""
+    if not HAVE_TE:
+        return "0.0.0"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return str(getattr(te, "__version__", None) or version("transformer-engine"))
+    except PackageNotFoundError:  # pragma: no cover
+        return "0.0.0"
+
+
 def require_te(feature: str) -> None:
     """Raise a clear error when ``feature`` needs TE and TE is not installed."""
     if not HAVE_TE:

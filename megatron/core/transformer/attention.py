@@ -6,6 +6,7 @@ group, ``[q heads of the group, k, v]`` each ``kv_channels`` wide, so the column
 rank ``num_query_groups / tp`` whole groups and their heads.
 """
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,6 +46,18 @@ def build_linear(config, kind: str, input_size: int, output_size: int, *, init_m
         skip_bias_add=skip_bias_add,
         is_expert=is_expert,
     )
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """Upstream's attention submodule spec; here it records the linear classes ``SelfAttention`` builds (core
+    attention is torch's ``scaled_dot_product_attention``: None; no q/k norms)."""
+
+    linear_qkv: object = None
+    core_attention: object = None
+    linear_proj: object = None
+    q_layernorm: object = None
+    k_layernorm: object = None
 
 
 class SelfAttention(MegatronModule):

@@ -1,5 +1,6 @@
 """MLP: ``fc2(act(fc1(x)))``, or gated (``act(x W1) * (x V)``, e.g. SwiGLU) with ``gated_linear_unit``."""
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -102,6 +103,15 @@ def expert_activation(config, x: torch.Tensor) -> torch.Tensor:
     if should_recompute(config, "moe_act"):
         return recompute(config, lambda t: apply_activation(config, t), x)
     return apply_activation(config, x)
+
+
+@dataclass
+class MLPSubmodules:
+    """Upstream's MLP submodule spec; here it records the linear classes ``MLP`` builds."""
+
+    linear_fc1: object = None
+    linear_fc2: object = None
+    activation_func: object = None
 
 
 class MLP(MegatronModule):

@@ -83,6 +83,17 @@ def build_norm(config, hidden_size: int, eps: float = None, te_extra_state: bool
     raise ValueError(f"unknown normalization {config.normalization!r} (--normalization)")
 
 
+class WrappedTorchNorm:
+    """Upstream's local-spec norm: ``WrappedTorchNorm(config, hidden_size, eps)`` builds the norm named by
+    ``config.normalization`` (``build_norm``)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = None, **kwargs):
+        return build_norm(config, hidden_size, eps)
+
+
+LNImpl = WrappedTorchNorm
+
+
 class IdentityOp(torch.nn.Module):
     """Stands in for a norm that a fused TE LayerNormLinear already applies."""
 

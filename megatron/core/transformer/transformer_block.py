@@ -1,21 +1,87 @@
 """A stack of TransformerLayers (``layers``, an nn.ModuleList: the FSDP units) and the final norm."""
 import contextlib
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
 
 import torch
 
 from megatron.core.transformer.module import MegatronModule, sharded_state_dict_default
 from megatron.core.transformer.torch_norm import build_norm
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    is_moe_layer,
+    layer_submodules,
+    spec_transformer_impl,
+)
 from megatron.core.transformer.utils import replace_prefix_for_sharding
 
 
+@dataclass
+class TransformerBlockSubmodules:
+    """Upstream's block spec: one layer spec per layer, and the final norm."""
+
+    layer_specs: List[ModuleSpec] = field(default_factory=list)
+    layer_norm: object = None
+
+
+def default_layer_specs(config, use_te: bool) -> List[ModuleSpec]:
+    """One TransformerLayer spec per layer of ``config`` (dense or MoE by ``moe_layer_freq``)."""
+    return [ModuleSpec(module=TransformerLayer,
+                       submodules=layer_submodules(use_te, is_moe_layer(config, i + 1), config.moe_grouped_gemm))
+            for i in range(config.num_layers)]
+
+
+def resolve_layer_specs(config, spec) -> List[ModuleSpec]:
+    """The per-layer specs of ``spec`` (None: from ``config.transformer_impl``; a layer ModuleSpec: for every layer;
+    TransformerBlockSubmodules: one per layer). The specs choose Transformer Engine or local linears, as upstream:
+    ``config.transformer_impl`` is set to that choice (FP8/FP4 need the Transformer Engine spec)."""
+    if spec is None:
+        return default_layer_specs(config, config.transformer_impl == "transformer_engine")
+    if isinstance(spec, TransformerBlockSubmodules):
+        specs = list(spec.layer_specs)
+        if len(specs) != config.num_layers:
+            raise ValueError(f"the block spec has {len(specs)} layer specs for num_layers={config.num_layers} "
+                             "(--num-layers); this fork builds every layer on each rank")
+    elif isinstance(spec, ModuleSpec):
+        specs = [spec] * config.num_layers
+    else:
+        raise TypeError(f"transformer_layer_spec must be a ModuleSpec or TransformerBlockSubmodules "
+                        f"(models.gpt.gpt_layer_specs), got {type(spec).__name__}")
+    impls = {spec_transformer_impl(s.submodules) for s in specs}
+    if len(impls) > 1:
+        raise ValueError("the layer specs mix Transformer Engine and local layers; use one kind for every layer")
+    impl = impls.pop()
+    if impl != config.transformer_impl:
+        if impl == "local" and (config.fp8 is not None or config.fp4 is not None):
+            raise ValueError("fp8/fp4 (--fp8-format / --fp4-format) need Transformer Engine layers: build the model "
+                             "with get_gpt_layer_with_transformer_engine_spec, not the local spec")
+        config.transformer_impl = impl
+    return specs
+
+
 class TransformerBlock(MegatronModule):
-    def __init__(self, config, post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True):
+    """``spec`` (upstream's, optional here): see ``resolve_layer_specs``. ``pg_collection`` / ``vp_stage`` must be
+    None."""
+
+    def __init__(
+        self,
+        config,
+        spec: Union[TransformerBlockSubmodules, ModuleSpec, None] = None,
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection=None,
+        vp_stage: Optional[int] = None,
+    ):
         super().__init__(config)
+        if pg_collection is not None or vp_stage is not None:
+            raise ValueError("TransformerBlock: pg_collection and vp_stage must be None (this fork uses the "
+                             "parallel_state groups and has no virtual pipeline stages)")
         self.pre_process = pre_process
         self.post_process = post_process
-        self.layers = torch.nn.ModuleList([TransformerLayer(config, i + 1) for i in range(config.num_layers)])
+        specs = resolve_layer_specs(config, spec)
+        self.layers = torch.nn.ModuleList([build_module(s, config, layer_number=i + 1) for i, s in enumerate(specs)])
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:
             # upstream builds it as a TE norm whenever TE is importable: its checkpoints carry the _extra_state

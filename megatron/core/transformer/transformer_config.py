@@ -10,6 +10,8 @@ from typing import Callable, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.enums import AttnBackend
+
 
 def flag_name(name: str) -> str:
     """The command-line flag of a config field or args attribute: ``num_layers`` -> ``--num-layers``."""
@@ -72,7 +74,9 @@ class TransformerConfig:
     fp4_param: bool = False
 
     # ---- implementation -------------------------------------------------------------------------------------
-    transformer_impl: str = "local"  # 'local' | 'transformer_engine'
+    transformer_impl: str = "local"  # 'local' | 'transformer_engine' (GPTModel sets it from its layer spec)
+    attention_backend: AttnBackend = AttnBackend.auto  # accepted as upstream; attention is torch's SDPA here
+    pipeline_dtype: Optional[torch.dtype] = None  # upstream's pipeline p2p dtype (usually params_dtype)
 
     # ---- parallelism (tensor parallel and sequence parallel; the others must stay 1) ----------------------------
     tensor_model_parallel_size: int = 1
@@ -158,6 +162,11 @@ class TransformerConfig:
             )
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are mutually exclusive (--fp16 / --bf16)")
+        if not isinstance(self.attention_backend, AttnBackend):
+            raise ValueError(f"attention_backend must be an AttnBackend (--attention-backend), "
+                             f"got {self.attention_backend!r}")
+        if self.pipeline_dtype is not None and not isinstance(self.pipeline_dtype, torch.dtype):
+            raise ValueError(f"pipeline_dtype must be a torch.dtype or None, got {self.pipeline_dtype!r}")
         if self.fp8 not in (None, "e4m3", "hybrid"):
             raise ValueError(f"fp8 must be None, 'e4m3' or 'hybrid' (--fp8-format), got {self.fp8!r}")
         if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):

@@ -1,14 +1,17 @@
 """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (MLP or MoE)."""
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.random import recompute, should_recompute
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.torch_norm import IdentityOp, build_norm
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import IdentityOp, WrappedTorchNorm, build_norm
 from megatron.core.transformer.utils import apply_prefix_mapping
 
 # Upstream's local layer spec (get_gpt_layer_local_spec) stores the separate norms under the names they have in the
@@ -30,17 +33,92 @@ def is_moe_layer(config, layer_number: int) -> bool:
     return bool(config.moe_layer_freq[layer_number - 1])
 
 
+@dataclass
+class TransformerLayerSubmodules:
+    """Upstream's layer spec fields. In this fork they record what ``TransformerLayer`` builds (see
+    ``layer_submodules``); the bias-dropout-add and cross-attention slots stay None."""
+
+    input_layernorm: object = None
+    self_attention: object = None
+    self_attn_bda: object = None
+    pre_cross_attn_layernorm: object = None
+    cross_attention: object = None
+    cross_attn_bda: object = None
+    pre_mlp_layernorm: object = None
+    mlp: object = None
+    mlp_bda: object = None
+    sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
+
+
+def layer_submodules(use_te: bool, is_moe: bool, moe_grouped_gemm: bool = False) -> TransformerLayerSubmodules:
+    """The submodules ``TransformerLayer`` builds with Transformer Engine (``use_te``) or local linears, for a dense
+    or MoE layer: the contents of upstream's ``get_gpt_layer_{with_transformer_engine,local}_spec`` in this fork's
+    classes. TE fuses the norms into ``linear_qkv`` / ``linear_fc1`` (``IdentityOp`` norms, no key map; an MoE layer
+    keeps a separate ``pre_mlp_layernorm``); local keeps the norms and maps their checkpoint keys."""
+    if use_te:
+        from megatron.core.extensions import te_layers
+
+        column, row = te_layers.TEColumnParallelLinear, te_layers.TERowParallelLinear
+        fused = te_layers.TELayerNormColumnParallelLinear
+    else:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear as column, RowParallelLinear as row
+
+        fused = column
+    if is_moe:
+        from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+        from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+        experts = (TEGroupedMLP if use_te else GroupedMLP) if moe_grouped_gemm else SequentialMLP
+        mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts))
+    else:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fused, linear_fc2=row))
+    return TransformerLayerSubmodules(
+        input_layernorm=IdentityOp if use_te else WrappedTorchNorm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(linear_qkv=fused, linear_proj=row)),
+        pre_mlp_layernorm=IdentityOp if use_te and not is_moe else WrappedTorchNorm,
+        mlp=mlp,
+        sharded_state_dict_keys_map={} if use_te else dict(LOCAL_SPEC_SHARDED_KEYS_MAP),
+    )
+
+
+def spec_transformer_impl(submodules: TransformerLayerSubmodules) -> str:
+    """'transformer_engine' or 'local': which linears a layer spec's attention uses."""
+    attention = getattr(submodules, "self_attention", None)
+    qkv = getattr(getattr(attention, "submodules", None), "linear_qkv", None)
+    return "transformer_engine" if getattr(qkv, "__name__", "").startswith("TE") else "local"
+
+
 class TransformerLayer(MegatronModule):
     """One layer; the FSDP wrapping unit. Local impl: separate ``input_layernorm`` / ``pre_mlp_layernorm``; TE
     impl: those norms are fused into ``linear_qkv`` / ``linear_fc1`` (``te.LayerNormLinear``) and the norm
-    attributes are ``IdentityOp`` (MoE layers keep a separate ``pre_mlp_layernorm``), as upstream."""
+    attributes are ``IdentityOp`` (MoE layers keep a separate ``pre_mlp_layernorm``), as upstream.
 
-    def __init__(self, config, layer_number: int = 1, hidden_dropout: Optional[float] = None):
+    ``submodules`` (upstream's spec, optional here): must be what this layer builds for ``config`` and its layer
+    number (``layer_submodules``: the TE/local choice, dense or MoE, grouped experts); anything else is refused with
+    the differing fields named, since this fork builds its own modules. ``pg_collection`` / ``vp_stage`` must be
+    None (default process groups, no virtual pipeline)."""
+
+    def __init__(
+        self,
+        config,
+        submodules: Optional[TransformerLayerSubmodules] = None,
+        layer_number: int = 1,
+        hidden_dropout: Optional[float] = None,
+        pg_collection=None,
+        vp_stage: Optional[int] = None,
+    ):
         super().__init__(config)
+        if pg_collection is not None or vp_stage is not None:
+            raise ValueError("TransformerLayer: pg_collection and vp_stage must be None (this fork uses the "
+                             "parallel_state groups and has no virtual pipeline stages)")
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.is_moe = is_moe_layer(config, layer_number)
         te = config.transformer_impl == "transformer_engine"
+        if submodules is not None:
+            self._check_submodules(submodules, layer_submodules(te, self.is_moe, config.moe_grouped_gemm))
+        self.submodules_config = submodules
         if te:
             from megatron.core.extensions.te_layers import check_te_available
 
@@ -57,6 +135,19 @@ class TransformerLayer(MegatronModule):
             self.mlp = MoELayer(config, layer_number)
         else:
             self.mlp = MLP(config, fuse_input_layernorm=fuse_mlp_norm)
+
+    def _check_submodules(self, given, expected: TransformerLayerSubmodules) -> None:
+        if not isinstance(given, TransformerLayerSubmodules):
+            raise TypeError(f"TransformerLayer {self.layer_number}: submodules must be TransformerLayerSubmodules "
+                            f"(models.gpt.gpt_layer_specs), got {type(given).__name__}")
+        differ = [f.name for f in fields(expected) if getattr(given, f.name) != getattr(expected, f.name)]
+        if differ:
+            kind = "MoE" if self.is_moe else "dense"
+            raise ValueError(
+                f"TransformerLayer {self.layer_number} ({kind}, transformer_impl={self.config.transformer_impl!r}, "
+                f"moe_grouped_gemm={self.config.moe_grouped_gemm}): the layer spec's {differ} differ from what this "
+                "fork builds for this config; build the spec with models.gpt.gpt_layer_specs "
+                "(get_gpt_decoder_block_spec(config, use_transformer_engine) picks dense/MoE per layer)")
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """MegatronModule's, with the checkpoint keys renamed by ``sharded_state_dict_keys_map`` (dict keys stay the

@@ -61,8 +61,10 @@ def _positional(fn):
 def test_upstream_parameter_order_and_defaults():
     assert _positional(dist_checkpointing.save) == [
         "sharded_state_dict", "checkpoint_dir", "sharded_strategy", "validate_access_integrity",
-        "async_sharded_save", "preprocess_common_before_consistancy_check", "content_metadata",
+        "async_sharded_save", "preprocess_common_before_consistancy_check", "content_metadata", "async_strategy",
+        "verify_integrity",
     ]
+    assert inspect.signature(dist_checkpointing.save).parameters["async_strategy"].default == "nvrx"
     assert _positional(dist_checkpointing.load) == [
         "sharded_state_dict", "checkpoint_dir", "sharded_strategy", "validate_access_integrity", "strict",
         "verify_integrity", "process_group",

@@ -25,8 +25,8 @@ def build_gpt(config, seed: int, meta: bool = False, tied: bool = False, vocab: 
     torch.manual_seed(seed)
     if meta:
         with torch.device("meta"):
-            return GPTModel(config, vocab, SEQ, share_embeddings_and_output_weights=tied)
-    return GPTModel(config, vocab, SEQ, share_embeddings_and_output_weights=tied)
+            return GPTModel(config, vocab_size=vocab, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
+    return GPTModel(config, vocab_size=vocab, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
 
 
 def routers(model):

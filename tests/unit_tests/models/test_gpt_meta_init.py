@@ -12,9 +12,9 @@ def _build(name, seed, meta, tied=False, pos="learned_absolute", **kw):
     torch.manual_seed(seed)
     if meta:
         with torch.device("meta"):
-            return GPTModel(_cfg(name, **kw), VOCAB, SEQ, share_embeddings_and_output_weights=tied,
+            return GPTModel(_cfg(name, **kw), vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
                             position_embedding_type=pos)
-    return GPTModel(_cfg(name, **kw), VOCAB, SEQ, share_embeddings_and_output_weights=tied,
+    return GPTModel(_cfg(name, **kw), vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
                     position_embedding_type=pos)
 
 

@@ -27,7 +27,7 @@ def _cfg(name="dense", **kw):
 
 def _model(name="dense", seed=1234, tied=False, pos="learned_absolute", **kw):
     torch.manual_seed(seed)
-    return GPTModel(_cfg(name, **kw), VOCAB, SEQ, share_embeddings_and_output_weights=tied,
+    return GPTModel(_cfg(name, **kw), vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
                     position_embedding_type=pos)
 
 
@@ -143,7 +143,7 @@ def test_init_values():
 def test_perform_initialization_false_leaves_weights_alone():
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    GPTModel(_cfg(perform_initialization=False), VOCAB, SEQ)
+    GPTModel(_cfg(perform_initialization=False), vocab_size=VOCAB, max_sequence_length=SEQ)
     assert torch.equal(before, torch.get_rng_state())
 
 

@@ -56,7 +56,7 @@ def test_sharded_state_dict_keys_equal_state_dict(sharded_api, name, tied):
     writes there); values are the live tensors, replicated over DP ranks."""
     ShardedTensor, ShardedObject = sharded_api
     torch.manual_seed(0)
-    model = GPTModel(_cfg(name), VOCAB, SEQ, share_embeddings_and_output_weights=tied)
+    model = GPTModel(_cfg(name), vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     sd = model.state_dict(keep_vars=True)
     ssd = model.sharded_state_dict()
     linears = {n for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
@@ -102,7 +102,7 @@ def test_sharded_state_dict_keys_equal_state_dict(sharded_api, name, tied):
 
 def test_heterogeneous_layers_keyed_by_layer_index(sharded_api):
     """moe_layer_freq != 1: no stacking, checkpoint keys carry the global layer index, no prepended layer axis."""
-    model = GPTModel(_cfg("moe_sigmoid_aux"), VOCAB, SEQ)  # layer 1 MoE, layer 2 dense
+    model = GPTModel(_cfg("moe_sigmoid_aux"), vocab_size=VOCAB, max_sequence_length=SEQ)  # layer 1 MoE, layer 2 dense
     ssd = model.sharded_state_dict()
     qkv = ssd["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert qkv.key == "decoder.layers.1.self_attention.linear_qkv.weight" and qkv.prepend_axis_num == 0
@@ -142,7 +142,7 @@ def _roundtrip_body(rank, world_size, ckpt_dir):
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(11)
-    model = GPTModel(_cfg("moe"), VOCAB, SEQ, position_embedding_type="rope")
+    model = GPTModel(_cfg("moe"), vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
     for m in model.modules():
         if isinstance(m, TopKRouter):
             m.expert_bias.copy_(torch.tensor([0.5, -0.25, 0.125, 0.0]))
@@ -151,7 +151,7 @@ def _roundtrip_body(rank, world_size, ckpt_dir):
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
 
     torch.manual_seed(99)  # a different model
-    fresh = GPTModel(_cfg("moe"), VOCAB, SEQ, position_embedding_type="rope")
+    fresh = GPTModel(_cfg("moe"), vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
     assert not torch.equal(fresh(ids, pos, labels=ids), expected)
     loaded = dist_checkpointing.load(fresh.sharded_state_dict(), ckpt_dir)
     fresh.load_state_dict(loaded)

@@ -22,7 +22,7 @@ def _build(cfg, seed=0, device="cuda"):
     torch.manual_seed(seed)
     torch.cuda.manual_seed(seed)
     with torch.device(device):
-        return GPTModel(cfg, VOCAB, SEQ)
+        return GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def _batch(b=2, s=32):

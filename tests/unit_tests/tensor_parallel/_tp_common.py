@@ -38,8 +38,8 @@ def build(name: str, cfg: TransformerConfig, seed: int = 7, meta: bool = False) 
                   position_embedding_type=CONFIGS[name]["position"], parallel_output=False)
     if meta:
         with torch.device("meta"):
-            return GPTModel(cfg, VOCAB, SEQ, **kwargs)
-    return GPTModel(cfg, VOCAB, SEQ, **kwargs)
+            return GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, **kwargs)
+    return GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, **kwargs)
 
 
 def tp_piece(full: torch.Tensor, param, name: str, gated: bool, rank: int, size: int) -> torch.Tensor:

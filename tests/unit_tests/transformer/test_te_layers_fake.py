@@ -244,8 +244,8 @@ def _build(cfg, seed, meta=False):
     torch.manual_seed(seed)
     if meta:
         with torch.device("meta"):
-            return GPTModel(cfg, 64, 16)
-    return GPTModel(cfg, 64, 16)
+            return GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    return GPTModel(cfg, vocab_size=64, max_sequence_length=16)
 
 
 def test_te_model_structure_and_forward(fake_te):

@@ -154,7 +154,7 @@ class AsyncCaller(ABC):
         dist.all_reduce(t)
         return int(t.item()) == 0
 
-    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+    def is_current_async_call_done(self, blocking: bool, no_dist: bool) -> bool:
         """Whether the current call finished on all ranks (``no_dist``: on this rank); ``blocking`` waits for it.
         Call on every rank (unless ``no_dist``)."""
         call = self._current()
@@ -260,6 +260,12 @@ class PersistentAsyncCaller(AsyncCaller):
             self.requests.put(None)
             if not abort:
                 self.worker.join()
+            self.worker = None
+
+    def __del__(self):
+        """Stops the worker (after the requests already queued) when the caller is dropped."""
+        if getattr(self, "worker", None) is not None:
+            self.requests.put(None)
             self.worker = None
 
 
@@ -483,12 +489,21 @@ def get_async_strategy(async_strategy: str = "mcore", module: Optional[str] = No
     return async_strategy, modules[module]
 
 
+ASYNC_STRATEGIES = ("nvrx", "mcore")
+
+
+def check_async_strategy(async_strategy: str, where: str) -> str:
+    """``async_strategy`` when it is one of upstream's ("nvrx", "mcore"); else an error naming ``where``."""
+    if async_strategy not in ASYNC_STRATEGIES:
+        raise CheckpointingException(f"{where}: async_strategy must be 'nvrx' or 'mcore', got {async_strategy!r}")
+    return async_strategy
+
+
 def resolve_async_strategy(requested: str = "nvrx") -> str:
     """The strategy this fork's asynchronous save runs with: always the built-in one ("mcore": PyTorch DCP's
     async_save under this module's queue); a request for "nvrx" is said once in the log, with whether
     nvidia-resiliency-ext is installed."""
-    if requested not in ("nvrx", "mcore"):
-        raise CheckpointingException(f"--async-strategy {requested!r}: expected 'nvrx' or 'mcore'")
+    check_async_strategy(requested, "--async-strategy")
     if requested == "nvrx":
         try:
             get_async_strategy("nvrx")

@@ -46,6 +46,7 @@ from ..exchange_utils import (  # noqa: F401 (distribute_shards_to_ranks: re-exp
 )
 from ..mapping import ShardedObject, ShardedTensor, is_main_replica
 from ..utils import _sharded_tensor_shard_id, _ShardId
+from .async_utils import check_async_strategy
 from .base import LoadShardedStrategy, SaveShardedStrategy
 
 logger = logging.getLogger(__name__)
@@ -103,13 +104,14 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         sharded_state_dict = self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
-    def async_save(self, sharded_state_dict, checkpoint_dir):
+    def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "nvrx"):
+        check_async_strategy(async_strategy, "FullyParallelSaveStrategyWrapper.async_save")
         if not hasattr(self.base_strategy, "async_save"):
             raise CheckpointingException(
                 f"{type(self.base_strategy).__name__} has no async_save; cannot save {checkpoint_dir} asynchronously"
             )
         sharded_state_dict = self.apply_saving_parallelization(sharded_state_dict)
-        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir)
+        return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)
 
     def determine_distribution(self, sharded_state_dict) -> ShardDistribution:
         """Collective over the group: upstream's ShardDistribution (``main_rank_for_shard``: the group rank that
@@ -261,7 +263,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         raise CheckpointingException(f"fully-parallel load failed: {msgs}") from exc
 
     # -- load --
-    def load(self, sharded_state_dict, checkpoint_dir):
+    def load(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "mcore"):
+        check_async_strategy(async_strategy, "FullyParallelLoadStrategyWrapper.load")
         group = self.parallelization_group
         if dist.get_world_size(group) == 1:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)

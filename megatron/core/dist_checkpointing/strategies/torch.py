@@ -43,6 +43,7 @@ from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from .async_utils import check_async_strategy, get_async_strategy  # noqa: F401 (upstream's home of the latter)
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
 from .filesystem import (
     ChecksummedFileSystemReader,
@@ -274,6 +275,8 @@ def _run_dcp(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
             dcp_fn(pyt_state_dict, **kwargs)
+    except CheckpointingException:  # ours (a TorchCheckpointException too): already says what failed
+        raise
     except TorchCheckpointException as e:
         raise wrap_dcp_error(e, checkpoint_dir, metadata, action) from None
 
@@ -373,14 +376,17 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir)
         _run_dcp(dcp_save, "save", checkpoint_dir, None, pyt_state_dict, storage_writer=writer, planner=planner)
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]):
-        """An ``AsyncRequest`` (collective: plan checks now). Its ``preload_fn`` (run when the request is
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                   async_strategy: str = "nvrx"):
+        """An ``AsyncRequest`` (collective: plan checks now); ``async_strategy`` "nvrx" or "mcore" (both this fork's
+        built-in caller, see ``async_utils.resolve_async_strategy``). Its ``preload_fn`` (run when the request is
         scheduled) copies the tensors this rank writes to CPU through DCP's stager; its ``async_fn`` writes the copy
         with ``torch.distributed.checkpoint.async_save`` (``async_checkpointer_type``: "process" or "thread").
         ``.metadata`` is written by the background write; ``metadata.json`` by the caller's finalize step."""
         from .async_utils import AsyncRequest, async_process_group, check_checkpointer_type, dcp_async_write
         from .async_utils import stage_tensors
 
+        check_async_strategy(async_strategy, "TorchDistSaveShardedStrategy.async_save")
         checkpoint_dir = Path(checkpoint_dir)
         kind = check_checkpointer_type(self.async_checkpointer_type)
         group = async_process_group()  # collective on first use: created here, on every rank's main thread
@@ -649,7 +655,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         post.append(_assemble)
         return pieces
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+             async_strategy: str = "mcore") -> StateDict:
+        """``async_strategy`` (upstream's metadata-reader choice, "mcore" or "nvrx") reads the same way here."""
+        check_async_strategy(async_strategy, "TorchDistLoadShardedStrategy.load")
         checkpoint_dir = Path(checkpoint_dir)
         items = list(nested_items_iter(sharded_state_dict))
         tensors = [v for _, v in items if isinstance(v, ShardedTensor)]

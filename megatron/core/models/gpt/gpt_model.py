@@ -1,5 +1,5 @@
 """GPT: embedding -> pre-norm TransformerBlock -> final norm -> output layer (optionally tied) -> loss."""
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import tp_group_info
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.utils import init_method_normal, init_weights
 
 
@@ -23,23 +24,55 @@ class GPTModel(MegatronModule):
     parallelism and ``parallel_output=True``, upstream's default, this rank's vocab slice ``[b, s, vocab / tp]``;
     ``parallel_output=False`` gathers the full vocab). The loss is computed on the vocab-parallel logits.
     The constructor ends with ``init_weights(self)`` (skipped when the parameters are on the meta device).
+
+    Upstream's signature and parameter order. ``transformer_layer_spec`` (``models.gpt.gpt_layer_specs``: a layer
+    ModuleSpec for every layer, or ``get_gpt_decoder_block_spec``'s block spec) chooses Transformer Engine or local
+    layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
+    ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
+    does not implement are refused when set (fp16 cross entropy, RoPE scaling, sequence-length interpolation, no
+    sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups, virtual stages).
     """
 
     def __init__(
         self,
         config,
-        vocab_size: int,
-        max_sequence_length: int,
-        share_embeddings_and_output_weights: bool = False,
-        position_embedding_type: str = "learned_absolute",
+        transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules, None] = None,
+        vocab_size: Optional[int] = None,
+        max_sequence_length: Optional[int] = None,
         pre_process: bool = True,
         post_process: bool = True,
-        rotary_percent: Optional[float] = None,
-        rotary_base: Optional[int] = None,
+        fp16_lm_cross_entropy: bool = False,
         parallel_output: bool = True,
-        **unused,
-    ):
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal["learned_absolute", "rope", "mrope", "yarn", "none"] = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        mtp_block_spec: Optional[ModuleSpec] = None,
+        pg_collection=None,
+        vp_stage: Optional[int] = None,
+    ) -> None:
         super().__init__(config)
+        if isinstance(transformer_layer_spec, int):
+            raise TypeError("GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, ...): the "
+                            f"second argument is the layer spec (upstream's order), got the int {transformer_layer_spec}"
+                            "; pass vocab_size= and max_sequence_length= by keyword")
+        for name, value in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTModel: {name} must be a positive int, got {value!r}")
+        unsupported = {
+            "fp16_lm_cross_entropy": fp16_lm_cross_entropy, "rope_scaling": rope_scaling,
+            "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
+            "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
+            "mtp_block_spec": mtp_block_spec is not None, "pg_collection": pg_collection is not None,
+            "vp_stage": vp_stage is not None,
+        }
+        refused = [name for name, on in unsupported.items() if on]
+        if refused:
+            raise ValueError(f"GPTModel: {', '.join(refused)} not supported by this fork")
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(
                 f"position_embedding_type must be 'learned_absolute', 'rope' or 'none' (--position-embedding-type), "
@@ -59,12 +92,14 @@ class GPTModel(MegatronModule):
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
-                rotary_percent=config.rotary_percent if rotary_percent is None else rotary_percent,
-                rotary_base=config.rotary_base if rotary_base is None else rotary_base,
+                rotary_percent=rotary_percent,
+                rotary_base=rotary_base,
             )
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process)
+        self.transformer_layer_spec = transformer_layer_spec
+        self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
+                                        post_process=post_process)
         self.output_layer = ColumnParallelLinear(
             config.hidden_size,
             vocab_size,

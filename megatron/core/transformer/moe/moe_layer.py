@@ -10,6 +10,8 @@ rank's slice of the gradient, which is replicated over TP) and the output split 
 (backward: all-gather), so the layer equals the TP=1 layer. Unlike upstream's dispatcher, which exchanges tokens
 over expert-TP x EP; the router then runs on the whole sequence on every TP rank (its grads need no TP reduction).
 """
+from dataclasses import dataclass
+
 import torch
 
 from megatron.core import parallel_state
@@ -30,6 +32,16 @@ def build_experts(num_local_experts: int, config):
         return SequentialMLP(num_local_experts, config)
     cls = TEGroupedMLP if config.transformer_impl == "transformer_engine" else GroupedMLP
     return cls(num_local_experts, config)
+
+
+@dataclass
+class MoESubmodules:
+    """Upstream's MoE submodule spec; here it records the experts class ``build_experts`` picks (no shared
+    experts in this fork)."""
+
+    experts: object = None
+    shared_experts: object = None
+    router: object = TopKRouter
 
 
 class MoELayer(MegatronModule):

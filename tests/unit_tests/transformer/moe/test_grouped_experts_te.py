@@ -32,7 +32,7 @@ def _build(cfg, seed):
     torch.manual_seed(seed)
     torch.cuda.manual_seed(seed)
     with torch.device("cuda"):
-        model = GPTModel(cfg, VOCAB, SEQ)
+        model = GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
     from megatron.core.transformer.utils import init_weights
 
     init_weights(model)

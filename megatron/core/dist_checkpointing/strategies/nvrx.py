@@ -1,0 +1,28 @@
+"""nvidia-resiliency-ext (NVRx) detection, upstream's module. This fork's asynchronous save never needs NVRx: both
+``async_strategy`` values run its built-in caller (``async_utils.resolve_async_strategy``)."""
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+
+NVRX_MIN_VERSION = "0.6.0"
+_NVRX_MODULES = ("core", "cached_metadata_filesystem_reader", "filesystem_async", "state_dict_saver")
+
+
+def is_nvrx_min_version(min_version: str = NVRX_MIN_VERSION) -> bool:
+    """Whether nvidia-resiliency-ext is installed at ``min_version`` or newer."""
+    try:
+        installed = version("nvidia-resiliency-ext")
+    except PackageNotFoundError:
+        return False
+    from packaging.version import Version
+
+    return Version(installed) >= Version(min_version)
+
+
+def has_nvrx_async_support() -> bool:
+    """Whether NVRx's async checkpointing modules import (False when it is not installed)."""
+    try:
+        for name in _NVRX_MODULES:
+            import_module(f"nvidia_resiliency_ext.checkpointing.async_ckpt.{name}")
+    except ImportError:
+        return False
+    return is_nvrx_min_version()

@@ -1,0 +1,57 @@
+"""Upstream's general helpers that callers of megatron-core use: version checks and process-group rank/size."""
+from typing import Optional
+
+import torch
+from packaging.version import Version as PkgVersion
+
+_te_version: Optional[PkgVersion] = None
+_torch_version: Optional[PkgVersion] = None
+
+
+def get_te_version() -> PkgVersion:
+    """Transformer Engine's version (``0.0.0`` when it is not installed); cached."""
+    global _te_version
+    if _te_version is None:
+        from megatron.core.extensions.transformer_engine import te_version_string
+
+        _te_version = PkgVersion(te_version_string())
+    return _te_version
+
+
+def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether TE is at least ``version`` (strictly newer with ``check_equality=False``)."""
+    return get_te_version() >= PkgVersion(version) if check_equality else get_te_version() > PkgVersion(version)
+
+
+def get_torch_version() -> PkgVersion:
+    """torch's version (a local part such as ``+cpu`` is kept, as upstream; cached)."""
+    global _torch_version
+    if _torch_version is None:
+        _torch_version = PkgVersion(torch.__version__)
+    return _torch_version
+
+
+def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether torch is at least ``version`` (strictly newer with ``check_equality=False``)."""
+    return get_torch_version() >= PkgVersion(version) if check_equality else get_torch_version() > PkgVersion(version)
+
+
+def get_pg_size(group=None) -> int:
+    """``group.size()``; 1 when torch.distributed is not initialized or ``group`` is None (upstream's rule)."""
+    if not torch.distributed.is_initialized() or group is None:
+        return 1
+    return group.size()
+
+
+def get_pg_rank(group=None) -> int:
+    """``group.rank()``; 0 when torch.distributed is not initialized or ``group`` is None (upstream's rule)."""
+    if not torch.distributed.is_initialized() or group is None:
+        return 0
+    return group.rank()
+
+
+def get_pg_src_rank(group=None) -> int:
+    """The global rank of ``group``'s first rank (0 without distributed or group)."""
+    if not torch.distributed.is_initialized() or group is None:
+        return 0
+    return torch.distributed.get_global_rank(group, 0)
