@@ -6,20 +6,44 @@ import torch
 
 from megatron.core.transformer.module import MegatronModule, sharded_state_dict_default
 from megatron.core.transformer.torch_norm import build_norm
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_config import pipeline_layer_counts
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    _chunk_position,
+    get_transformer_layer_offset,
+)
+
+
+def get_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+    """Transformer layers of this rank's (``pp_rank``, default the current pipeline rank) model chunk ``vp_stage``
+    (upstream's name and arguments; see ``pipeline_layer_counts``)."""
+    vp_stage, pp_rank = _chunk_position(config, vp_stage, pp_rank)
+    return pipeline_layer_counts(config)[vp_stage][pp_rank]
 from megatron.core.transformer.utils import replace_prefix_for_sharding
 
 
 class TransformerBlock(MegatronModule):
-    def __init__(self, config, post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True):
+    def __init__(self, config, post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+        """With pipeline parallelism: this stage's layers (``get_num_layers_to_build``), numbered from the stage's
+        global offset (``get_transformer_layer_offset``); ``pre_process=False``: the input comes from
+        ``set_input_tensor`` (the previous stage's output); the final norm only on the last stage."""
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
-        self.layers = torch.nn.ModuleList([TransformerLayer(config, i + 1) for i in range(config.num_layers)])
+        self.vp_stage = vp_stage
+        self.input_tensor = None
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        count = get_num_layers_to_build(config, vp_stage, pp_rank)
+        self.layers = torch.nn.ModuleList([TransformerLayer(config, offset + i + 1) for i in range(count)])
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:
             # upstream builds it as a TE norm whenever TE is importable: its checkpoints carry the _extra_state
             self.final_layernorm = build_norm(config, config.hidden_size, te_extra_state=True)
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """The hidden states this stage starts from when it is not the first one (upstream's pipeline hook)."""
+        self.input_tensor = input_tensor
 
     def has_homogeneous_layers(self, metadata: Optional[dict] = None) -> bool:
         """Whether the layers are stacked in checkpoints (one key per parameter, a prepended layer axis). As upstream:
@@ -98,6 +122,8 @@ class TransformerBlock(MegatronModule):
         rotary_pos_emb: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> torch.Tensor:
+        if not self.pre_process:  # a later pipeline stage: the previous stage's output
+            hidden_states = self.input_tensor
         with self._quantization_context():
             if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
                 hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
