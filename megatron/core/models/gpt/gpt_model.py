@@ -97,18 +97,20 @@ class GPTModel(MegatronModule):
 
     def _setup_tied_output_copy(self) -> None:
         """Tied embeddings split over pipeline stages: the last stage's output weight starts as zeros and is summed
-        over the embedding group with the first stage's word embeddings, so both hold the first stage's values."""
-        if not (self.share_embeddings_and_output_weights and self.post_process and not self.pre_process):
+        over the embedding group with the first stage's word embeddings (both stages take part), so both hold the
+        first stage's values, as upstream's ``setup_embeddings_and_output_layer``."""
+        if not self.share_embeddings_and_output_weights or self.pre_process == self.post_process:
             return
-        weight = self.output_layer.weight
-        weight.shared = weight.shared_embedding = True
-        weight.tied_output_copy = True  # counted once in the gradient norm (the first stage's copy counts)
+        weight = self.shared_embedding_or_output_weight()
         if weight.is_meta:
             raise ValueError("tied embeddings split over pipeline stages (--pipeline-model-parallel-size > 1 without "
                              "--untie-embeddings-and-output-weights) cannot be built on the meta device "
                              "(--init-model-with-meta-device)")
-        with torch.no_grad():
-            weight.zero_()
+        if self.post_process:
+            weight.shared = weight.shared_embedding = True
+            weight.tied_output_copy = True  # counted once in the gradient norm (the first stage's copy counts)
+            with torch.no_grad():
+                weight.zero_()
         allreduce_embedding_group_(weight.data, self.vp_stage)
 
     def set_input_tensor(self, input_tensor) -> None:
