@@ -190,3 +190,41 @@ def _body(rank, world_size):
 
 def test_pipeline_matches_unparallel_over_three_steps():
     run_distributed(_body, 4, timeout=400)
+
+
+def _stage_model(parallel, cfg_kw, tied):
+    """This rank's (single chunk) stage model under ``parallel``, weights as initialised."""
+    ps.initialize_model_parallel(**parallel)
+    model_parallel_cuda_manual_seed(5)
+    cfg = _config(**cfg_kw, pipeline_model_parallel_size=parallel.get("pipeline_model_parallel_size", 1),
+                  tensor_model_parallel_size=parallel.get("tensor_model_parallel_size", 1))
+    return GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+
+
+def _resharding_body(rank, world_size, ckpt_dir):
+    from megatron.core import dist_checkpointing
+
+    init = _reference({}, True, [])[0]  # the weights every layout must hold
+    model = _stage_model(dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),
+                         dict(sequence_parallel=True), tied=True)
+    with torch.no_grad():
+        for sh in _stage_tensors([model]):
+            sh.data.copy_(init[sh.key][_slices(sh)].reshape(sh.data.shape))
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    ps.destroy_model_parallel()
+    for parallel in (dict(pipeline_model_parallel_size=1), dict(pipeline_model_parallel_size=4)):
+        model = _stage_model(parallel, {}, tied=True)
+        dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
+        tensors = _stage_tensors([model])
+        assert tensors
+        for sh in tensors:
+            torch.testing.assert_close(sh.data, init[sh.key][_slices(sh)].reshape(sh.data.shape), rtol=0, atol=0,
+                                       msg=lambda m: f"{parallel} {sh.key}: {m}")
+        if parallel["pipeline_model_parallel_size"] == 4:  # one layer per stage, numbered from the stage's offset
+            assert [layer.layer_number for layer in model.decoder.layers] == [ps.get_pipeline_model_parallel_rank() + 1]
+        ps.destroy_model_parallel()
+
+
+def test_checkpoint_saved_at_pp2_tp2_loads_at_pp1_and_pp4(tmp_path):
+    run_distributed(_resharding_body, 4, str(tmp_path))
