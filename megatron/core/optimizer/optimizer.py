@@ -369,8 +369,8 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def _unscale_and_check_for_inf(self) -> bool:
-        """fp16: multiply the main grads by ``1/loss scale``; whether any rank of the data-parallel group has an
-        inf/nan main grad (all-reduced, so every rank takes the same decision)."""
+        """fp16: multiply the main grads by ``1/loss scale``; whether any rank of the data-parallel or the
+        model-parallel (tensor x pipeline) group has an inf/nan main grad (all-reduced, so every rank takes the same decision)."""
         inv = self.grad_scaler.inv_scale
         found = torch.zeros(1, dtype=torch.float32)
         for g in self._grads():
@@ -382,6 +382,9 @@ class MegatronOptimizer:
             group = parallel_state.get_data_parallel_group()
             found = found.to(parallel_state.collective_device(group))
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            mp_group = parallel_state.get_model_parallel_group(check_initialized=False)
+            if mp_group is not None and get_world_size(mp_group) > 1:  # every TP rank and pipeline stage agrees
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=mp_group)
         return bool(found.item() > 0)
 
     @torch.no_grad()
