@@ -4,9 +4,9 @@ Layout: ``RankGenerator`` turns an order string (default ``tp-cp-ep-dp-pp``; the
 global ranks) into the rank lists of every group. ``initialize_model_parallel`` builds real groups for tensor, data
 (with and without context), context, model (tp-pp), pipeline, embedding, position embedding, tensor+data,
 tensor+context parallelism, and the expert groups: expert-model, expert-tensor (size defaults to the tensor size),
-expert-tensor+model, expert-tensor+model+pipeline, expert-data. Tensor and expert sizes > 1 are accepted; pipeline,
-virtual pipeline and context parallelism (and the other features listed in ``_refuse_unsupported``) are refused with a
-message naming the flag.
+expert-tensor+model, expert-tensor+model+pipeline, expert-data. Tensor, pipeline (with virtual stages: the interleaved
+schedule) and expert sizes > 1 are accepted; context parallelism (and the other features listed in
+``_refuse_unsupported``) is refused with a message naming the flag.
 
 Before ``initialize_model_parallel`` the layout is pure data parallelism: the groups spanning every rank in that
 layout (data, expert-data, tensor+data) are the default (WORLD) group, or None without torch.distributed; model
@@ -160,13 +160,13 @@ def _refuse_unsupported(tp, pp, vpp, cp, hcp, hybrid_cp, ep, etp, gtp, egtp, ins
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} ({flag}) must be a positive integer")
     vpp_flags = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+        raise ValueError(f"virtual_pipeline_model_parallel_size={vpp!r} ({vpp_flags}) must be a positive integer")
     if vpp is not None and pp <= 1:
         raise RuntimeError(f"pipeline-model-parallel size should be greater than 1 with interleaved schedule "
                            f"(virtual_pipeline_model_parallel_size={vpp}, {vpp_flags}, needs "
                            f"--pipeline-model-parallel-size > 1)")
     refused = (
-        (pp > 1, f"pipeline_model_parallel_size={pp} (--pipeline-model-parallel-size): pipeline parallelism"),
-        (vpp is not None, f"virtual_pipeline_model_parallel_size={vpp} ({vpp_flags}): the interleaved schedule"),
         (cp > 1, f"context_parallel_size={cp} (--context-parallel-size): context parallelism"),
         (bool(hcp) and math.prod(hcp) != 1,
          f"hierarchical_context_parallel_sizes={hcp} (--hierarchical-context-parallel-sizes)"),
@@ -355,6 +355,8 @@ def initialize_model_parallel(
             build("inter_edp", [p for ranks in expert.get_ranks("dp") for p in _strided_pieces(ranks, n)],
                   "inter_ep_dp")
         _NUM_INSTANCES["n"] = n
+        if virtual_pipeline_model_parallel_size is not None:  # as upstream: this rank starts at virtual stage 0
+            _VIRTUAL_PIPELINE.update(size=virtual_pipeline_model_parallel_size, rank=0)
     except BaseException:
         destroy_model_parallel()
         raise

@@ -45,10 +45,47 @@ def allreduce_sequence_parallel_grads(model: List[torch.nn.Module]) -> None:
         offset += n
 
 
+def allreduce_embedding_group_(tensor: torch.Tensor, vp_stage: Optional[int] = None) -> None:
+    """Sum ``tensor`` in place over the embedding group (the first and last pipeline stages), when this model chunk
+    (``vp_stage``) is in it and the pipeline has more than one stage; nothing otherwise."""
+    if not is_distributed() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=vpp is None, vp_stage=vp_stage):
+        return
+    group = parallel_state.get_embedding_group()
+    if get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+
+
+@torch.no_grad()
+def allreduce_word_embedding_grads(model: List[torch.nn.Module]) -> None:
+    """Tied embeddings over pipeline stages: sum the word-embedding gradient of the first stage and the output-weight
+    gradient of the last stage (their shared weight's two copies) over the embedding group, as upstream's
+    ``_allreduce_word_embedding_grads``; both copies then take the same step."""
+    if not is_distributed() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    for chunk in (model[0], model[-1]) if len(model) > 1 else (model[0],):
+        inner = _unwrap(chunk)
+        if not getattr(inner, "share_embeddings_and_output_weights", False):
+            continue
+        if inner.pre_process == inner.post_process:  # both (one stage) or neither: nothing to sum
+            continue
+        weight = inner.shared_embedding_or_output_weight()
+        grad = getattr(weight, "main_grad", None)
+        if grad is None:
+            grad = weight.grad
+        if grad is None:
+            weight.grad = grad = torch.zeros_like(weight)
+        allreduce_embedding_group_(grad, getattr(inner, "vp_stage", None))
+
+
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None, **unused):
     """Finish the data-parallel gradient reduction of every model chunk (``finish_grad_sync``: over the data-parallel
     group only, tensor-parallel ranks hold different pieces), then sum the sequence-parallel parameters' gradients
-    over the tensor-parallel group.
+    over the tensor-parallel group, then (pipeline parallelism with tied embeddings) the word-embedding gradient over
+    the embedding group. The expert-bias update and the gradient norm over all stages follow in the training loop /
+    the optimizer, as upstream.
 
     ``num_tokens`` (per-token loss mode, upstream's ``--calculate-per-token-loss``): this rank's token count for a
     SUMMED loss. It is summed over the data-parallel group and the (rank-averaged) gradients are multiplied by
@@ -60,6 +97,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         if hasattr(chunk, "finish_grad_sync"):  # an unwrapped model (one process) has nothing to sync
             chunk.finish_grad_sync()
     allreduce_sequence_parallel_grads(model)
+    allreduce_word_embedding_grads(model)
     if num_tokens is not None:
         total = num_tokens.detach().clone().float().reshape(1)
         group = parallel_state.get_data_parallel_group()

@@ -125,8 +125,8 @@ def norm_kind(param) -> Optional[str]:
     rank 0, see ``param_is_not_tensor_parallel_duplicate``). Fixed for a parameter, so callers may keep it."""
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-    if not param_is_not_tensor_parallel_duplicate(param):
-        return None
+    if not param_is_not_tensor_parallel_duplicate(param) or getattr(param, "tied_output_copy", False):
+        return None  # a TP duplicate, or the last pipeline stage's copy of tied word embeddings
     return "dense" if getattr(param, "allreduce", True) else "expert"
 
 
@@ -150,7 +150,7 @@ def global_grad_norm(entries, shard_group=None, kinds: Optional[List[Optional[st
     gradients are shards of it (Megatron-FSDP's mesh, the distributed optimizer's DP group; a dict ``{'dense':
     group, 'expert': group}`` when the two kinds are sharded over different groups), then dense ones over the
     tensor-parallel group and expert ones (``allreduce=False``) over the expert tensor x model parallel group (each EP
-    rank holds other experts). ``kinds``: each entry's :func:`norm_kind`, when the caller keeps them. Collective;
+    rank holds other experts), then both over the pipeline group (each stage holds other layers). ``kinds``: each entry's :func:`norm_kind`, when the caller keeps them. Collective;
     the same value on every rank."""
     device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
     grads = {"dense": [], "expert": []}
@@ -168,6 +168,11 @@ def global_grad_norm(entries, shard_group=None, kinds: Optional[List[Optional[st
                         ("expert", parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False))):
         if group is not None and get_world_size(group) > 1:
             dist.all_reduce(sums[kind], group=group)
+    pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
+    if pp_group is not None and get_world_size(pp_group) > 1:
+        both = torch.stack([sums["dense"], sums["expert"]])
+        dist.all_reduce(both, group=pp_group)
+        sums = {"dense": both[0], "expert": both[1]}
     total = float((sums["dense"] + sums["expert"]).item())
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
@@ -364,8 +369,8 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def _unscale_and_check_for_inf(self) -> bool:
-        """fp16: multiply the main grads by ``1/loss scale``; whether any rank of the data-parallel group has an
-        inf/nan main grad (all-reduced, so every rank takes the same decision)."""
+        """fp16: multiply the main grads by ``1/loss scale``; whether any rank of the data-parallel or the
+        model-parallel (tensor x pipeline) group has an inf/nan main grad (all-reduced, so every rank takes the same decision)."""
         inv = self.grad_scaler.inv_scale
         found = torch.zeros(1, dtype=torch.float32)
         for g in self._grads():
@@ -377,6 +382,9 @@ class MegatronOptimizer:
             group = parallel_state.get_data_parallel_group()
             found = found.to(parallel_state.collective_device(group))
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            mp_group = parallel_state.get_model_parallel_group(check_initialized=False)
+            if mp_group is not None and get_world_size(mp_group) > 1:  # every TP rank and pipeline stage agrees
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=mp_group)
         return bool(found.item() > 0)
 
     @torch.no_grad()

@@ -8,12 +8,22 @@ import torch
 from megatron.core.transformer.module import MegatronModule, sharded_state_dict_default
 from megatron.core.transformer.torch_norm import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import pipeline_layer_counts
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
+    _chunk_position,
+    get_transformer_layer_offset,
     is_moe_layer,
     layer_submodules,
     spec_transformer_impl,
 )
+
+
+def get_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+    """Transformer layers of this rank's (``pp_rank``, default the current pipeline rank) model chunk ``vp_stage``
+    (upstream's name and arguments; see ``pipeline_layer_counts``)."""
+    vp_stage, pp_rank = _chunk_position(config, vp_stage, pp_rank)
+    return pipeline_layer_counts(config)[vp_stage][pp_rank]
 from megatron.core.transformer.utils import replace_prefix_for_sharding
 
 
@@ -61,8 +71,11 @@ def resolve_layer_specs(config, spec) -> List[ModuleSpec]:
 
 
 class TransformerBlock(MegatronModule):
-    """``spec`` (upstream's, optional here): see ``resolve_layer_specs``. ``pg_collection`` / ``vp_stage`` must be
-    None."""
+    """``spec`` (upstream's, optional here): see ``resolve_layer_specs``. ``pg_collection`` must be None.
+
+    With pipeline parallelism: this stage's layers (``get_num_layers_to_build``), numbered from the stage's global
+    offset (``get_transformer_layer_offset``); ``pre_process=False``: the input comes from ``set_input_tensor`` (the
+    previous stage's output); the final norm only on the last stage."""
 
     def __init__(
         self,
@@ -73,19 +86,28 @@ class TransformerBlock(MegatronModule):
         post_process: bool = True,
         pg_collection=None,
         vp_stage: Optional[int] = None,
+        pp_rank: Optional[int] = None,
     ):
         super().__init__(config)
-        if pg_collection is not None or vp_stage is not None:
-            raise ValueError("TransformerBlock: pg_collection and vp_stage must be None (this fork uses the "
-                             "parallel_state groups and has no virtual pipeline stages)")
+        if pg_collection is not None:
+            raise ValueError("TransformerBlock: pg_collection must be None (this fork uses the parallel_state groups)")
         self.pre_process = pre_process
         self.post_process = post_process
-        specs = resolve_layer_specs(config, spec)
-        self.layers = torch.nn.ModuleList([build_module(s, config, layer_number=i + 1) for i, s in enumerate(specs)])
+        self.vp_stage = vp_stage
+        self.input_tensor = None
+        specs = resolve_layer_specs(config, spec)  # one per layer of the whole model
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        count = get_num_layers_to_build(config, vp_stage, pp_rank)
+        self.layers = torch.nn.ModuleList([build_module(specs[offset + i], config, layer_number=offset + i + 1)
+                                           for i in range(count)])
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:
             # upstream builds it as a TE norm whenever TE is importable: its checkpoints carry the _extra_state
             self.final_layernorm = build_norm(config, config.hidden_size, te_extra_state=True)
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """The hidden states this stage starts from when it is not the first one (upstream's pipeline hook)."""
+        self.input_tensor = input_tensor
 
     def has_homogeneous_layers(self, metadata: Optional[dict] = None) -> bool:
         """Whether the layers are stacked in checkpoints (one key per parameter, a prepended layer axis). As upstream:
@@ -164,6 +186,8 @@ class TransformerBlock(MegatronModule):
         rotary_pos_emb: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> torch.Tensor:
+        if not self.pre_process:  # a later pipeline stage: the previous stage's output
+            hidden_states = self.input_tensor
         with self._quantization_context():
             if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
                 hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)

@@ -24,6 +24,34 @@ def _named(name: str, value, flag: Optional[str] = None) -> str:
     return f"{name} ({flag or flag_name(name)}={value!r})"
 
 
+def pipeline_layer_counts(config) -> List[List[int]]:
+    """``counts[vp_stage][pp_rank]``: the transformer layers of each model chunk. A pipeline rank holds
+    ``num_layers_in_first_pipeline_stage`` (first rank), ``num_layers_in_last_pipeline_stage`` (last rank) or an
+    equal share of the rest (the others), split equally over its ``virtual_pipeline_model_parallel_size`` chunks.
+    Layers are numbered chunk by chunk in the order (vp_stage 0: ranks 0..p-1), (vp_stage 1: ranks 0..p-1), ..., as
+    upstream's ``get_transformer_layer_offset``. Raises naming the flags when the layers do not split."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
+    flags = (f"--num-layers {config.num_layers}, --pipeline-model-parallel-size {pp}, virtual stages {vpp}, "
+             f"--decoder-first-pipeline-num-layers {first}, --decoder-last-pipeline-num-layers {last}")
+    per_rank = [None] * pp
+    if pp > 1 and first is not None:
+        per_rank[0] = first
+    if pp > 1 and last is not None:
+        per_rank[-1] = last
+    if any(n is not None and n < 0 for n in per_rank):
+        raise ValueError(f"the first/last pipeline stage layer counts must be >= 0 ({flags})")
+    rest = config.num_layers - sum(n for n in per_rank if n is not None)
+    middle = per_rank.count(None)
+    if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
+        raise ValueError(f"the layers do not split over the pipeline stages: {rest} layer(s) left for {middle} "
+                         f"stage(s) ({flags})")
+    per_rank = [rest // middle if n is None else n for n in per_rank]
+    if any(n % vpp for n in per_rank):
+        raise ValueError(f"each pipeline stage's layers {per_rank} must be divisible by the virtual stages ({flags})")
+    return [[n // vpp for n in per_rank] for _ in range(vpp)]
+
+
 # --recompute-modules (upstream's names) this fork recomputes: the attention core (softmax(QK^T)V), the dense MLP,
 # the whole MoE layer, the experts' activation, the layer norms
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
@@ -78,13 +106,32 @@ class TransformerConfig:
     attention_backend: AttnBackend = AttnBackend.auto  # accepted as upstream; attention is torch's SDPA here
     pipeline_dtype: Optional[torch.dtype] = None  # upstream's pipeline p2p dtype (usually params_dtype)
 
-    # ---- parallelism (tensor parallel and sequence parallel; the others must stay 1) ----------------------------
+    # ---- parallelism (tensor, sequence, pipeline, expert; context parallelism must stay 1) ----------------------
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     context_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None  # --decoder-first-pipeline-num-layers
+    num_layers_in_last_pipeline_stage: Optional[int] = None  # --decoder-last-pipeline-num-layers
+    account_for_embedding_in_pipeline_split: bool = False  # not supported (must stay False)
+    account_for_loss_in_pipeline_split: bool = False  # not supported (must stay False)
+
+    # ---- pipeline schedules (upstream's ModelParallelConfig fields, read by megatron.core.pipeline_parallel) -------
+    pipeline_dtype: Optional[torch.dtype] = None  # dtype of the activations sent between stages (default params_dtype)
+    variable_seq_lengths: bool = False  # exchange the shapes before each p2p transfer
+    batch_p2p_comm: bool = True  # one batch_isend_irecv per exchange
+    batch_p2p_sync: bool = True
+    overlap_p2p_comm: bool = False  # not supported (must stay False)
+    deallocate_pipeline_outputs: bool = False
+    microbatch_group_size_per_vp_stage: Optional[int] = None  # default pipeline_model_parallel_size
+    no_sync_func: Optional[Callable] = None  # context manager disabling the DP grad sync (set by the training loop)
+    grad_sync_func: Optional[Callable] = None
+    param_sync_func: Optional[Callable] = None
+    finalize_model_grads_func: Optional[Callable] = None  # called by the schedules after the last backward
+    grad_scale_func: Optional[Callable] = None  # fp16: multiplies the loss by the loss scale
+    timers: Optional[Callable] = None
 
     # ---- accepted for upstream compatibility; no effect in this fork ------------------------------------------
     gradient_accumulation_fusion: bool = False
@@ -131,6 +178,26 @@ class TransformerConfig:
     moe_token_dispatcher_type: str = "allgather"
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_z_loss_coeff: Optional[float] = None
+
+    def _check_pipeline(self):
+        """Pipeline sizes, virtual stages and the uneven first/last stages (their layers must split evenly, as
+        upstream's ``get_num_layers_to_build`` requires); see ``transformer_layer.pipeline_layer_counts``."""
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"{_named('pipeline_model_parallel_size', pp)} must be a positive integer")
+        if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1 or pp == 1):
+            raise ValueError(f"virtual_pipeline_model_parallel_size={vpp!r} (--num-layers-per-virtual-pipeline-stage"
+                             " / --num-virtual-stages-per-pipeline-rank) needs a positive size and "
+                             "--pipeline-model-parallel-size > 1")
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                     "overlap_p2p_comm"):
+            if getattr(self, name):
+                raise ValueError(f"{name} ({flag_name(name)}) is not supported by this fork")
+        pipeline_layer_counts(self)  # raises naming the flags when the layers do not split
+        if self.microbatch_group_size_per_vp_stage is None:
+            self.microbatch_group_size_per_vp_stage = pp
+        if self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -194,14 +261,10 @@ class TransformerConfig:
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
             raise ValueError("moe_token_dispatcher_type (--moe-token-dispatcher-type) must be 'allgather' or "
                              f"'alltoall', got {self.moe_token_dispatcher_type!r}")
-        for name in ("pipeline_model_parallel_size",):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no pipeline parallelism")
         for name in ("context_parallel_size",):
             if getattr(self, name) != 1:
                 raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
-        if self.virtual_pipeline_model_parallel_size not in (None, 1):
-            raise ValueError("virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage) is not supported")
+        self._check_pipeline()
         self._check_recompute()
         if self.qk_layernorm:
             raise ValueError("qk_layernorm (--qk-layernorm) is not supported")

@@ -12,6 +12,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import IdentityOp, WrappedTorchNorm, build_norm
+from megatron.core.transformer.transformer_config import pipeline_layer_counts
 from megatron.core.transformer.utils import apply_prefix_mapping
 
 # Upstream's local layer spec (get_gpt_layer_local_spec) stores the separate norms under the names they have in the
@@ -21,6 +22,29 @@ LOCAL_SPEC_SHARDED_KEYS_MAP = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
+
+
+def get_transformer_layer_offset(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+    """Global index of the first layer of this rank's (``pp_rank``, default the current pipeline rank) model chunk
+    ``vp_stage`` (needed with virtual stages), upstream's name and arguments."""
+    counts = pipeline_layer_counts(config)
+    vp_stage, pp_rank = _chunk_position(config, vp_stage, pp_rank)
+    flat = [n for row in counts for n in row]
+    return sum(flat[: vp_stage * config.pipeline_model_parallel_size + pp_rank])
+
+
+def _chunk_position(config, vp_stage, pp_rank):
+    if pp_rank is None:
+        from megatron.core import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if config.pipeline_model_parallel_size > 1 else 0
+    if config.virtual_pipeline_model_parallel_size is not None:
+        if vp_stage is None:
+            raise ValueError("vp_stage must be provided if virtual pipeline model parallel size is set "
+                             "(--num-layers-per-virtual-pipeline-stage)")
+    else:
+        vp_stage = 0
+    return vp_stage, pp_rank
 
 
 def is_moe_layer(config, layer_number: int) -> bool:
@@ -96,8 +120,8 @@ class TransformerLayer(MegatronModule):
 
     ``submodules`` (upstream's spec, optional here): must be what this layer builds for ``config`` and its layer
     number (``layer_submodules``: the TE/local choice, dense or MoE, grouped experts); anything else is refused with
-    the differing fields named, since this fork builds its own modules. ``pg_collection`` / ``vp_stage`` must be
-    None (default process groups, no virtual pipeline)."""
+    the differing fields named, since this fork builds its own modules. ``layer_number``: 1-based and global (a
+    pipeline stage's layers start at its offset + 1). ``pg_collection`` must be None (default process groups)."""
 
     def __init__(
         self,
@@ -109,9 +133,8 @@ class TransformerLayer(MegatronModule):
         vp_stage: Optional[int] = None,
     ):
         super().__init__(config)
-        if pg_collection is not None or vp_stage is not None:
-            raise ValueError("TransformerLayer: pg_collection and vp_stage must be None (this fork uses the "
-                             "parallel_state groups and has no virtual pipeline stages)")
+        if pg_collection is not None:
+            raise ValueError("TransformerLayer: pg_collection must be None (this fork uses the parallel_state groups)")
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.is_moe = is_moe_layer(config, layer_number)

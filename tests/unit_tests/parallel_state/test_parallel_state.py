@@ -130,10 +130,11 @@ def test_positional_arguments_in_upstream_order():
 
 
 REFUSALS = [
-    (dict(pipeline_model_parallel_size=2), ValueError, "--pipeline-model-parallel-size"),
+    (dict(pipeline_model_parallel_size=3), RuntimeError, r"world_size \(2\) is not divisible by 3 .*"
+                                                         "--pipeline-model-parallel-size 3"),
     (dict(context_parallel_size=2), ValueError, "--context-parallel-size"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ValueError,
-     "--pipeline-model-parallel-size"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=0), ValueError,
+     "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"),
     (dict(virtual_pipeline_model_parallel_size=2), RuntimeError, "--num-layers-per-virtual-pipeline-stage"),
     (dict(hierarchical_context_parallel_sizes=[2, 1]), ValueError, "--hierarchical-context-parallel-sizes"),
     (dict(hybrid_context_parallel=True), ValueError, "hybrid_context_parallel"),
@@ -260,3 +261,47 @@ def _options_body(rank, world_size):
 
 def test_order_embedding_callback_and_rank_offset():
     run_distributed(_options_body, 4)
+
+
+def _pipeline_body(rank, world_size):
+    # tp=2, pp=2 over 4 ranks (order tp-cp-ep-dp-pp): pipelines [0, 2] and [1, 3], as upstream lays them out
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                 virtual_pipeline_model_parallel_size=2)
+    pp_ranks = _mine([[0, 2], [1, 3]], rank)
+    stage = pp_ranks.index(rank)
+    _check_group(ps.get_pipeline_model_parallel_group(), pp_ranks, rank)
+    _check_group(ps.get_embedding_group(), pp_ranks, rank)
+    if stage == 0:
+        _check_group(ps.get_position_embedding_group(), [rank], rank)
+    else:  # the last stage holds no position embedding
+        with pytest.raises(AssertionError, match="position embedding group is not initialized"):
+            ps.get_position_embedding_group()
+    _check_group(ps.get_model_parallel_group(), [0, 1, 2, 3], rank)
+    assert ps.get_pipeline_model_parallel_world_size() == 2 and ps.get_pipeline_model_parallel_rank() == stage
+    assert ps.get_data_parallel_world_size() == 1
+    assert ps.get_pipeline_model_parallel_first_rank() == pp_ranks[0]
+    assert ps.get_pipeline_model_parallel_last_rank() == pp_ranks[1]
+    assert ps.get_pipeline_model_parallel_next_rank() == pp_ranks[1 - stage]
+    assert ps.get_pipeline_model_parallel_prev_rank() == pp_ranks[1 - stage]
+    assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
+    assert ps.get_virtual_pipeline_model_parallel_rank() == 0
+    assert ps.is_pipeline_first_stage() == (stage == 0) and ps.is_pipeline_last_stage() == (stage == 1)
+    # virtual stages: stage 0 / chunk 0 is the first of the whole pipeline, stage 1 / chunk 1 the last
+    assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (stage == 0)
+    assert not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=1)
+    assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1) == (stage == 1)
+    assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
+    with pytest.raises(AssertionError, match="vp_stage must be passed"):
+        ps.is_pipeline_first_stage(ignore_virtual=False)
+    assert ps.is_rank_in_embedding_group()
+    assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (stage == 0)
+    assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (stage == 1)
+    assert ps.is_rank_in_position_embedding_group() == (stage == 0)
+    # expert groups span pipeline stages too: expert-tensor x model x pipeline holds everyone
+    _check_group(ps.get_expert_tensor_model_pipeline_parallel_group(), [0, 1, 2, 3], rank)
+    ps.destroy_model_parallel()
+    assert ps.get_virtual_pipeline_model_parallel_world_size() is None
+
+
+def test_pipeline_groups_and_stages():
+    run_distributed(_pipeline_body, 4)

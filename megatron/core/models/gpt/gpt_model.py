@@ -4,6 +4,7 @@ from typing import Literal, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core.distributed.finalize_model_grads import allreduce_embedding_group_
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -30,7 +31,14 @@ class GPTModel(MegatronModule):
     layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
     ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
     does not implement are refused when set (fp16 cross entropy, RoPE scaling, sequence-length interpolation, no
-    sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups, virtual stages).
+    sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups).
+
+    Pipeline parallelism (upstream's arguments): ``pre_process`` (the first stage) holds the embedding,
+    ``post_process`` (the last stage) the final norm, the output layer and the loss; a stage that is not the first
+    starts from ``set_input_tensor``'s tensor and one that is not the last returns its hidden states ``[s, b, h]``.
+    ``vp_stage``: this model chunk's virtual stage (the interleaved schedule). With tied embeddings the last stage
+    keeps its own copy of the word embeddings as output weight (``shared``, zero-filled, then summed with the first
+    stage's over the embedding group so both start equal; ``finalize_model_grads`` sums their gradients).
     """
 
     def __init__(
@@ -68,7 +76,6 @@ class GPTModel(MegatronModule):
             "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
             "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
             "mtp_block_spec": mtp_block_spec is not None, "pg_collection": pg_collection is not None,
-            "vp_stage": vp_stage is not None,
         }
         refused = [name for name, on in unsupported.items() if on]
         if refused:
@@ -78,8 +85,6 @@ class GPTModel(MegatronModule):
                 f"position_embedding_type must be 'learned_absolute', 'rope' or 'none' (--position-embedding-type), "
                 f"got {position_embedding_type!r}"
             )
-        if not (pre_process and post_process):
-            raise ValueError("pipeline parallelism is not supported: pre_process and post_process must be True")
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
@@ -87,8 +92,10 @@ class GPTModel(MegatronModule):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
         self.parallel_output = parallel_output
+        self.vp_stage = vp_stage
 
-        self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
@@ -99,27 +106,62 @@ class GPTModel(MegatronModule):
             self.rotary_pos_emb = None
         self.transformer_layer_spec = transformer_layer_spec
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
-                                        post_process=post_process)
-        self.output_layer = ColumnParallelLinear(
-            config.hidden_size,
-            vocab_size,
-            config=config,
-            init_method=init_method_normal(config.init_method_std),
-            bias=False,
-            skip_weight_param_allocation=share_embeddings_and_output_weights,
-        )
-        word = self.embedding.word_embeddings.weight
-        word.is_embedding_or_output_parameter = True
-        if share_embeddings_and_output_weights:
-            word.shared = True
-            word.shared_embedding = True
-        else:
+                                        post_process=post_process, vp_stage=vp_stage)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=init_method_normal(config.init_method_std),
+                bias=False,
+                skip_weight_param_allocation=share_embeddings_and_output_weights and pre_process,
+            )
+        if pre_process:
+            word = self.embedding.word_embeddings.weight
+            word.is_embedding_or_output_parameter = True
+            if share_embeddings_and_output_weights:
+                word.shared = True
+                word.shared_embedding = True
+        if post_process and not (share_embeddings_and_output_weights and pre_process):
             self.output_layer.weight.is_embedding_or_output_parameter = True
         init_weights(self)
+        self._setup_tied_output_copy()
 
-    def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The word-embedding weight (also the output weight when tied)."""
-        return self.embedding.word_embeddings.weight
+    def _setup_tied_output_copy(self) -> None:
+        """Tied embeddings split over pipeline stages: the last stage's output weight starts as zeros and is summed
+        over the embedding group with the first stage's word embeddings (both stages take part), so both hold the
+        first stage's values, as upstream's ``setup_embeddings_and_output_layer``."""
+        if not self.share_embeddings_and_output_weights or self.pre_process == self.post_process:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if weight.is_meta:
+            raise ValueError("tied embeddings split over pipeline stages (--pipeline-model-parallel-size > 1 without "
+                             "--untie-embeddings-and-output-weights) cannot be built on the meta device "
+                             "(--init-model-with-meta-device)")
+        if self.post_process:
+            weight.shared = weight.shared_embedding = True
+            weight.tied_output_copy = True  # counted once in the gradient norm (the first stage's copy counts)
+            with torch.no_grad():
+                weight.zero_()
+        allreduce_embedding_group_(weight.data, self.vp_stage)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """The previous pipeline stage's output (upstream's hook, called by the schedules): a tensor, or a list of
+        one."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The word-embedding weight on the first stage (also the output weight when tied), the output weight on a
+        last stage without it; None on the others."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
         """Upstream's layout (see TransformerBlock.sharded_state_dict). ``output_layer._extra_state`` is left out,
@@ -130,6 +172,12 @@ class GPTModel(MegatronModule):
         extra = out.pop(f"{prefix}output_layer._extra_state", None)
         if extra is not None and extra.data is not None:
             raise RuntimeError(f"{prefix}output_layer._extra_state holds {type(extra.data)}: it would be dropped")
+        copy = out.get(f"{prefix}output_layer.weight")
+        if copy is not None and self.share_embeddings_and_output_weights and not self.pre_process:
+            # as upstream: the last stage's copy is a non-main replica of the word embeddings (never written)
+            copy.key = f"{prefix}embedding.word_embeddings.weight"
+            replica = copy.replica_id if isinstance(copy.replica_id, tuple) else (copy.replica_id,)
+            copy.replica_id = (1,) + tuple(replica[1:])
         for name in ("weight", "bias"):  # rows follow the padded vocabulary, which may differ (as the embedding's)
             if f"{prefix}output_layer.{name}" in out:
                 out[f"{prefix}output_layer.{name}"].allow_shape_mismatch = True
@@ -143,12 +191,15 @@ class GPTModel(MegatronModule):
         labels: Optional[torch.Tensor] = None,
         **unused,
     ) -> torch.Tensor:
-        hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None  # [s, b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            rotary = self.rotary_pos_emb(input_ids.shape[1], device=hidden.device)  # the full sequence
+            rotary = self.rotary_pos_emb(self._sequence_length(input_ids), device=self._decoder_input_device(hidden))
         hidden = self.decoder(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if not self.post_process:
+            return hidden
+        weight = (self.shared_embedding_or_output_weight()
+                  if self.share_embeddings_and_output_weights and self.pre_process else None)
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
         logits = logits.transpose(0, 1)  # [b, s, v / tp]
         if labels is None:
@@ -156,6 +207,17 @@ class GPTModel(MegatronModule):
                 logits = gather_from_tensor_model_parallel_region(logits)
             return logits.contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _sequence_length(self, input_ids: Optional[torch.Tensor]) -> int:
+        """The full sequence length: from the tokens, or (a later stage without them) the received hidden states
+        ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism)."""
+        if input_ids is not None:
+            return input_ids.shape[1]
+        s = self.decoder.input_tensor.shape[0]
+        return s * tp_group_info()[1] if self.config.sequence_parallel else s
+
+    def _decoder_input_device(self, hidden: Optional[torch.Tensor]) -> torch.device:
+        return hidden.device if hidden is not None else self.decoder.input_tensor.device
 
     @staticmethod
     def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
