@@ -27,7 +27,7 @@ def _shape_tuple(shape) -> Tuple[int, ...]:
 
 class P2PCommunicator:
     """Exchanges with the neighbouring stages of ``pp_group`` (upstream's constructor and method names).
-    ``config``: reads ``pipeline_dtype`` (the activation dtype, default fp32) and ``variable_seq_lengths`` (then
+    ``config``: reads ``pipeline_dtype`` (the activation dtype; default ``params_dtype``, else fp32) and ``variable_seq_lengths`` (then
     the shapes are exchanged first)."""
 
     def __init__(self, pp_group: Optional[dist.ProcessGroup] = None, config=None):
@@ -57,7 +57,7 @@ class P2PCommunicator:
         return self.stage
 
     def _dtype(self) -> torch.dtype:
-        return getattr(self.config, "pipeline_dtype", None) or torch.float32
+        return getattr(self.config, "pipeline_dtype", None) or getattr(self.config, "params_dtype", None) or torch.float32
 
     def _post(self, send_next, send_prev, recv_prev_shape, recv_next_shape, dtype, requires_grad):
         """Post one batch; returns (recv_prev buffer, recv_next buffer, requests)."""

@@ -104,7 +104,6 @@ class TransformerConfig:
     # ---- implementation -------------------------------------------------------------------------------------
     transformer_impl: str = "local"  # 'local' | 'transformer_engine' (GPTModel sets it from its layer spec)
     attention_backend: AttnBackend = AttnBackend.auto  # accepted as upstream; attention is torch's SDPA here
-    pipeline_dtype: Optional[torch.dtype] = None  # upstream's pipeline p2p dtype (usually params_dtype)
 
     # ---- parallelism (tensor, sequence, pipeline, expert; context parallelism must stay 1) ----------------------
     tensor_model_parallel_size: int = 1
@@ -119,7 +118,7 @@ class TransformerConfig:
     account_for_loss_in_pipeline_split: bool = False  # not supported (must stay False)
 
     # ---- pipeline schedules (upstream's ModelParallelConfig fields, read by megatron.core.pipeline_parallel) -------
-    pipeline_dtype: Optional[torch.dtype] = None  # dtype of the activations sent between stages (default params_dtype)
+    pipeline_dtype: Optional[torch.dtype] = None  # dtype of the activations sent between stages (None: params_dtype)
     variable_seq_lengths: bool = False  # exchange the shapes before each p2p transfer
     batch_p2p_comm: bool = True  # one batch_isend_irecv per exchange
     batch_p2p_sync: bool = True
@@ -196,8 +195,6 @@ class TransformerConfig:
         pipeline_layer_counts(self)  # raises naming the flags when the layers do not split
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = pp
-        if self.pipeline_dtype is None:
-            self.pipeline_dtype = self.params_dtype
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
