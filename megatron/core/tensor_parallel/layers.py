@@ -36,7 +36,14 @@ from megatron.core.tensor_parallel.random import (
     _MODEL_PARALLEL_RNG_TRACKER_NAME,
     model_parallel_rng_context,
 )
-from megatron.core.tensor_parallel.utils import check_tp_size, divide, split_along_dim, tp_group_info, vocab_range
+from megatron.core.tensor_parallel.utils import (
+    IgnoresExtraState,
+    check_tp_size,
+    divide,
+    split_along_dim,
+    tp_group_info,
+    vocab_range,
+)
 from megatron.core.transformer.utils import set_param_attrs
 
 
@@ -66,7 +73,7 @@ def _init_split(weight, init_method, partition_dim: int, config, tp_size: int, t
         init_method(weight)
 
 
-class _LinearBase(torch.nn.Module):
+class _LinearBase(IgnoresExtraState, torch.nn.Module):
     partition_dim = 0  # the axis of the weight split over TP ranks
 
     def __init__(
@@ -140,8 +147,7 @@ class _LinearBase(torch.nn.Module):
 
     # Upstream's local linears carry an (always None) ``_extra_state`` so that their checkpoints have TE's keys: one
     # ``_extra_state`` ShardedObject per linear (stacked per layer, per expert). It is in ``sharded_state_dict`` only:
-    # ``state_dict()`` stays the parameters (``get_extra_state`` is not overridden), while ``load_state_dict``
-    # accepts the key (a loaded checkpoint's, None or TE's state) and ignores it, and does not require it.
+    # ``state_dict()`` stays the parameters, and ``load_state_dict`` accepts and ignores the key (IgnoresExtraState).
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -150,16 +156,6 @@ class _LinearBase(torch.nn.Module):
         axis_map = {"weight": 0, "bias": 0} if self.partition_dim == 0 else {"weight": 1}
         return make_sharded_tensors_for_checkpoint(sd, prefix, axis_map, sharded_offsets, tp_group=self.tp_group)
 
-    def set_extra_state(self, state) -> None:
-        """Ignored: a local linear has no extra state (checkpoints hold None, or TE's state if TE wrote them)."""
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
-        if key in missing_keys:
-            missing_keys.remove(key)
 
 
 class ColumnParallelLinear(_LinearBase):

@@ -1,4 +1,5 @@
-"""Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges."""
+"""Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges, and the
+``_extra_state`` key that non-TE modules accept where upstream's checkpoints have one."""
 from typing import Optional, Tuple
 
 import torch
@@ -52,3 +53,21 @@ def split_along_dim(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Te
     """This rank's contiguous piece of ``t`` along ``dim`` (``size`` equal pieces)."""
     n = divide(t.shape[dim], size, f"dimension {dim} of a {tuple(t.shape)} tensor over {size} tensor-parallel ranks")
     return t.narrow(dim, rank * n, n).contiguous()
+
+
+class IgnoresExtraState:
+    """Mixin for a module that stands where upstream has a Transformer Engine module (a local linear, a torch norm):
+    checkpoints carry an ``_extra_state`` for it, which ``load_state_dict`` accepts and ignores (None, an empty tensor
+    or TE's state) and does not require. ``state_dict()`` stays the parameters (``get_extra_state`` is not
+    overridden); the module's ``sharded_state_dict`` adds the key."""
+
+    def set_extra_state(self, state) -> None:
+        """Ignored: this module has no quantizer state."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key in missing_keys:
+            missing_keys.remove(key)

@@ -11,10 +11,11 @@ norm without quantizer state writes) in ``sharded_state_dict``; ``state_dict()``
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.utils import IgnoresExtraState
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, set_param_attrs
 
 
-class _NormBase(torch.nn.Module):
+class _NormBase(IgnoresExtraState, torch.nn.Module):
     """What LayerNorm and RMSNorm share: ``eps`` (default ``config.layernorm_epsilon``) and a ``[hidden_size]``
     weight with its parameter attributes."""
 
@@ -37,16 +38,6 @@ class _NormBase(torch.nn.Module):
             sd[torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX] = torch.empty(0, dtype=torch.uint8)
         return make_sharded_tensors_for_checkpoint(sd, prefix, sharded_offsets=sharded_offsets)
 
-    def set_extra_state(self, state) -> None:
-        """Ignored: a torch norm has no quantizer state (a TE norm's state, an empty tensor or None)."""
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
-        if key in missing_keys:
-            missing_keys.remove(key)
 
 
 class LayerNorm(_NormBase):
