@@ -379,30 +379,43 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         with ``torch.distributed.checkpoint.async_save`` (``async_checkpointer_type``: "process" or "thread").
         ``.metadata`` is written by the background write; ``metadata.json`` by the caller's finalize step."""
         from .async_utils import AsyncRequest, async_process_group, check_checkpointer_type, dcp_async_write
-        from .async_utils import stage_tensors
+        from .host_staging import get_host_stager
 
         checkpoint_dir = Path(checkpoint_dir)
         kind = check_checkpointer_type(self.async_checkpointer_type)
         group = async_process_group()  # collective on first use: created here, on every rank's main thread
         self.last_staged_bytes = None
+        stager = get_host_stager(shared=kind == "process")
 
         def preload():
+            acquired = []
+
             def stage(tensors):
-                staged, self.last_staged_bytes = stage_tensors(tensors, kind)
+                staged = stager.stage(tensors)  # owned by this save's write until it releases them
+                acquired.append(True)
+                self.last_staged_bytes = stager.staged_bytes
                 return staged
 
             start = time.time()
-            pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir, stage=stage)
+            try:
+                pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir, stage=stage)
+            except BaseException:
+                if acquired:
+                    stager.release()
+                raise
             logger.info(
-                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to CPU on rank "
-                f"{dist_utils.get_rank()} "
-                f"in {time.time() - start:.3f} s"
+                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to host memory on rank "
+                f"{dist_utils.get_rank()} in {time.time() - start:.3f} s (waited {stager.waited_s:.3f} s for the "
+                f"previous write; {stager.held_bytes()} bytes of reusable buffers held)"
             )
             return (pyt_state_dict, writer, planner)
 
         def write(checkpoint_dir, staged):
             pyt_state_dict, writer, planner = staged
-            dcp_async_write(checkpoint_dir, pyt_state_dict, writer, planner, kind, group)
+            try:
+                dcp_async_write(checkpoint_dir, pyt_state_dict, writer, planner, kind, group)
+            finally:
+                stager.release()
 
         return AsyncRequest(write, (checkpoint_dir, None), [], preload_fn=preload)
 
