@@ -129,7 +129,7 @@ def worker(rank, world, args, base, out):
                                 world_size=world, init_method=f"file://{base}/store")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     torch.manual_seed(rank)
-    sd = build_state(args.gb, rank, world, device)
+    sd = build_state(args.gb, rank, world, device, n_tensors=args.tensors)
     queue = AsyncCallsQueue(persistent=True)
     rows = []
     for method in METHODS:
@@ -151,7 +151,7 @@ def worker(rank, world, args, base, out):
         sync = [r for r in rows if r[0] == "sync"]
         sync_med = sorted(sync[0][3])[len(sync[0][3]) // 2] if sync else None
         what = {"matmul": f"matmul {args.matmul}", "launch": f"{args.ops} tiny ops"}
-        lines = [f"{world} rank(s), device {args.device}"
+        lines = [f"{world} rank(s), {len(sd)} tensors, device {args.device}"
                  f"{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}, "
                  f"{nbytes / 1e9:.2f} GB per rank held, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
                  f"median [min-max] of {args.repeat} saves",
@@ -180,6 +180,7 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--matmul", type=int, default=None,
                    help="size of the 'training' matmul (default: 8192 bf16 on cuda, 256 fp32 on cpu)")
+    p.add_argument("--tensors", type=int, default=8, help="tensors in the state (a real model: hundreds)")
     p.add_argument("--ops", type=int, default=200, help="tiny ops per 'launch' step")
     p.add_argument("--load", default="matmul,launch", help="'training' steps to measure: matmul, launch")
     p.add_argument("--quiet-steps", type=int, default=20, help="steps timed right before each save (no write)")
