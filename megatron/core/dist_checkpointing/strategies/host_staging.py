@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 def _host_register(t: torch.Tensor) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0))
+    """Page-lock ``t``'s storage for every CUDA context (flag 1: ``cudaHostRegisterPortable``)."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 1))
 
 
 def _host_unregister(t: torch.Tensor) -> None:
@@ -60,13 +61,13 @@ class HostStagingBuffers:
         t = torch.empty(shape, dtype=dtype)
         if self.shared:
             t.share_memory_()
-        if self.pinned:
+        if self.pinned and t.numel():
             _host_register(t)
         self.allocated_bytes += t.untyped_storage().nbytes()
         return t
 
     def _free(self, t: torch.Tensor) -> None:
-        if self.pinned:
+        if self.pinned and t.numel():
             _host_unregister(t)
 
     def stage(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
