@@ -326,6 +326,11 @@ def test_saved_views_are_written_without_a_clone(tmp_path):
     assert alias.untyped_storage().nbytes() == 6 * 5 * 4 < layer.untyped_storage().nbytes()
     bf = torch.ones(3, 8, dtype=torch.bfloat16)[1]
     assert own_storage_alias(bf).untyped_storage().nbytes() == 16 and own_storage_alias(bf).dtype == torch.bfloat16
+    flat = torch.nn.Parameter(torch.arange(10.0))
+    param_view = torch.nn.Parameter(flat.data[2:6])  # a parameter that is a view into a flat buffer
+    alias = own_storage_alias(param_view)
+    assert type(alias) is torch.Tensor and not alias.requires_grad and alias.untyped_storage().nbytes() == 16
+    assert torch.equal(alias, torch.tensor([2.0, 3.0, 4.0, 5.0])) and alias.data_ptr() == param_view.data_ptr()
     assert own_storage_alias(stacked) is stacked  # its own storage already
     strided = stacked[:, 0]
     assert own_storage_alias(strided) is strided  # not contiguous: left to DCP

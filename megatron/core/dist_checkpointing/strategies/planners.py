@@ -61,7 +61,8 @@ def own_storage_alias(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or, when it is a contiguous CPU view into a larger storage (a layer of a stacked tensor, a
     shard of a flat buffer), a tensor over the same bytes whose storage is exactly them: DCP's writer clones a tensor
     whose storage is larger than it (``torch.save`` writes whole storages), a full copy of the bytes this avoids."""
-    if (t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous() or type(t) is not torch.Tensor
+    if (t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous()
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)
             or t.untyped_storage().nbytes() == t.numel() * t.element_size()):
         return t
     try:
