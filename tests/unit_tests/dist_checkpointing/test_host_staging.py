@@ -68,6 +68,29 @@ def test_stage_waits_for_the_previous_write_to_release():
     stager.release()
 
 
+def test_convert_runs_one_tensor_at_a_time():
+    """A quantized state is dequantized one tensor at a time: when ``convert`` runs, no earlier result's memory is
+    alive (tracked on the storage itself, not on the Python object)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    made, seen_alive = [], []
+
+    def convert(t):
+        seen_alive.append(sum(not ref.expired() for ref in made))
+        out = t.float() * 2  # stands for a dequantized copy
+        made.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    stager = HostStagingBuffers(pinned=False, shared=False)
+    src = {f"k{i}": torch.full((4, 3), float(i), dtype=torch.bfloat16) for i in range(5)}
+    out = stager.stage(src, convert=convert)
+    assert seen_alive == [0, 0, 0, 0, 0] and all(ref.expired() for ref in made)
+    for i in range(5):
+        assert out[f"k{i}"].dtype == torch.float32 and torch.equal(out[f"k{i}"], torch.full((4, 3), 2.0 * i))
+    assert stager.staged_bytes == 5 * 12 * 4
+    stager.release()
+
+
 def test_stage_refuses_meta_and_frees_on_error():
     stager = HostStagingBuffers(pinned=False, shared=False)
     with pytest.raises(Exception, match="'m' is not a tensor with data"):
@@ -125,3 +148,28 @@ def test_pinned_staging_from_cuda():
     assert {k: v.data_ptr() for k, v in stager.stage(src).items()} == ptrs
     stager.release()
     assert stager.close()
+
+
+def _quantized_async_body(rank, world, base):
+    from tests.unit_tests.dist_checkpointing.fake_quantized import FakeQuantizedTensor
+
+    torch.manual_seed(0)
+    weights = [FakeQuantizedTensor.quantize(torch.randn(8, 16), "delayed") for _ in range(3)]
+    expected = [w.dequantize().clone() for w in weights]
+    sd = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", w, replica_id=rank) for i, w in enumerate(weights)}
+    strategy = TorchDistSaveShardedStrategy()
+    strategy.async_checkpointer_type = "thread"
+    queue = AsyncCallsQueue()
+    before = FakeQuantizedTensor.dequantize_calls
+    queue.schedule_async_request(dist_checkpointing.save(sd, base, strategy, async_sharded_save=True))
+    # once per weight, while staging, on the rank that writes them (rank 0: the main replicas)
+    assert FakeQuantizedTensor.dequantize_calls - before == (3 if rank == 0 else 0)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    full = dist_checkpointing.load_plain_tensors(base)
+    for i, e in enumerate(expected):
+        assert full[f"w{i}"].dtype == e.dtype and torch.equal(full[f"w{i}"], e), i
+
+
+def test_async_save_of_quantized_weights_stages_their_values(tmp_path):
+    run_distributed(_quantized_async_body, 2, str(tmp_path), timeout=90)

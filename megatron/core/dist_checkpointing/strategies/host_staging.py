@@ -21,7 +21,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -70,39 +70,46 @@ class HostStagingBuffers:
         if self.pinned and t.numel():
             _host_unregister(t)
 
-    def stage(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Host copies of ``tensors`` (same keys, shapes and dtypes), complete when this returns. Until ``release``
-        the buffers belong to the caller's write; the next ``stage`` waits for that."""
+    def stage(self, tensors: Dict[str, torch.Tensor], convert: Optional[Callable] = None) -> Dict[str, torch.Tensor]:
+        """Host copies of ``tensors`` (same keys; shapes and dtypes of ``convert(t)``), complete when this returns.
+        ``convert`` (e.g. ``fp8_utils.dequantize``) runs on one tensor at a time right before its copy and its result
+        is dropped right after, so a quantized state is never dequantized all at once. Until ``release`` the buffers
+        belong to the caller's write; the next ``stage`` waits for that."""
         start = time.perf_counter()
         self._idle.wait()
         self.waited_s = time.perf_counter() - start
         with self._lock:
             self._idle.clear()
             try:
-                return self._stage(tensors)
+                return self._stage(tensors, convert)
             except BaseException:
                 self._idle.set()
                 raise
 
-    def _stage(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        wanted = {}
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor) or t.is_meta:
-                raise CheckpointingException(f"async save staging: {name!r} is not a tensor with data ({type(t)})")
-            wanted[(name, tuple(t.shape), t.dtype)] = t
-        for key in [k for k in self._buffers if k not in wanted]:
-            self._free(self._buffers.pop(key))
+    def _stage(self, tensors: Dict[str, torch.Tensor], convert: Optional[Callable]) -> Dict[str, torch.Tensor]:
         staged, devices, nbytes = {}, set(), 0
-        for key, src in wanted.items():
+        used = set()
+        for name, t in tensors.items():
+            src = convert(t) if convert is not None else t
+            if not isinstance(src, torch.Tensor) or src.is_meta:
+                raise CheckpointingException(f"async save staging: {name!r} is not a tensor with data ({type(src)})")
+            key = (name, tuple(src.shape), src.dtype)
+            used.add(key)
             buf = self._buffers.get(key)
             if buf is None:
+                stale = [k for k in self._buffers if k[0] == name]  # this name's buffer of another shape
+                for k in stale:
+                    self._free(self._buffers.pop(k))
                 buf = self._buffers[key] = self._allocate(key[1], key[2])
             src = src.detach()
             if src.is_cuda:
                 devices.add(src.device)
             buf.copy_(src, non_blocking=self.pinned and src.is_cuda)
-            staged[key[0]] = buf
+            staged[name] = buf
             nbytes += buf.untyped_storage().nbytes()
+            del src  # a converted copy goes now (a device copy: after the transfer, in stream order)
+        for key in [k for k in self._buffers if k not in used]:  # names no longer staged
+            self._free(self._buffers.pop(key))
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
         self.staged_bytes = nbytes

@@ -37,7 +37,7 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
-from ...fp8_utils import dequantize, is_quantized_tensor
+from ...fp8_utils import dequantize
 from ... import dist_utils
 from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
@@ -356,9 +356,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 mcore_data[key] = {MCORE_DATA_ORIG_SHAPE: tuple(sh_tens[0].global_shape)}
             built.append((key, dcp_shape, sh_tens[0], pieces))
         if stage is not None:
-            # plain tensors under string keys: DCP's stager deep-copies what it is given, and torch 2.11's stager
-            # cannot copy a tuple key or a Parameter (KeyError: <class 'type'>, seen on the H200)
-            plain = {f"{i}.{j}": dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor.detach()
+            # quantized tensors as they are: the stager dequantizes one at a time, right before its copy
+            plain = {f"{i}.{j}": p.tensor.detach()
                      for i, (_, _, _, pieces) in enumerate(built) for j, p in enumerate(pieces)}
             staged = stage(plain)
             for i, (_, _, _, pieces) in enumerate(built):
@@ -391,7 +390,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             acquired = []
 
             def stage(tensors):
-                staged = stager.stage(tensors)  # owned by this save's write until it releases them
+                staged = stager.stage(tensors, convert=dequantize)  # this save's write owns them until release
                 acquired.append(True)
                 self.last_staged_bytes = stager.staged_bytes
                 return staged
