@@ -55,14 +55,16 @@ def sharded(stacked: torch.Tensor):
     return {f"l{i}": ShardedTensor.from_rank_offsets(KEY, stacked[i], (0, i, n), prepend_axis_num=1) for i in range(n)}
 
 
-def drop_cache(path: str) -> str:
-    """Evict the files under ``path`` from the page cache; returns how."""
+def drop_cache(path: str, system: bool = True) -> str:
+    """Evict the files under ``path`` from the page cache (``system``: the whole page cache too, when
+    ``/proc/sys/vm/drop_caches`` is writable); returns how."""
     os.sync()
     how = "fadvise"
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        how = "drop_caches"
+        if system:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            how = "drop_caches"
     except OSError:
         pass
     for name in glob.glob(os.path.join(path, "**", "*"), recursive=True):

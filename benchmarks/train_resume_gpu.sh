@@ -15,7 +15,8 @@
 # /tmp/train_resume), CKPT (checkpoint root), size: LAYERS HIDDEN FFN EXPERTS SEQ MBS;
 # PARALLEL_FLAGS (default: --use-megatron-fsdp --init-model-with-meta-device);
 # CACHE (default cold): the page cache state of the checkpoint before each resume, the same for both resumes:
-#   "cold" evicts its files (os.sync + drop_caches / fadvise DONTNEED), "warm" reads them first. (Our save leaves
+#   "cold" evicts its files (os.sync + fadvise DONTNEED: only the checkpoint's, libraries stay cached), "warm" reads
+#   them first. (Our save leaves
 #   its files mostly out of the page cache, so without this the first resume reads cold and the second warm.)
 # The order of the two resumes alternates from recipe to recipe (stream first, then upfront first, ...): the table's
 # "order" column.
@@ -56,7 +57,7 @@ page_cache() {  # $1 = checkpoint directory: evicted (CACHE=cold) or read into t
   if [ "$CACHE" = warm ]; then
     find "$1" -type f -exec cat {} + > /dev/null
   else
-    python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.ckpt_storage_speed import drop_cache; drop_cache(sys.argv[1])" "$1"
+    python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.ckpt_storage_speed import drop_cache; drop_cache(sys.argv[1], system=False)" "$1"
   fi
 }
 
