@@ -1,9 +1,12 @@
 """Cost of per-item checksums (``strategies/filesystem.py``): DCP save and load of the same ~1-2 GB state with
 torch's ``FileSystemWriter``/``FileSystemReader`` and with ``ChecksummedFileSystemWriter``/``Reader`` (each available
-algorithm), in one process, in one run. Seconds are the best of ``--repeat`` (method order rotated each repeat);
-the table gives each method's time as a ratio of the plain one (goal: <= 1.05), and each load's time as a ratio of
-a raw ``readinto`` of the same checkpoint's data files right before it (``load/raw``: the read side's overhead over
-the storage, page cache warm; on a GPU, ``benchmarks/ckpt_storage_speed.py`` measures cold and CUDA destinations).
+algorithm), in one process, in one run. Per repeat (method order rotated) each method's save and load time is divided
+by the plain method's of the same repeat; the table gives the median [min-max] of these ratios (goal: <= 1.05).
+``load, no verify``: our reader with ``verify="off"`` over plain; ``verify cost``: our load over that same reader
+without verification, run right next to it (what the checksums themselves cost on load); ``load/raw``: the load over
+a raw ``readinto`` of the same checkpoint's data files right before it (the read side's overhead over the storage,
+page cache warm; on a GPU, ``benchmarks/ckpt_storage_speed.py`` measures cold and CUDA destinations). Seconds: the
+best of the repeats.
 Every load is checked against the saved values.
 
     python benchmarks/checksum_cost.py --gb 1 [--repeat 3] [--tensors 16] [--dir /fast/disk/tmp] [--no-sync]
@@ -72,8 +75,8 @@ def run(args):
             lambda d: ChecksummedFileSystemReader(d),
         )
     root = tempfile.mkdtemp(prefix="checksum_cost_", dir=args.dir)
-    best = {m: [float("inf"), float("inf"), float("inf")] for m in methods}
     names = list(methods)
+    times = {m: {"save": [], "load": [], "noverify": [], "raw": []} for m in names}
     try:
         for m in names:  # warm-up, unmeasured
             d = os.path.join(root, "warm_" + m)
@@ -85,34 +88,48 @@ def run(args):
                 d = os.path.join(root, f"{m}_{rep}")
                 t0 = time.perf_counter()
                 dcp_save(state, storage_writer=methods[m][0](d))
-                t1 = time.perf_counter()
-                for v in dests.values():
-                    if isinstance(v, torch.Tensor):
-                        v.zero_()
-                raw = raw_read_seconds(d)
-                t2 = time.perf_counter()
-                dcp_load(dests, storage_reader=methods[m][1](d))
-                t3 = time.perf_counter()
-                for k, s in sums.items():
-                    if dests[k].double().sum().item() != s:
-                        raise SystemExit(f"{m}: wrong values loaded for {k}")
-                if dests["iteration"] != 1234:
-                    raise SystemExit(f"{m}: wrong object loaded")
-                best[m][0] = min(best[m][0], t1 - t0)
-                best[m][1] = min(best[m][1], t3 - t2)
-                best[m][2] = min(best[m][2], (t3 - t2) / raw)
+                times[m]["save"].append(time.perf_counter() - t0)
+                loads = [("load", methods[m][1])]
+                if m != "plain":  # the same reader with verification off: what the checksums cost on load
+                    loads.append(("noverify", lambda d: ChecksummedFileSystemReader(d, verify="off")))
+                for what, make_reader in (loads if rep % 2 == 0 else loads[::-1]):
+                    for v in dests.values():
+                        if isinstance(v, torch.Tensor):
+                            v.zero_()
+                    raw = raw_read_seconds(d)
+                    t2 = time.perf_counter()
+                    dcp_load(dests, storage_reader=make_reader(d))
+                    times[m][what].append(time.perf_counter() - t2)
+                    if what == "load":
+                        times[m]["raw"].append(raw)
+                    for k, s in sums.items():
+                        if dests[k].double().sum().item() != s:
+                            raise SystemExit(f"{m}: wrong values loaded for {k}")
+                    if dests["iteration"] != 1234:
+                        raise SystemExit(f"{m}: wrong object loaded")
                 shutil.rmtree(d)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    base_s, base_l, _ = best["plain"]
+    plain = times["plain"]
     print(f"checksum cost: {nbytes / GB:.2f} GB in {args.tensors} tensors, 1 process, threads {args.threads}, "
-          f"sync_files {args.sync}, best of {args.repeat}")
-    print(f"{'method':<8} {'save s':>8} {'load s':>8} {'save GB/s':>10} {'load GB/s':>10} {'save ratio':>11} "
-          f"{'load ratio':>11} {'total ratio':>12} {'load/raw':>9}")
+          f"sync_files {args.sync}, {args.repeat} repeats (order rotated); median [min-max] over the repeats of the "
+          f"ratio to the plain method of the same repeat")
+    print(f"{'method':<8} {'save s':>7} {'load s':>7} {'save ratio':>20} {'load ratio':>20} {'load, no verify':>20} "
+          f"{'verify cost':>20} {'load/raw':>20}")
     for m in names:
-        s, l, r = best[m]
-        print(f"{m:<8} {s:8.3f} {l:8.3f} {nbytes / GB / s:10.2f} {nbytes / GB / l:10.2f} {s / base_s:11.3f} "
-              f"{l / base_l:11.3f} {(s + l) / (base_s + base_l):12.3f} {r:9.2f}")
+        t = times[m]
+        ratio = lambda a, b: _spread([x / y for x, y in zip(a, b)])  # noqa: E731
+        noverify = ratio(t["noverify"], plain["load"]) if t["noverify"] else "-"
+        verify_cost = ratio(t["load"], t["noverify"]) if t["noverify"] else "-"
+        print(f"{m:<8} {min(t['save']):7.3f} {min(t['load']):7.3f} {ratio(t['save'], plain['save']):>20} "
+              f"{ratio(t['load'], plain['load']):>20} {noverify:>20} {verify_cost:>20} {ratio(t['load'], t['raw']):>20}")
+
+
+def _spread(values):
+    values = sorted(values)
+    n = len(values)
+    mid = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return f"{mid:.3f} [{values[0]:.3f}-{values[-1]:.3f}]"
 
 
 def main():

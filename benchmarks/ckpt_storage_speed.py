@@ -6,12 +6,18 @@ Load (GB/s, warm = from the page cache, cold = after dropping the checkpoint fil
               the device while the other is read (the figure the goal is relative to),
   - ``ours``: ``dist_checkpointing.load`` into the device destinations,
   - ``dcp``:  plain ``torch.distributed.checkpoint.load`` of the same files into the same destinations.
-Save (GB/s, including fsync):
-  - ``dd``:   ``dd if=/dev/zero bs=64M conv=fsync`` of the same number of bytes,
-  - ``ours``: ``dist_checkpointing.save``,
+Save (GB/s of the tensor bytes, including fsync), measured the same way for each: a fresh directory under the same
+root, ``os.sync()`` before the timer starts (nothing earlier still being written back), one rotation of the order
+per repeat, the directory removed (and synced) after:
+  - ``dd``:   ``dd if=/dev/zero bs=64M iflag=count_bytes conv=fsync`` of exactly as many bytes as our checkpoint
+              directory holds (all its files, measured after an unmeasured warm-up save),
+  - ``ours``: ``dist_checkpointing.save`` (data files fsynced, metadata, checksums),
+  - ``ours from host`` (CUDA only): the same from host copies of the tensors (the device-to-host copy left out),
   - ``dcp``:  plain ``torch.distributed.checkpoint.save`` (``FileSystemWriter``, default settings).
+Save figures are the median [min-max] over the repeats; ``vs dd`` is dd's time over the method's time in the same
+repeat (the same bytes on disk for ours), median [min-max].
 
-Goals: load >= 0.8 x raw (warm and cold), save >= 0.8 x dd. Each figure is the best of ``--repeat``; every load is
+Goals: load >= 0.8 x raw (warm and cold), save >= 0.9 x dd. Load figures are the best of ``--repeat``; every load is
 checked against the saved values. Cold reads drop the files with ``posix_fadvise(DONTNEED)`` after ``os.sync()``
 (and ``/proc/sys/vm/drop_caches`` when writable).
 
@@ -49,14 +55,16 @@ def sharded(stacked: torch.Tensor):
     return {f"l{i}": ShardedTensor.from_rank_offsets(KEY, stacked[i], (0, i, n), prepend_axis_num=1) for i in range(n)}
 
 
-def drop_cache(path: str) -> str:
-    """Evict the files under ``path`` from the page cache; returns how."""
+def drop_cache(path: str, system: bool = True) -> str:
+    """Evict the files under ``path`` from the page cache (``system``: the whole page cache too, when
+    ``/proc/sys/vm/drop_caches`` is writable); returns how."""
     os.sync()
     how = "fadvise"
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        how = "drop_caches"
+        if system:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            how = "drop_caches"
     except OSError:
         pass
     for name in glob.glob(os.path.join(path, "**", "*"), recursive=True):
@@ -99,14 +107,41 @@ def raw_read(path: str, dest: torch.Tensor) -> int:
     return total
 
 
-def dd_write(path: str, nbytes: int) -> float:
-    count = -(-nbytes // PIECE)
-    t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "conv=fsync"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    dt = time.perf_counter() - t0
-    os.remove(path)
-    return count * PIECE / dt
+def dd_write(directory: str, nbytes: int) -> None:
+    """``dd`` of exactly ``nbytes`` zeros into ``directory``/dd.bin, fsynced."""
+    subprocess.run(["dd", "if=/dev/zero", f"of={os.path.join(directory, 'dd.bin')}", "bs=64M", f"count={nbytes}",
+                    "iflag=count_bytes", "conv=fsync"], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+               if os.path.isfile(f))
+
+
+def spread(values, fmt="{:.2f}") -> str:
+    values = sorted(values)
+    n = len(values)
+    mid = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return f"{fmt.format(mid)} [{fmt.format(values[0])}-{fmt.format(values[-1])}]"
+
+
+def timed_saves(root: str, savers: dict, repeat: int, device) -> dict:
+    """{name: [seconds per repeat]}: each saver called with a fresh directory under ``root``, order rotated."""
+    names, times = list(savers), {name: [] for name in savers}
+    for rep in range(repeat):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            d = os.path.join(root, f"save_{name.replace(' ', '_')}_{rep}")
+            os.makedirs(d)
+            _sync(device)
+            os.sync()
+            t0 = time.perf_counter()
+            savers[name](d)
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+            shutil.rmtree(d)
+            os.sync()
+    return times
 
 
 def main():
@@ -140,19 +175,24 @@ def main():
 
     how = "-"
     try:
+        warm_dir = os.path.join(root, "warm")
+        os.makedirs(warm_dir)
+        dist_checkpointing.save(sharded(src), warm_dir)  # unmeasured; its size is what dd writes
+        disk_bytes = dir_bytes(warm_dir)
+        shutil.rmtree(warm_dir)
+        savers = {
+            "dd": lambda d: dd_write(d, disk_bytes),
+            "ours": lambda d: dist_checkpointing.save(sharded(src), d),
+            "dcp": lambda d: dcp.save({KEY: src}, checkpoint_id=d, no_dist=True),
+        }
+        if device.type == "cuda":
+            host = src.cpu()
+            savers["ours from host"] = lambda d: dist_checkpointing.save(sharded(host), d)
+        save_times = timed_saves(root, savers, a.repeat, device)
         for rep in range(a.repeat):
-            note("save dd", dd_write(os.path.join(root, "dd.bin"), nbytes))
-            ours_dir, dcp_dir = os.path.join(root, f"ours{rep}"), os.path.join(root, f"dcp{rep}")
+            ours_dir = os.path.join(root, f"ours{rep}")
             os.makedirs(ours_dir)
-            _sync(device)
-            t0 = time.perf_counter()
             dist_checkpointing.save(sharded(src), ours_dir)
-            note("save ours", nbytes / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            dcp.save({KEY: src}, checkpoint_id=dcp_dir, no_dist=True)
-            note("save dcp", nbytes / (time.perf_counter() - t0))
-            shutil.rmtree(dcp_dir)
-
             temps = ["warm"] if a.no_cold else ["warm", "cold"]
             for temp in temps:
                 for what in ("raw", "ours", "dcp"):
@@ -189,11 +229,13 @@ def main():
         rw, rc = best.get("load raw warm"), best.get("load raw cold")
         fmt = lambda v, r: ("-", "-") if v is None else (f"{v / 1e9:.2f}", f"{v / r:.2f}")  # noqa: E731
         print(f"| load {what} | {' | '.join(fmt(w, rw))} | {' | '.join(fmt(c, rc) if c else ('-', '-'))} |")
-    print("\n| what | GB/s | vs dd |")
-    print("| --- | ---: | ---: |")
-    for what in ("dd", "ours", "dcp"):
-        v = best[f"save {what}"]
-        print(f"| save {what} | {v / 1e9:.2f} | {v / best['save dd']:.2f} |")
+    print(f"\nsave: {a.repeat} repeats, order rotated, median [min-max]; dd writes {disk_bytes / 1e9:.3f} GB (our "
+          f"checkpoint directory's size), GB/s = {nbytes / 1e9:.3f} GB of tensors / time")
+    print("| what | s | GB/s | vs dd (same repeat) |")
+    print("| --- | ---: | ---: | ---: |")
+    for what, ts in save_times.items():
+        vs = spread([dd / t for dd, t in zip(save_times["dd"], ts)])
+        print(f"| save {what} | {spread(ts)} | {spread([nbytes / t / 1e9 for t in ts])} | {vs} |")
 
 
 if __name__ == "__main__":

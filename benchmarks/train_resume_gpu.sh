@@ -13,7 +13,13 @@
 #
 # Env: NPROC (default 1), RECIPES (default "delayed tensorwise"), ITERS (default 20, even), LOGDIR (default $OUT or
 # /tmp/train_resume), CKPT (checkpoint root), size: LAYERS HIDDEN FFN EXPERTS SEQ MBS;
-# PARALLEL_FLAGS (default: --use-megatron-fsdp --init-model-with-meta-device).
+# PARALLEL_FLAGS (default: --use-megatron-fsdp --init-model-with-meta-device);
+# CACHE (default cold): the page cache state of the checkpoint before each resume, the same for both resumes:
+#   "cold" evicts its files (os.sync + fadvise DONTNEED: only the checkpoint's, libraries stay cached), "warm" reads
+#   them first. (Our save leaves
+#   its files mostly out of the page cache, so without this the first resume reads cold and the second warm.)
+# The order of the two resumes alternates from recipe to recipe (stream first, then upfront first, ...): the table's
+# "order" column.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -24,6 +30,7 @@ CKPT=${CKPT:-/tmp/train_resume_ckpt_$$}
 LAYERS=${LAYERS:-6}; HIDDEN=${HIDDEN:-2048}; FFN=${FFN:-4096}; EXPERTS=${EXPERTS:-4}; SEQ=${SEQ:-1024}; MBS=${MBS:-2}
 ITERS=${ITERS:-20}; HALF=$((ITERS / 2))
 PARALLEL_FLAGS=${PARALLEL_FLAGS:---use-megatron-fsdp --init-model-with-meta-device}
+export CACHE=${CACHE:-cold}
 
 args() {  # $1 = recipe
   echo --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 16 --ffn-hidden-size "$FFN" \
@@ -46,9 +53,21 @@ run() {  # $1 = recipe, $2 = log name, rest = extra flags
     2>&1 | tee -a "$log" | grep -E "iteration +[0-9]+/|dist_checkpointing.load|WARNING|Error|error" || true
 }
 
+page_cache() {  # $1 = checkpoint directory: evicted (CACHE=cold) or read into the page cache (CACHE=warm)
+  if [ "$CACHE" = warm ]; then
+    find "$1" -type f -exec cat {} + > /dev/null
+  else
+    python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.ckpt_storage_speed import drop_cache; drop_cache(sys.argv[1], system=False)" "$1"
+  fi
+}
+
+k=0
 for recipe in $RECIPES; do
   run "$recipe" uninterrupted --save "$CKPT/$recipe/full" --save-interval "$HALF"
-  for mode in stream upfront; do
+  order="stream upfront"; [ $((k % 2)) = 1 ] && order="upfront stream"; k=$((k + 1))
+  echo "$order" > "$LOGDIR/$recipe/order.txt"
+  for mode in $order; do
+    page_cache "$CKPT/$recipe/full/iter_$(printf %07d "$HALF")"
     flag=(); [ "$mode" = stream ] && flag=(--stream-ckpt-dequant)
     run "$recipe" "resume_$mode" --load "$CKPT/$recipe/full" --ckpt-step "$HALF" "${flag[@]}" \
       --save "$CKPT/$recipe/$mode" --save-interval "$ITERS"
@@ -72,12 +91,15 @@ def expert_bias(d):
     plain = dist_checkpointing.load_plain_tensors(it_dir)
     return {k: v for k, v in plain.items() if k.endswith("expert_bias")}
 
-print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; resume at iteration {half}")
-print(f"{'recipe':10s} {'resume':9s} {'load s':>7s} {'peak MiB':>9s} {'max|dloss|':>10s} {'expert_bias':>18s}  "
+print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; resume at iteration {half}; "
+      f"checkpoint page cache before each resume: {os.environ.get('CACHE', 'cold')}")
+print(f"{'recipe':10s} {'resume':9s} {'order':>5s} {'load s':>7s} {'peak MiB':>9s} {'max|dloss|':>10s} {'expert_bias':>18s}  "
       f"losses {half - 1}..{min(half + 3, iters)} (uninterrupted up to {half})")
 for recipe in recipes:
     ref, _ = losses(os.path.join(logdir, recipe, "uninterrupted.log"))
     ref_bias = expert_bias(os.path.join(ckpt, recipe, "full"))
+    order_file = os.path.join(logdir, recipe, "order.txt")
+    order = open(order_file).read().split() if os.path.exists(order_file) else ["stream", "upfront"]
     for mode in ("stream", "upfront"):
         got, text = losses(os.path.join(logdir, recipe, f"resume_{mode}.log"))
         load = re.search(r"dist_checkpointing.load took ([0-9.]+) s \(stream_ckpt_dequant=(\w+)\)"
@@ -94,6 +116,6 @@ for recipe in recipes:
             equal = bias.keys() == ref_bias.keys() and all(torch.equal(bias[k], ref_bias[k]) for k in bias)
             b = f"finite={finite} equal={equal}"
         shown = " ".join(f"{i}:{(ref if i <= half else got).get(i, math.nan):.4f}" for i in range(half - 1, min(half + 3, iters) + 1))
-        print(f"{recipe:10s} {mode:9s} {t:>7s} {mem:>9s} {dloss:>10.3g} {b:>18s}  {shown}")
+        print(f"{recipe:10s} {mode:9s} {order.index(mode) + 1:>5d} {t:>7s} {mem:>9s} {dloss:>10.3g} {b:>18s}  {shown}")
 PY
 rm -rf "$CKPT"

@@ -312,3 +312,33 @@ def test_factory_merge_fn_gets_what_build_fn_built(tmp_path):
     out = dist_checkpointing.load({"f": ShardedTensorFactory("k", torch.zeros(4), build, merge)}, str(tmp_path))
     assert seen == [list]
     assert torch.equal(out["f"], torch.tensor([2.0, 4.0]))
+
+
+def test_saved_views_are_written_without_a_clone(tmp_path):
+    """A CPU view into a larger storage (stacked layers) is handed to DCP's writer as an alias with its own exact
+    storage (DCP would clone it), and the checkpoint holds exactly the views' values."""
+    from megatron.core.dist_checkpointing.strategies.planners import own_storage_alias
+
+    stacked = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
+    layer = stacked[2]
+    alias = own_storage_alias(layer)
+    assert alias.data_ptr() == layer.data_ptr() and torch.equal(alias, layer) and alias.dtype == layer.dtype
+    assert alias.untyped_storage().nbytes() == 6 * 5 * 4 < layer.untyped_storage().nbytes()
+    bf = torch.ones(3, 8, dtype=torch.bfloat16)[1]
+    assert own_storage_alias(bf).untyped_storage().nbytes() == 16 and own_storage_alias(bf).dtype == torch.bfloat16
+    flat = torch.nn.Parameter(torch.arange(10.0))
+    param_view = torch.nn.Parameter(flat.data[2:6])  # a parameter that is a view into a flat buffer
+    alias = own_storage_alias(param_view)
+    assert type(alias) is torch.Tensor and not alias.requires_grad and alias.untyped_storage().nbytes() == 16
+    assert torch.equal(alias, torch.tensor([2.0, 3.0, 4.0, 5.0])) and alias.data_ptr() == param_view.data_ptr()
+    assert own_storage_alias(stacked) is stacked  # its own storage already
+    strided = stacked[:, 0]
+    assert own_storage_alias(strided) is strided  # not contiguous: left to DCP
+    sd = {f"l{i}": ShardedTensor.from_rank_offsets("w", stacked[i], (0, i, 4), prepend_axis_num=1)
+          for i in range(4)}
+    dist_checkpointing.save(sd, tmp_path)
+    stacked.add_(1)  # the alias must not have been a copy taken earlier: the checkpoint has the saved values
+    loaded = dist_checkpointing.load_plain_tensors(tmp_path)["w"]
+    assert torch.equal(loaded, torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5))
+    data = sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert 4 * 6 * 5 * 4 <= data < 4 * 6 * 5 * 4 + 16 * 1024  # each layer's bytes once, not the whole stack 4 times

@@ -12,9 +12,8 @@ How an asynchronous save runs::
     queue.close()                                # at exit: waits for and finalizes what is pending
 
 ``schedule_async_request`` calls the request's ``preload_fn`` on the calling thread: for the ``torch_dist`` strategy
-this is DCP's ``DefaultStager`` copying the tensors this rank writes into CPU buffers that the stager keeps and
-reuses for the same source tensors at the next save (pinned on CUDA; shared memory when the write runs in DCP's
-checkpoint process). When ``schedule_async_request`` returns, the copy is complete: the training step may change the
+this copies the tensors this rank writes into host buffers kept and reused by every later save of the same shapes
+(``host_staging.py``: page-locked on CUDA; shared memory when the write runs in DCP's checkpoint process). When ``schedule_async_request`` returns, the copy is complete: the training step may change the
 weights. ``async_fn`` then runs in a background thread of this module (``TemporalAsyncCaller``: one per request;
 ``PersistentAsyncCaller``: one long-lived worker); for ``torch_dist`` it hands the staged copy to
 ``torch.distributed.checkpoint.async_save`` (``AsyncCheckpointerType.PROCESS``: DCP's checkpoint process does the
@@ -372,45 +371,6 @@ def async_process_group():
 
 
 CHECKPOINTER_TYPES = ("process", "thread")
-_stagers: Dict[Tuple[bool, bool], Any] = {}
-
-
-def get_stager(shared_memory: bool):
-    """DCP's ``DefaultStager`` (synchronous copy; pinned on CUDA; shared memory for the checkpoint process), one
-    per configuration for the process, so its CPU buffers are reused for the same source tensors at every save."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    pinned = torch.cuda.is_available()
-    key = (pinned, shared_memory)
-    if key not in _stagers:
-        _stagers[key] = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=pinned,
-                use_shared_memory=shared_memory,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
-        )
-    return _stagers[key]
-
-
-def stage_tensors(tensors: Dict[Any, torch.Tensor], checkpointer_type: str) -> Tuple[Dict[Any, torch.Tensor], int]:
-    """CPU copies of ``tensors`` through the reusable stager, and the bytes staged (the copied storages)."""
-    stager = get_stager(shared_memory=checkpointer_type == "process")
-    try:
-        staged = stager.stage(tensors)
-    except KeyError as e:  # torch 2.11's stager cannot deep-copy its own input (KeyError: <class 'type'>, H200 run)
-        _log_once(("stager", str(e)), logging.WARNING,
-                  f"DCP's DefaultStager failed ({type(e).__name__}: {e}); staging with plain CPU copies instead "
-                  f"(no buffer reuse)", rank0=True)
-        staged = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
-    seen, nbytes = set(), 0
-    for t in staged.values():
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            nbytes += s.nbytes()
-    return staged, nbytes
 
 
 class _NoStaging:

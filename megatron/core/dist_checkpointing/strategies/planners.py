@@ -52,7 +52,24 @@ class MCoreSavePlanner(DefaultSavePlanner):
         data = super().resolve_data(write_item)
         if isinstance(data, torch.Tensor) and is_quantized_tensor(data):
             data = dequantize(data)
+        if isinstance(data, torch.Tensor):
+            data = own_storage_alias(data)
         return data
+
+
+def own_storage_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, when it is a contiguous CPU view into a larger storage (a layer of a stacked tensor, a
+    shard of a flat buffer), a tensor over the same bytes whose storage is exactly them: DCP's writer clones a tensor
+    whose storage is larger than it (``torch.save`` writes whole storages), a full copy of the bytes this avoids."""
+    if (t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous()
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or t.untyped_storage().nbytes() == t.numel() * t.element_size()):
+        return t
+    try:
+        raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # the array keeps ``t``'s memory alive
+        return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)
+    except (RuntimeError, TypeError, ValueError):  # a dtype or tensor numpy cannot expose: DCP clones it
+        return t
 
 
 class MCoreLoadPlanner(DefaultLoadPlanner):

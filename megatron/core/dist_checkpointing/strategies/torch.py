@@ -37,7 +37,7 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
-from ...fp8_utils import dequantize, is_quantized_tensor
+from ...fp8_utils import dequantize
 from ... import dist_utils
 from ...safe_globals import safe_torch_load
 from ..core import CheckpointingException
@@ -359,9 +359,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 mcore_data[key] = {MCORE_DATA_ORIG_SHAPE: tuple(sh_tens[0].global_shape)}
             built.append((key, dcp_shape, sh_tens[0], pieces))
         if stage is not None:
-            # plain tensors under string keys: DCP's stager deep-copies what it is given, and torch 2.11's stager
-            # cannot copy a tuple key or a Parameter (KeyError: <class 'type'>, seen on the H200)
-            plain = {f"{i}.{j}": dequantize(p.tensor) if is_quantized_tensor(p.tensor) else p.tensor.detach()
+            # quantized tensors as they are: the stager dequantizes one at a time, right before its copy
+            plain = {f"{i}.{j}": p.tensor.detach()
                      for i, (_, _, _, pieces) in enumerate(built) for j, p in enumerate(pieces)}
             staged = stage(plain)
             for i, (_, _, _, pieces) in enumerate(built):
@@ -384,31 +383,44 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         with ``torch.distributed.checkpoint.async_save`` (``async_checkpointer_type``: "process" or "thread").
         ``.metadata`` is written by the background write; ``metadata.json`` by the caller's finalize step."""
         from .async_utils import AsyncRequest, async_process_group, check_checkpointer_type, dcp_async_write
-        from .async_utils import stage_tensors
+        from .host_staging import get_host_stager
 
         check_async_strategy(async_strategy, "TorchDistSaveShardedStrategy.async_save")
         checkpoint_dir = Path(checkpoint_dir)
         kind = check_checkpointer_type(self.async_checkpointer_type)
         group = async_process_group()  # collective on first use: created here, on every rank's main thread
         self.last_staged_bytes = None
+        stager = get_host_stager(shared=kind == "process")
 
         def preload():
+            acquired = []
+
             def stage(tensors):
-                staged, self.last_staged_bytes = stage_tensors(tensors, kind)
+                staged = stager.stage(tensors, convert=dequantize)  # this save's write owns them until release
+                acquired.append(True)
+                self.last_staged_bytes = stager.staged_bytes
                 return staged
 
             start = time.time()
-            pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir, stage=stage)
+            try:
+                pyt_state_dict, planner, writer = self._prepare_save(sharded_state_dict, checkpoint_dir, stage=stage)
+            except BaseException:
+                if acquired:
+                    stager.release()
+                raise
             logger.info(
-                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to CPU on rank "
-                f"{dist_utils.get_rank()} "
-                f"in {time.time() - start:.3f} s"
+                f"async save of {checkpoint_dir}: {self.last_staged_bytes} bytes staged to host memory on rank "
+                f"{dist_utils.get_rank()} in {time.time() - start:.3f} s (waited {stager.waited_s:.3f} s for the "
+                f"previous write; {stager.held_bytes()} bytes of reusable buffers held)"
             )
             return (pyt_state_dict, writer, planner)
 
         def write(checkpoint_dir, staged):
             pyt_state_dict, writer, planner = staged
-            dcp_async_write(checkpoint_dir, pyt_state_dict, writer, planner, kind, group)
+            try:
+                dcp_async_write(checkpoint_dir, pyt_state_dict, writer, planner, kind, group)
+            finally:
+                stager.release()
 
         return AsyncRequest(write, (checkpoint_dir, None), [], preload_fn=preload)
 
