@@ -376,7 +376,7 @@ def _schedule_async_save(request, iteration: int, save_dir: str, start: float, s
     _async_queue.schedule_async_request(request)
     staged = getattr(getattr(strategy, "base_strategy", strategy), "last_staged_bytes", None)
     print_rank_0(f"  scheduled asynchronous checkpoint save of iteration {iteration:7d} to {save_dir}: training "
-                 f"blocked {time.time() - start:.3f} s, {staged} bytes staged to CPU on rank 0")
+                 f"blocked {time.time() - start:.3f} s, {staged} bytes staged to host memory on rank 0")
 
 
 def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:

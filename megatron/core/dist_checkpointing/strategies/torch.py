@@ -379,7 +379,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                    async_strategy: str = "nvrx"):
         """An ``AsyncRequest`` (collective: plan checks now); ``async_strategy`` "nvrx" or "mcore" (both this fork's
         built-in caller, see ``async_utils.resolve_async_strategy``). Its ``preload_fn`` (run when the request is
-        scheduled) copies the tensors this rank writes to CPU through DCP's stager; its ``async_fn`` writes the copy
+        scheduled) copies the tensors this rank writes into host buffers reused across saves (``host_staging``: pinned
+        on CUDA, shared memory for the PROCESS checkpointer); its ``async_fn`` writes the copy
         with ``torch.distributed.checkpoint.async_save`` (``async_checkpointer_type``: "process" or "thread").
         ``.metadata`` is written by the background write; ``metadata.json`` by the caller's finalize step."""
         from .async_utils import AsyncRequest, async_process_group, check_checkpointer_type, dcp_async_write
