@@ -14,7 +14,7 @@ import torch
 
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
 from megatron.core.transformer.transformer_config import flag_name
-from megatron.training.utils import get_rank_safe
+from megatron.training.utils import get_rank_safe, print_rank_0
 
 # Rank-0-once guard of the param-gather / checkpoint-load warning (reset by tests).
 _PARAM_GATHER_WARNED = False
@@ -142,6 +142,25 @@ def _add_training_args(parser):
                         "iteration, whose update is skipped: its gradient norm is not finite either); the log then "
                         "counts such iterations.")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
+    # -- run control and housekeeping (upstream's flags; megatron/training/run_control.py) --
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   dest="check_for_nan_in_loss_and_grad", help="Stop when the lm loss is not finite (the default).")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM (what a scheduler sends before a preemption): finish the iteration, save a "
+                        "checkpoint (with --save) and exit with code 0, on every rank together.")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None,
+                   help="Exit (saving a checkpoint with --save) after the first iteration that ends more than this "
+                        "many minutes after the start.")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Disable Python's automatic garbage collection; collect every --manual-gc-interval "
+                        "iterations (and before each evaluation with --manual-gc-eval) on every rank together.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: iterations between collections (0: only at the start).")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="With --manual-gc: do not collect before and after each evaluation.")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Release the CUDA caching allocator's unused blocks: 1 after each optimizer step, 2 also "
+                        "after each evaluation (nothing to release on CPU).")
     g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
@@ -229,6 +248,35 @@ def _add_checkpointing_args(parser):
                    "and move its tracker back (default: such a run is refused before training).")
     g.add_argument("--ckpt-fresh-start", action="store_true", help="Train from random initialization although --load "
                    "holds iter_N checkpoints but no tracker (default: refused; --ckpt-step N resumes from one).")
+    # -- run control on clusters (upstream's flags) --
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Keep only the checkpoints whose iteration is a multiple of this (and the latest): a save "
+                        "deletes the previous checkpoint unless its iteration is such a multiple. A multiple of "
+                        "--save-interval.")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="Iterations between non-persistent saves (--non-persistent-ckpt-type global: into "
+                        "--non-persistent-global-ckpt-dir, default <save>/non_persistent, only the latest kept); a "
+                        "load takes the newer of it and --load's latest.")
+    g.add_argument("--non-persistent-ckpt-type", type=str, default=None, choices=["global", "local", "in_memory"],
+                   help="global (a torch_dist checkpoint on the shared file system); local and in_memory are "
+                        "refused.")
+    g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
+                   help="Directory of the global non-persistent checkpoints (default <save>/non_persistent).")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None,
+                   help="When --load has no checkpoint (or is not given): load the model from this checkpoint as "
+                        "with --finetune (no optimizer, RNG or iteration), e.g. to start a fine-tune that later "
+                        "resumes from --load.")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the model-shape arguments (layers, sizes, heads, norms, position embedding, "
+                        "vocabulary, ...) from the checkpoint in --load (or --pretrained-checkpoint).")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="Detect the format of the checkpoint a load reads (torch_dist is loaded; another format "
+                        "is refused with its name).")
+    g.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
+                   help="Deprecated (upstream): the same as --ckpt-format torch_dist, the only format here.")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="The state's structure is the same at every save of the run: skip the cross-rank sharding "
+                        "validation of the saves after the first (the same files are written).")
 
 
 def _add_mixed_precision_args(parser):
@@ -380,6 +428,18 @@ def _add_logging_args(parser):
                    help="With --profile: torch.profiler; the trace goes to --tensorboard-dir (else <--save>/"
                         "torch_profile, else the current directory) and the top-ops table is printed.")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks that profile.")
+    # -- logging and checks (upstream's flags; megatron/training/run_control.py) --
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="Log the L2 norm of the parameters (each value counted once) on each log line.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Log the number of zero gradient values (after the data-parallel reduction) on each log line.")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="Level of Python's logging for the megatron loggers (e.g. 10 DEBUG, 20 INFO, 30 WARNING).")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="Record CUDA allocator history and dump a snapshot to --memory-snapshot-path at the end "
+                        "of training (CUDA only: refused without a GPU).")
+    g.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle",
+                   help="With --record-memory-history: where the snapshot is written.")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -517,6 +577,42 @@ def _validate_sample_based_args(args):
     args.lr_decay_iters = max(1, args.lr_decay_samples // args.global_batch_size)
 
 
+def _validate_run_control_args(args):
+    """Run control on clusters, housekeeping and logging checks (upstream's flags; what they do:
+    ``megatron/training/run_control.py`` and ``checkpointing.py``)."""
+    if args.use_dist_ckpt_deprecated:
+        print_rank_0("WARNING: --use-dist-ckpt is deprecated (upstream): torch_dist is the only format here")
+    for dest in ("exit_duration_in_mins", "save_retain_interval", "non_persistent_save_interval"):
+        value = getattr(args, dest)
+        if value is not None and value <= 0:
+            _fail(f"{flag_name(dest)} must be positive (got {value})")
+    if args.save_retain_interval is not None:
+        if not (args.save and args.save_interval):
+            _fail("--save-retain-interval needs --save <dir> and --save-interval")
+        if args.save_retain_interval % args.save_interval:
+            _fail(f"--save-retain-interval ({args.save_retain_interval}) must be a multiple of --save-interval "
+                  f"({args.save_interval})")
+    if args.non_persistent_ckpt_type in ("local", "in_memory"):
+        _fail(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not supported: this fork has no "
+              "node-local or in-memory checkpointing; use global (a torch_dist checkpoint in <save>/non_persistent)")
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_ckpt_type != "global":
+            _fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+        if not (args.save or args.non_persistent_global_ckpt_dir):
+            _fail("--non-persistent-save-interval needs --save <dir> (or --non-persistent-global-ckpt-dir)")
+    if args.manual_gc_interval < 0:
+        _fail(f"--manual-gc-interval must be >= 0 (got {args.manual_gc_interval})")
+    if args.record_memory_history and not torch.cuda.is_available():
+        _fail("--record-memory-history records the CUDA allocator's history: there is no CUDA device here")
+    if args.logging_level is not None:
+        import logging
+
+        if not 0 <= args.logging_level <= 50:
+            _fail(f"--logging-level must be in [0, 50] (got {args.logging_level})")
+        logging.getLogger("megatron").setLevel(args.logging_level)
+        logging.getLogger().setLevel(args.logging_level)
+
+
 def _validate_hybrid_sharding_args(args):
     """``--num-distributed-optimizer-instances N`` / ``--outer-dp-sharding-strategy``: hybrid sharding exists under
     Megatron-FSDP's FSDP2 strategies only (a 2-D mesh: replicate across the N instances, shard within one)."""
@@ -618,6 +714,12 @@ def validate_args(args, defaults={}):
     for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.use_checkpoint_args:  # before anything is derived from the model-shape arguments
+        if not (args.load or args.pretrained_checkpoint):
+            _fail("--use-checkpoint-args needs --load <dir> or --pretrained-checkpoint <dir>")
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)
 
     # ---- parallelism ------------------------------------------------------------------------------------
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
@@ -796,6 +898,7 @@ def validate_args(args, defaults={}):
     if args.ckpt_fresh_start and not args.load:
         _fail("--ckpt-fresh-start needs --load <dir> (it allows starting from scratch although --load holds "
               "checkpoints without a tracker)")
+    _validate_run_control_args(args)
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")

@@ -26,10 +26,11 @@ from megatron.training.arguments import (
 )
 from megatron.training.checkpoint_safety import check_save_dir
 from megatron.training.checkpointing import (check_save_target, load_checkpoint, maybe_finalize_async_save,
-                                             save_checkpoint)
+                                             non_persistent_dir, save_checkpoint)
 from megatron.training.global_vars import get_args, get_scalar_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.profiling import TrainingProfiler
+from megatron.training.run_control import RunControl
 from megatron.training.utils import (
     average_losses_across_data_parallel_group,
     current_rss_bytes,
@@ -49,6 +50,9 @@ except ImportError:  # megatron/core/enums.py is not part of this fork (yet)
         retro_decoder = 3
 
 
+_TRAIN_START_TIME = None  # when pretrain() started (--exit-duration-in-mins)
+
+
 @dataclass
 class TrainingResult:
     """What ``pretrain`` returns (upstream returns nothing): the final iteration, the per-iteration lm loss
@@ -58,11 +62,19 @@ class TrainingResult:
     losses: Dict[int, float] = field(default_factory=dict)
     grad_norms: Dict[int, float] = field(default_factory=dict)
     learning_rates: Dict[int, float] = field(default_factory=dict)
+    params_norms: Dict[int, Optional[float]] = field(default_factory=dict)
+    """--log-params-norm: the parameter norm at each log iteration."""
+    num_zeros: Dict[int, Optional[int]] = field(default_factory=dict)
+    """--log-num-zeros-in-grad: zero gradient values at each log iteration."""
     loss_scales: Dict[int, float] = field(default_factory=dict)
     """The loss scale each iteration used (1.0 without --fp16)."""
     skipped_iterations: int = 0
     """Iterations whose optimizer step was skipped (inf/nan gradients)."""
     valid_losses: Dict[int, float] = field(default_factory=dict)
+    exit_reason: Optional[str] = None
+    """Why training stopped before --train-iters (SIGTERM, --exit-duration-in-mins, --exit-interval), else None."""
+    interrupted: bool = False
+    """Stopped by SIGTERM (--exit-signal-handler) or --exit-duration-in-mins: no final evaluation."""
     final_valid_loss: Optional[float] = None
     test_loss: Optional[float] = None
     model: list = None
@@ -140,13 +152,14 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
-    if args.load:
+    if args.load or args.pretrained_checkpoint:
         start = time.time()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
             model, optimizer, opt_param_scheduler
         )
         if args.iteration > 0 or args.finetune:
-            _report_checkpoint_io("load", args.load, time.time() - start, args.iteration)
+            _report_checkpoint_io("load", args.load or args.pretrained_checkpoint, time.time() - start,
+                                  args.iteration)
     return model, optimizer, opt_param_scheduler
 
 
@@ -347,7 +360,8 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
     return float(average_losses_across_data_parallel_group([torch.stack(values).mean()])[0])
 
 
-def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=1.0, skipped=0, nan_iters=0) -> str:
+def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=1.0, skipped=0, nan_iters=0,
+                 num_zeros=None, params_norm=None) -> str:
     args = get_args()
     per_iter = elapsed / max(iters, 1)
     tokens_per_s = args.global_batch_size * args.seq_length / per_iter if per_iter > 0 else 0.0
@@ -366,6 +380,8 @@ def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=
         f" lm loss: {loss_avg:.6E} |"
         f" loss scale: {loss_scale:.1f} |"
         f" grad norm: {grad_norm:.3f} |"
+        f"{'' if num_zeros is None else f' num zeros: {num_zeros} |'}"
+        f"{'' if params_norm is None else f' params norm: {params_norm:.3f} |'}"
         f" number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nan_iters:3d} |"
         f" {memory_report()} |"
@@ -385,6 +401,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
     profiler = TrainingProfiler(args, get_rank(), iteration, printer=print)  # --profile (profiling.py)
+    control = RunControl(args, _TRAIN_START_TIME)  # --exit-signal-handler, --manual-gc, ...
     try:
         while iteration < args.train_iters:
             t_step = time.time()
@@ -418,26 +435,37 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if on_iteration_end is not None:
                 on_iteration_end(iteration, model, value)
             if iteration % args.log_interval == 0:
+                # --log-num-zeros-in-grad / --log-params-norm: this iteration's (the grads are zeroed next step)
+                num_zeros = optimizer.count_zeros() if args.log_num_zeros_in_grad else None
+                params_norm = optimizer.get_params_norm() if args.log_params_norm else None
+                result.params_norms[iteration], result.num_zeros[iteration] = params_norm, num_zeros
                 training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0,
-                             iters, loss_scale, skipped, nan_iters)
+                             iters, loss_scale, skipped, nan_iters, num_zeros=num_zeros, params_norm=params_norm)
                 interval_losses, t0, iters = [], time.time(), 0
                 skipped, nan_iters = 0, 0
             t_extra = time.time()  # evaluation and saving are not counted in the iteration time
+            control.after_step(iteration)
             if args.async_save:  # advance the tracker of background saves that finished on every rank
                 maybe_finalize_async_save(blocking=False)
             if (valid_dataset is not None and args.eval_iters > 0 and args.eval_interval
                     and iteration % args.eval_interval == 0):
+                control.around_evaluation()
                 v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
+                control.around_evaluation()
                 result.valid_losses[iteration] = v
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
-                saved_at = iteration
+            # saves (persistent / non-persistent) and exits (SIGTERM, duration, interval): run_control.py
+            reason, saved = control.save_and_decide_exit(
+                iteration, lambda non_persistent=False: timed_save_checkpoint(
+                    iteration, model, optimizer, opt_param_scheduler, non_persistent=non_persistent))
+            saved_at = iteration if saved else saved_at
             t0 += time.time() - t_extra
-            if args.exit_interval and iteration % args.exit_interval == 0:
-                print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
+            if reason is not None:
+                print_rank_0(reason)
+                result.exit_reason, result.interrupted = reason, control.interrupted
                 break
     finally:  # an error (a non-finite loss, a failed save) still ends the profile and writes its trace
         profiler.close()
+        control.close()
     return iteration, saved_at
 
 
@@ -446,13 +474,15 @@ def _loss_scale_value(optimizer) -> float:
     return float(get_loss_scale().reshape(-1)[0]) if callable(get_loss_scale) else 1.0
 
 
-def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler) -> None:
+def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, non_persistent=False) -> None:
     """``save_checkpoint`` with its duration, size and rate printed (and written to TensorBoard)."""
     args = get_args()
     start = time.time()
-    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far,
+                    non_persistent_ckpt=non_persistent)
     if not args.async_save:  # an asynchronous save reports when it is scheduled and when it is finalized
-        _report_checkpoint_io("save", args.save, time.time() - start, iteration)
+        where = non_persistent_dir(args, args.save) if non_persistent else args.save
+        _report_checkpoint_io("save", where, time.time() - start, iteration)
 
 
 def evaluate_and_print(forward_step_func, dataset, model, iteration: int, name: str) -> float:
@@ -479,9 +509,11 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     ``args``: the command line as a list (default ``sys.argv[1:]``). ``on_iteration_end(iteration, model, loss)``
     is called after each iteration (tests). Returns a ``TrainingResult``.
     """
+    start = time.time()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, args=args)
     args = get_args()
-    start = time.time()
+    global _TRAIN_START_TIME
+    _TRAIN_START_TIME = start  # --exit-duration-in-mins counts from here (upstream's name)
     if args.save:  # before any work: --save writable and this job's alone (all ranks stop otherwise)
         check_save_dir(args.save)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
@@ -506,10 +538,11 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
     if args.async_save:  # at exit: wait for the background saves and advance the tracker
         maybe_finalize_async_save(blocking=True, terminate=True)
-    # As upstream: the validation and test sets are evaluated at the end (with --eval-iters > 0).
-    if args.eval_iters > 0 and valid_ds is not None:
+    # As upstream: the validation and test sets are evaluated at the end (with --eval-iters > 0); not after a
+    # SIGTERM or --exit-duration-in-mins (the job is about to be stopped)
+    if args.eval_iters > 0 and valid_ds is not None and not result.interrupted:
         result.final_valid_loss = evaluate_and_print(forward_step_func, valid_ds, model, iteration, "validation")
-    if args.eval_iters > 0 and test_ds is not None:
+    if args.eval_iters > 0 and test_ds is not None and not result.interrupted:
         result.test_loss = evaluate_and_print(forward_step_func, test_ds, model, iteration, "test")
     writer = get_scalar_writer()
     if writer is not None:
