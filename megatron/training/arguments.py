@@ -376,7 +376,30 @@ def _add_data_args(parser):
     g.add_argument("--num-workers", type=int, default=2,
                    help="Data loader workers (accepted, no effect: samples are read by index in the training "
                         "process, the same samples in the same order for any value).")
-    g.add_argument("--reset-position-ids", action="store_true", help="Not supported.")
+    # -- upstream's data flags (megatron/core/datasets/gpt_dataset.py) --
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="The training split's own prefix or weighted blend, used whole (with --valid-data-path and "
+                        "--test-data-path instead of --data-path and --split).")
+    g.add_argument("--valid-data-path", nargs="*", default=None, help="The validation split's prefix or blend.")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="The test split's prefix or blend.")
+    g.add_argument("--data-args-path", type=str, default=None,
+                   help="A file holding the value of --data-path (weights and prefixes separated by spaces).")
+    g.add_argument("--per-split-data-args-path", type=str, default=None,
+                   help="A JSON file {\"train\": [...], \"valid\": [...], \"test\": [...]} holding the values of "
+                        "--train-data-path / --valid-data-path / --test-data-path.")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="Save each dataset's sample index arrays here (.npy) and read them back in later runs.")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="Read the .bin files into memory instead of memory-mapping them (the same samples).")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="Position ids restart at 0 after each end-of-document token.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Tokens attend only to earlier tokens of their own document (a per-sample attention mask "
+                        "made by the dataloader).")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="Do not make the attention mask in the dataloader: the causal mask is applied inside "
+                        "attention (what this fork does anyway without --reset-attention-mask; refused with it).")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="Mask the loss where the input token is the tokenizer's end-of-document token.")
 
@@ -384,7 +407,7 @@ def _add_data_args(parser):
 def _add_tokenizer_args(parser):
     g = parser.add_argument_group(title="tokenizer")
     g.add_argument("--tokenizer-type", type=str, default=None,
-                   choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
+                   choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer"],
                    help="NullTokenizer (ids are tokens; --vocab-size), GPT2BPETokenizer (--vocab-file, "
                         "--merge-file), HuggingFaceTokenizer (--tokenizer-model: a local directory or tokenizer.json).")
     g.add_argument("--vocab-file", type=str, default=None, help="GPT-2 BPE vocabulary (vocab.json).")
@@ -392,6 +415,9 @@ def _add_tokenizer_args(parser):
     g.add_argument("--tokenizer-model", type=str, default=None,
                    help="HuggingFaceTokenizer: a local tokenizer directory (tokenizer.json and its config) or a "
                         "tokenizer.json file. Nothing is downloaded and no remote code runs.")
+    g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                   help="TikTokenizer's split pattern; TikTokenizer is refused (the tiktoken package is not a "
+                        "dependency of this fork).")
 
 
 def _add_logging_args(parser):
@@ -538,6 +564,11 @@ def _validate_tokenizer_args(args):
         args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
     if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
         _fail(f"--vocab-size is required (>= 1) with --tokenizer-type NullTokenizer (got {args.vocab_size})")
+    if args.tokenizer_type == "TikTokenizer":
+        _fail("--tokenizer-type TikTokenizer is not supported: the tiktoken package is not a dependency of this fork; "
+              "use HuggingFaceTokenizer with a tokenizer.json of the same vocabulary")
+    if args.tiktoken_pattern is not None:
+        _fail("--tiktoken-pattern goes with --tokenizer-type TikTokenizer, which this fork does not support")
     for dest in TOKENIZER_FILE_FLAGS[args.tokenizer_type]:
         path = getattr(args, dest)
         if not path:
@@ -675,6 +706,47 @@ def _validate_data_parallel_args(args):
         if getattr(args, dest, None):
             _fail(f"{flag_name(dest)} is not supported without --use-megatron-fsdp: {what}; remove the flag, or add "
                   "--use-megatron-fsdp (FSDP2 overlaps its reduce-scatter and all-gather with compute)")
+
+
+def _validate_data_path_args(args):
+    """``--data-args-path`` / ``--per-split-data-args-path`` (files holding the path flags' values) and the
+    per-split paths: sets ``args.data_blend_per_split`` (``[(prefix, weight)]`` or None for train, valid, test)."""
+    import json
+
+    if args.data_args_path:
+        if args.data_path:
+            _fail("--data-args-path and --data-path are mutually exclusive")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = f.read().split()
+        except OSError as e:
+            _fail(f"--data-args-path {args.data_args_path}: {e.strerror or e}")
+    splits = ("train", "valid", "test")
+    if args.per_split_data_args_path:
+        if any(getattr(args, f"{n}_data_path") for n in splits):
+            _fail("--per-split-data-args-path and --train-data-path / --valid-data-path / --test-data-path are "
+                  "mutually exclusive")
+        try:
+            with open(args.per_split_data_args_path) as f:
+                spec = json.load(f)
+        except (OSError, ValueError) as e:
+            _fail(f"--per-split-data-args-path {args.per_split_data_args_path}: {e}")
+        if not isinstance(spec, dict) or set(spec) - set(splits):
+            _fail(f"--per-split-data-args-path {args.per_split_data_args_path}: expected a JSON object with keys "
+                  f"of {list(splits)}, got {list(spec) if isinstance(spec, dict) else type(spec).__name__}")
+        for n in splits:
+            value = spec.get(n)
+            setattr(args, f"{n}_data_path", value.split() if isinstance(value, str) else value)
+    per_split = [getattr(args, f"{n}_data_path") for n in splits]
+    args.data_blend_per_split = None
+    if any(per_split):
+        if args.data_path:
+            _fail("--data-path and --train-data-path / --valid-data-path / --test-data-path are mutually exclusive")
+        if not args.train_data_path:
+            _fail("--valid-data-path / --test-data-path need --train-data-path")
+        if args.split is not None:
+            _fail("--split applies to --data-path; with --train-data-path ... each split's data is used whole")
+        args.data_blend_per_split = [parse_data_path(p) if p else None for p in per_split]
 
 
 def parse_data_path(data_path):
@@ -867,17 +939,19 @@ def validate_args(args, defaults={}):
     _validate_data_parallel_args(args)
 
     # ---- data ---------------------------------------------------------------------------------------------
-    if args.mock_data and args.data_path:
-        _fail("--mock-data and --data-path are mutually exclusive")
-    if not args.mock_data and not args.data_path:
-        _fail("give --data-path <prefix> (an indexed .bin/.idx dataset) or --mock-data")
+    _validate_data_path_args(args)
+    if args.mock_data and (args.data_path or args.data_blend_per_split):
+        _fail("--mock-data and --data-path (or --train-data-path ...) are mutually exclusive")
+    if not args.mock_data and not args.data_path and not args.data_blend_per_split:
+        _fail("give --data-path <prefix> (an indexed .bin/.idx dataset), --train-data-path ... or --mock-data")
     args.data_blend = parse_data_path(args.data_path) if args.data_path else None  # [(prefix, weight)]
     if args.data_blend is not None and len(args.data_blend) == 1:
         args.data_path = [args.data_blend[0][0]]  # "--data-path 1.0 <prefix>": a blend of one
     if args.split is None:
         args.split = "969,30,1"
-    if args.reset_position_ids:
-        _fail("--reset-position-ids is not supported by this fork")
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        _fail("--reset-attention-mask needs the attention mask made in the dataloader: remove "
+              "--no-create-attention-mask-in-dataloader")
 
     # ---- checkpointing ------------------------------------------------------------------------------------
     if args.ckpt_format != "torch_dist":
