@@ -166,8 +166,34 @@ def _add_training_args(parser):
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
     g.add_argument("--attention-backend", type=str, default="auto",
                    choices=["auto", "flash", "fused", "unfused", "local"],
-                   help="auto (the default: Transformer Engine picks its backend; the local implementation has one) "
-                        "or local/unfused with --transformer-impl local; flash/fused are not supported yet.")
+                   help="The kernel of torch's scaled_dot_product_attention that computes core attention: auto "
+                        "(torch picks), flash, fused (memory-efficient; both CUDA), unfused/local (math, with "
+                        "--transformer-impl local). The same math.")
+    # -- kernel selection (upstream's flags): each picks a kernel for the same math; README lists what they do here --
+    g.add_argument("--use-flash-attn", action="store_true", help="The same as --attention-backend flash.")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                   help="Accepted: this fork has no fused scale-mask-softmax kernel (attention is torch's SDPA).")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="Accepted: this fork has no fused bias-GeLU kernel.")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                   help="Accepted: this fork has no fused bias-dropout-add kernel.")
+    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                   help="Accepted: rotary embeddings are applied by plain torch ops here.")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Accepted: the loss is torch's cross entropy (vocab-parallel under TP) either way.")
+    g.add_argument("--cross-entropy-fusion-impl", type=str, default="native", choices=["native", "te"],
+                   help="Accepted with --cross-entropy-loss-fusion (no fused kernel here).")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="Accepted: weight gradients are accumulated by autograd here (no fused wgrad kernel).")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Accepted: tokens are permuted to their experts by torch ops here (no fused kernel).")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="Deprecated upstream (megatron-core models are the only ones): accepted.")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="Accepted: SDPA's kernels accumulate the softmax in fp32.")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="Forbid reduced-precision reductions in bf16 matmuls (torch.backends.cuda.matmul."
+                        "allow_bf16_reduced_precision_reduction = False).")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="Layer implementation (default: transformer_engine if installed, else local).")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None, help="Initialize on CPU.")
@@ -833,9 +859,11 @@ def validate_args(args, defaults={}):
 
         args.transformer_impl = "transformer_engine" if HAVE_TE else "local"
 
-    if args.attention_backend in ("flash", "fused"):
-        _fail(f"--attention-backend {args.attention_backend} is not supported yet: use auto (Transformer Engine "
-              "chooses its fused/flash backend itself) or remove the flag")
+    if args.use_flash_attn:  # upstream: the same as --attention-backend flash
+        args.attention_backend = "flash"
+    if args.attention_backend in ("flash", "fused") and not torch.cuda.is_available():
+        _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) selects a CUDA kernel of torch's "
+              "scaled_dot_product_attention; there is no CUDA device here: use auto")
     if args.attention_backend in ("local", "unfused") and args.transformer_impl != "local":
         _fail(f"--attention-backend {args.attention_backend} needs --transformer-impl local (the unfused "
               "attention of this fork); with Transformer Engine use auto")
@@ -1039,6 +1067,7 @@ def core_transformer_config_from_args(args, config_class=None):
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
+        attention_backend=args.attention_backend,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

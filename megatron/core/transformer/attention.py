@@ -47,6 +47,20 @@ def build_linear(config, kind: str, input_size: int, output_size: int, *, init_m
     )
 
 
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "fused": "EFFICIENT_ATTENTION", "unfused": "MATH", "local": "MATH"}
+
+
+def sdpa_backend(attention_backend: str):
+    """The context that restricts ``F.scaled_dot_product_attention`` to the kernel of ``--attention-backend``
+    (``auto``: torch's own choice, no restriction)."""
+    name = _SDPA_BACKENDS.get(attention_backend)
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, name))
+
+
 class SelfAttention(MegatronModule):
     def __init__(self, config, layer_number: int = 1, fuse_input_layernorm: bool = False):
         super().__init__(config)
@@ -113,7 +127,7 @@ class SelfAttention(MegatronModule):
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)
         rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
-        with rng if rng is not None else contextlib.nullcontext():
+        with rng if rng is not None else contextlib.nullcontext(), sdpa_backend(self.config.attention_backend):
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)

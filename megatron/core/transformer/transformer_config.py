@@ -82,6 +82,11 @@ class TransformerConfig:
     context_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
 
+    attention_backend: str = "auto"
+    """Upstream's ``AttnBackend`` by name (an enum member is taken by its name): which kernel of torch's
+    ``scaled_dot_product_attention`` computes core attention: auto (torch picks), flash (FLASH_ATTENTION), fused
+    (EFFICIENT_ATTENTION), unfused / local (MATH). The same math whichever is picked."""
+
     # ---- accepted for upstream compatibility; no effect in this fork ------------------------------------------
     gradient_accumulation_fusion: bool = False
     bias_activation_fusion: bool = False
@@ -194,6 +199,10 @@ class TransformerConfig:
         if self.virtual_pipeline_model_parallel_size not in (None, 1):
             raise ValueError("virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage) is not supported")
         self._check_recompute()
+        self.attention_backend = getattr(self.attention_backend, "name", self.attention_backend)
+        if self.attention_backend not in ("auto", "flash", "fused", "unfused", "local"):
+            raise ValueError(f"TransformerConfig.attention_backend (--attention-backend) must be one of auto, flash, "
+                             f"fused, unfused, local; got {self.attention_backend!r}")
         if self.qk_layernorm:
             raise ValueError("qk_layernorm (--qk-layernorm) is not supported")
         if self.fp8_dot_product_attention:
