@@ -50,6 +50,14 @@ def _add_network_size_args(parser):
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate embedding and output-layer weights.")
+    # -- model options (upstream's flags; computed where the thing is: attention, norms) --
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="Normalize each head's queries and keys (--normalization, before rotary embedding).")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="Zero-centered norm weights: the norms scale by 1 + weight (weight initialized to 0).")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="No learned absolute position embedding (with the default --position-embedding-type "
+                        "learned_absolute: none; rotary embeddings are unaffected).")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="Size of the vocabulary without the end-of-document token (NullTokenizer; its eod id is "
                         "this value, its vocabulary one larger).")
@@ -840,6 +848,8 @@ def validate_args(args, defaults={}):
         value = getattr(args, flag)
         if value is None or value <= 0:
             _fail(f"--{flag.replace('_', '-')} is required and must be positive (got {value})")
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # --no-position-embedding (upstream: add_position_embedding False)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
@@ -1029,6 +1039,8 @@ def core_transformer_config_from_args(args, config_class=None):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm,
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,

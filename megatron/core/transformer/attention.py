@@ -87,6 +87,15 @@ class SelfAttention(MegatronModule):
             config, "row", self.query_projection_size, config.hidden_size, init_method=out_init,
             bias=config.add_bias_linear, skip_bias_add=True,
         )
+        if config.qk_layernorm:  # upstream's keys; a TE layer's norms carry TE's _extra_state as upstream's TENorm
+            from megatron.core.transformer.torch_norm import build_norm
+
+            te = config.transformer_impl == "transformer_engine"
+            self.q_layernorm = build_norm(config, self.head_dim, te_extra_state=te)
+            self.k_layernorm = build_norm(config, self.head_dim, te_extra_state=te)
+            for norm in (self.q_layernorm, self.k_layernorm):  # a whole sequence per rank: not sequence-parallel
+                for p in norm.parameters():
+                    p.sequence_parallel = False
 
     def forward(
         self,
@@ -105,6 +114,8 @@ class SelfAttention(MegatronModule):
         q = q.reshape(s, b, self.num_heads, self.head_dim)
         k = k.reshape(s, b, self.num_query_groups, self.head_dim)
         v = v.reshape(s, b, self.num_query_groups, self.head_dim)
+        if self.config.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb)
             k = apply_rotary_pos_emb(k, rotary_pos_emb)

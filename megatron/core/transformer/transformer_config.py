@@ -43,6 +43,7 @@ class TransformerConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norms scale by 1 + weight (weight init 0)
     normalization: str = "LayerNorm"  # 'LayerNorm' | 'RMSNorm'
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # QKV bias when add_bias_linear is False
@@ -111,8 +112,11 @@ class TransformerConfig:
     recompute_modules: Optional[List[str]] = None  # selective; default ['core_attn'] as upstream
     distribute_saved_activations: bool = False
 
-    # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     qk_layernorm: bool = False
+    """--qk-layernorm: a norm (``normalization``, over each head's ``kv_channels``) on the queries and the keys before
+    rotary embedding (upstream's ``self_attention.q_layernorm`` / ``k_layernorm``)."""
+
+    # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     fp8_dot_product_attention: bool = False
 
     # ---- mixture of experts ---------------------------------------------------------------------------------
@@ -203,8 +207,6 @@ class TransformerConfig:
         if self.attention_backend not in ("auto", "flash", "fused", "unfused", "local"):
             raise ValueError(f"TransformerConfig.attention_backend (--attention-backend) must be one of auto, flash, "
                              f"fused, unfused, local; got {self.attention_backend!r}")
-        if self.qk_layernorm:
-            raise ValueError("qk_layernorm (--qk-layernorm) is not supported")
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.num_moe_experts is not None:

@@ -29,6 +29,10 @@ MODELS = {
     "gqa": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=128, normalization="RMSNorm"),
                 gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
+    # --qk-layernorm: per-head LayerNorm on queries and keys (q_layernorm / k_layernorm), GQA, RoPE
+    "qk": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                           ffn_hidden_size=128, qk_layernorm=True),
+               gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
 }
 
 # name: (world size, TP, EP, sequence parallel)
@@ -54,7 +58,7 @@ def model_config(model: str, layout: str) -> dict:
 def cases(layout: str):
     """(model, fully_parallel_save, async_save) of one layout: every model with the fully parallel save on and off;
     the dense model once more with an async save (tp1 only)."""
-    out = [(m, fp, False) for m in MODELS for fp in (True, False)]
+    out = [(m, fp, False) for m in MODELS for fp in (True, False) if m != "qk" or fp]  # qk: one save kind
     if layout == "tp1":
         out.append(("dense", True, True))
     return out

@@ -54,7 +54,8 @@ def build_model(model: str, layout: str):
     cfg = rc.model_config(model, layout)
     config = TransformerConfig(**cfg, params_dtype=torch.float32, use_cpu_initialization=True)
     spec = get_gpt_layer_local_spec(num_experts=cfg.get("num_moe_experts"),
-                                    normalization=cfg.get("normalization", "LayerNorm"))
+                                    normalization=cfg.get("normalization", "LayerNorm"),
+                                    qk_layernorm=cfg.get("qk_layernorm", False))
     return GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"])
 
 
