@@ -41,9 +41,14 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+    """Mean per-token loss over the unmasked tokens of the micro-batch; with --calculate-per-token-loss (upstream's
+    form) ``(loss sum, tokens, {'lm loss': [sum, tokens]})``, the training loop dividing by the global batch's
+    tokens."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
+    if get_args().calculate_per_token_loss:
+        total, tokens = torch.sum(losses * mask), mask.sum()
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     # a non-finite loss is caught once per iteration by the training loop (--check-for-nan-in-loss-and-grad), not
     # here: checking each micro-batch would stall the host on the device every micro-batch

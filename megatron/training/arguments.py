@@ -145,6 +145,9 @@ def _add_training_args(parser):
                    help="Samples to train in total: --train-samples / --global-batch-size iterations (instead of "
                         "--train-iters); the learning-rate schedule is then counted in samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="The loss of an iteration is the sum over all its unmasked tokens divided by their count "
+                        "(over micro-batches and data-parallel ranks), not the mean of per-micro-batch means.")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
                    help="Do not stop when the lm loss is not finite (default: stop with an error after that "
                         "iteration, whose update is skipped: its gradient norm is not finite either); the log then "
@@ -1041,6 +1044,7 @@ def core_transformer_config_from_args(args, config_class=None):
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,

@@ -313,24 +313,38 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if hasattr(chunk, "zero_grad_buffer"):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    # --calculate-per-token-loss (upstream's formula): each micro-batch's SUMMED loss is back-propagated as it is;
+    # finalize_model_grads divides the gradients by the tokens of the whole global batch (summed over DP)
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
     if args.num_experts is not None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 if per_token else 1.0 / n))  # as upstream
     get_loss_scale = getattr(optimizer, "get_loss_scale", None)  # fp16 loss scaling, where the optimizer has it
     loss_scale = get_loss_scale() if callable(get_loss_scale) else None
-    reported = []
+    reported, token_sums = [], []
     for i in range(n):
         sync_ctx = chunk.no_sync() if (i < n - 1 and hasattr(chunk, "no_sync")) else nullcontext()
         with sync_ctx:
             output, loss_func = forward_step_func(data_iterator, chunk)
-            loss, value = _unpack_loss(loss_func(output))
-            loss = loss / n
+            out = loss_func(output)
+            if per_token:
+                if not (isinstance(out, tuple) and len(out) == 3):
+                    raise TypeError("--calculate-per-token-loss: the loss function must return (loss_sum, "
+                                    "num_tokens, {'lm loss': [sum, num_tokens]})")
+                loss, num_tokens, _ = out
+                token_sums.append(torch.stack([loss.detach().float().reshape(()),
+                                               torch.as_tensor(num_tokens).float().reshape(()).to(loss.device)]))
+            else:
+                loss, value = _unpack_loss(out)
+                loss = loss / n
+                reported.append(value.detach().float().reshape(()))
             if loss_scale is not None:  # fp16: scaled loss (1 otherwise); the optimizer unscales the grads
                 loss = loss * loss_scale.to(loss.device).reshape(())
             loss.backward()
-        reported.append(value.detach().float().reshape(()))
-    finalize_model_grads(model)  # DP grad sync, then sequence-parallel grads summed over TP
+    tokens = torch.stack(token_sums).sum(0) if per_token else None  # [loss sum, tokens] of this DP rank
+    # DP grad sync, then sequence-parallel grads summed over TP (per-token: divided by the global token count)
+    finalize_model_grads(model, num_tokens=tokens[1] if per_token else None)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
@@ -338,8 +352,14 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         from megatron.core.transformer.moe.moe_utils import update_expert_bias
 
         update_expert_bias(model, parallel_state.get_data_parallel_group())
-    local = torch.stack(reported).mean()
-    loss = average_losses_across_data_parallel_group([local])[0]
+    if per_token:  # the lm loss of the global batch: its loss sum over its tokens
+        group = parallel_state.get_data_parallel_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            tokens = tokens.to(parallel_state.collective_device(group))
+            torch.distributed.all_reduce(tokens, group=group)
+        loss = tokens[0] / tokens[1].clamp(min=1.0)
+    else:
+        loss = average_losses_across_data_parallel_group([torch.stack(reported).mean()])[0]
     gn = float(grad_norm) if grad_norm is not None else float("nan")
     return loss, gn, update_successful
 

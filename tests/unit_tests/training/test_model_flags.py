@@ -77,3 +77,40 @@ def _norm_and_position_body(rank, world_size):
 
 def test_apply_layernorm_1p_and_no_position_embedding():
     run_distributed(_norm_and_position_body, 1)
+
+
+def _per_token_body(rank, world_size, tmp):
+    import pretrain_gpt
+    from tests.unit_tests.training.test_launch_flags import _corpus_with_eod
+
+    prefix = os.path.join(tmp, "eod")
+    if rank == 0:
+        _corpus_with_eod(prefix)
+    torch.distributed.barrier()
+    argv = [a for a in TINY + NO_DROPOUT if a != "--mock-data"] + [
+        "--data-path", prefix, "--eod-mask-loss", "--train-iters", 1, "--lr", 0.0, "--min-lr", 0.0,
+        "--lr-warmup-iters", 0, "--clip-grad", 0.0]
+    argv[argv.index("--vocab-size") + 1] = 20
+    res = _run(argv + ["--calculate-per-token-loss"])
+    mean_of_means = _run(argv).losses[1]
+    model = res.model[0]
+    base = model.module if hasattr(model, "module") else model
+    grads = {n: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
+             for n, p in base.named_parameters()}
+    # upstream's formula by hand over the whole global batch (8 samples, on every rank): sum(loss x mask) / sum(mask)
+    train, _, _ = pretrain_gpt.train_valid_test_datasets_provider([8, 0, 0])
+    batch = {k: torch.stack([torch.as_tensor(train[i][k]) for i in range(8)]) for k in train[0]}
+    for p in model.parameters():
+        p.grad = None
+    losses = base(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    want = (losses.float() * mask).sum() / mask.sum()
+    want.backward()
+    assert res.losses[1] == pytest.approx(float(want), rel=1e-6)
+    assert abs(mean_of_means - float(want)) > 1e-5  # the masks differ per micro-batch: the formulas differ
+    for n, p in base.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_calculate_per_token_loss_is_upstreams_formula(tmp_path):
+    run_distributed(_per_token_body, 2, str(tmp_path))
