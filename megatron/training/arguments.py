@@ -87,10 +87,91 @@ def _add_moe_args(parser):
                         "--num-experts and the world size).")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach the ranks of their experts under expert parallelism.")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Shared experts' hidden size (refused by TransformerConfig: shared experts are not "
+                        "implemented).")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="Router z-loss coefficient (refused by TransformerConfig: not implemented).")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor-parallel size of the experts: the same as --tensor-model-parallel-size here (the "
+                        "default); other values are refused.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="All local experts in one grouped GEMM per projection (Transformer Engine's GroupedLinear "
                         "with --transformer-impl transformer_engine, else torch's grouped matmul or a loop); "
                         "checkpoints interchange with the sequential experts.")
+
+
+# Upstream flags of its launch scripts that need what this fork lacks: parsed (so the run stops with the reason
+# instead of "unrecognized argument") and refused in validate_args when given. (flags, argparse kwargs, reason)
+REFUSED_FLAGS = (
+    (("--multi-latent-attention",), dict(action="store_true"), "multi-latent attention (MLA) is not implemented"),
+    (("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--v-head-dim", "--qk-pos-emb-head-dim"),
+     dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
+    (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
+    (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
+    (("--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-limited-devices"),
+     dict(type=int, default=None), "group-limited (device-limited) routing is not implemented"),
+    (("--moe-router-force-load-balancing",), dict(action="store_true"),
+     "benchmark-only random routing is not implemented"),
+    (("--moe-per-layer-logging",), dict(action="store_true"), "per-layer MoE loss logging is not implemented"),
+    (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
+     "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
+    (("--use-precision-aware-optimizer",), dict(action="store_true"),
+     "it keeps optimizer state in lower precision through Transformer Engine's FusedAdam; this fork's optimizer "
+     "keeps fp32 main params and state"),
+    (("--first-last-layers-bf16",), dict(action="store_true"),
+     "per-layer precision (FP8 layers with the first and last in bf16) is not implemented"),
+    (("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"), dict(type=int, default=None),
+     "per-layer precision (--first-last-layers-bf16) is not implemented"),
+    (("--window-size",), dict(type=str, default=None), "sliding-window attention is not implemented"),
+    (("--window-attn-skip-freq",), dict(type=int, default=None), "sliding-window attention is not implemented"),
+    (("--rotary-scaling-factor", "--mscale", "--mscale-all-dim"), dict(type=float, default=None),
+     "rotary embedding scaling (Llama 3.1 / YaRN) is not implemented"),
+    (("--glu-linear-offset", "--activation-func-clamp-value"), dict(type=float, default=None),
+     "gpt-oss's clamped GLU activation is not implemented"),
+    (("--quick-geglu",), dict(action="store_true"), "the quick-GeGLU activation is not implemented"),
+    (("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub",
+      "--fsdp-db-use-persist-buf-on-alloc-fail"), dict(action="store_true"),
+     "Megatron-FSDP's NCCL buffer options: this fork's Megatron-FSDP runs on FSDP2, which has no such buffers"),
+    (("--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"),
+     dict(type=str, default=None), "Megatron-FSDP's buffer dtypes: this fork's Megatron-FSDP runs on FSDP2 (fp32 "
+     "main params; gradients reduced in fp32, --grad-reduce-in-bf16 for bf16)"),
+    (("--step-batch-size-schedule",), dict(type=str, default=None),
+     "batch-size schedules are not supported (as --rampup-batch-size): the global batch size is fixed"),
+)
+# Given with these values they select what the fork does anyway; other values are refused (flag, kwargs, accepted
+# value, reason)
+ACCEPTED_VALUE_FLAGS = (
+    ("--rope-type", dict(type=str, default=None, choices=["rope", "yarn"]), "rope",
+     "YaRN rotary embeddings are not implemented"),
+    ("--softmax-type", dict(type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"]), "vanilla",
+     "only the vanilla attention softmax is implemented"),
+    ("--cuda-graph-impl", dict(type=str, default="none", choices=["none", "local", "transformer_engine"]), "none",
+     "CUDA graphs are not implemented"),
+    ("--moe-router-dtype", dict(type=str, default=None, choices=["fp32", "fp64"]), "fp32",
+     "the router computes its logits, scores and top-k in float32 (what fp32 asks for); fp64 is not implemented"),
+)
+
+
+def _add_refused_args(parser):
+    g = parser.add_argument_group(title="upstream flags refused with a reason (see REFUSED_FLAGS)")
+    for flags, kwargs, reason in REFUSED_FLAGS:
+        for flag in flags:
+            g.add_argument(flag, help=f"Refused: {reason}.", **kwargs)
+    for flag, kwargs, value, reason in ACCEPTED_VALUE_FLAGS:
+        g.add_argument(flag, help=f"{value} (what this fork does); other values are refused: {reason}.", **kwargs)
+
+
+def _validate_refused_args(args):
+    for flags, _, reason in REFUSED_FLAGS:
+        for flag in flags:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value not in (None, False):
+                _fail(f"{flag} is not supported: {reason}; remove the flag")
+    for flag, kwargs, value, reason in ACCEPTED_VALUE_FLAGS:
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given not in (None, kwargs.get("default"), value):
+            _fail(f"{flag} {given} is not supported: {reason}; use {value} or remove the flag")
 
 
 def _add_recompute_args(parser):
@@ -225,6 +306,11 @@ def _add_learning_rate_args(parser):
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="Linear warmup samples (with --train-samples).")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="LR at the start of the warmup.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Minimum learning rate.")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Peak learning rate of the input embedding and output layer (their own schedule with the "
+                        "same warmup and decay).")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Minimum learning rate of the input embedding and output layer (default --min-lr).")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="Use the arguments' scheduler values, not the checkpoint's.")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
@@ -545,6 +631,7 @@ def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         _add_network_size_args, _add_moe_args, _add_recompute_args, _add_regularization_args, _add_training_args,
         _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
         _add_distributed_args, _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args,
+        _add_refused_args,
     ):
         add(parser)
     if extra_args_provider is not None:
@@ -886,6 +973,11 @@ def validate_args(args, defaults={}):
     # ---- MoE --------------------------------------------------------------------------------------------
     # a positive --num-experts, --moe-router-topk in [1, --num-experts] and --moe-router-enable-expert-bias
     # needing --num-experts: TransformerConfig's checks (_validate_configs)
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != args.tensor_model_parallel_size:
+        _fail(f"--expert-tensor-parallel-size {etp} is not supported: the experts are split over the "
+              f"tensor-parallel ranks (--tensor-model-parallel-size {args.tensor_model_parallel_size}); give that "
+              "value or remove the flag")
     if args.num_experts is not None:
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
@@ -899,8 +991,9 @@ def validate_args(args, defaults={}):
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
-        if args.moe_ffn_hidden_size is not None:
-            _fail("--moe-ffn-hidden-size needs --num-experts")
+        for dest in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
+            if getattr(args, dest) is not None:
+                _fail(f"{flag_name(dest)} needs --num-experts")
 
     # ---- batch sizes ------------------------------------------------------------------------------------
     if args.micro_batch_size is None or args.micro_batch_size <= 0:
@@ -921,6 +1014,10 @@ def validate_args(args, defaults={}):
         _fail("--lr is required")
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None and not 0 <= (args.decoupled_min_lr or 0.0) <= args.decoupled_lr:
+        _fail(f"--decoupled-min-lr ({args.decoupled_min_lr}) must be in [0, --decoupled-lr ({args.decoupled_lr})]")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = max(args.train_iters, 1)
     if args.lr_decay_iters <= 0:
@@ -1014,6 +1111,7 @@ def validate_args(args, defaults={}):
         _fail("--ckpt-fresh-start needs --load <dir> (it allows starting from scratch although --load holds "
               "checkpoints without a tracker)")
     _validate_run_control_args(args)
+    _validate_refused_args(args)
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")
@@ -1083,6 +1181,9 @@ def core_transformer_config_from_args(args, config_class=None):
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_dtype=args.moe_router_dtype,
         attention_backend=args.attention_backend,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         recompute_method=args.recompute_method,
@@ -1120,6 +1221,8 @@ def optimizer_config_from_args(args):
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
     return _build(OptimizerConfig, kw)
 

@@ -114,3 +114,66 @@ def _per_token_body(rank, world_size, tmp):
 
 def test_calculate_per_token_loss_is_upstreams_formula(tmp_path):
     run_distributed(_per_token_body, 2, str(tmp_path))
+
+
+def _decoupled_lr_body(rank, world_size, tmp):
+    for extra in ([], ["--use-distributed-optimizer"]):
+        res = _run(TINY + ["--train-iters", 3, "--decoupled-lr", 1e-2, "--decoupled-min-lr", 1e-3,
+                           "--untie-embeddings-and-output-weights"] + extra)
+        sched, opt = res.opt_param_scheduler, res.optimizer
+        groups = opt.param_groups
+        decoupled = [g for g in groups if g["is_decoupled_lr"]]
+        assert decoupled and all(g["max_lr"] == 1e-2 and g["min_lr"] == 1e-3 for g in decoupled)
+        assert all(g["max_lr"] == 3e-3 and g["min_lr"] == 3e-4 for g in groups if not g["is_decoupled_lr"])
+        want = sched.get_lr({"max_lr": 1e-2, "min_lr": 1e-3})
+        assert want > sched.get_lr() * 3  # the embedding and output layer follow their own (larger) schedule
+        for g in groups:
+            assert g["lr"] == pytest.approx(want if g["is_decoupled_lr"] else sched.get_lr(), rel=1e-12)
+        n_decoupled = sum(p.numel() for g in decoupled for p in g["params"])
+        if not extra:  # DDP: the groups hold the model's parameters; exactly the word embedding and output layer
+            assert n_decoupled == 2 * 128 * 32
+
+
+def test_decoupled_lr_for_embedding_and_output_layer(tmp_path):
+    run_distributed(_decoupled_lr_body, 2, str(tmp_path))
+
+
+def _refused_cases():
+    from megatron.training.arguments import ACCEPTED_VALUE_FLAGS, REFUSED_FLAGS
+
+    out = []
+    for flags, kwargs, reason in REFUSED_FLAGS:
+        for flag in flags:
+            given = [flag] if kwargs.get("action") == "store_true" else [flag, "2"]
+            out.append((given, f"{flag} is not supported: {reason}"))
+    for flag, kwargs, value, reason in ACCEPTED_VALUE_FLAGS:
+        other = [c for c in kwargs["choices"] if c != value][0]
+        out.append(([flag, other], f"{flag} {other} is not supported: {reason}"))
+    out += [
+        (["--expert-tensor-parallel-size", 2], "--expert-tensor-parallel-size 2 is not supported"),
+        (["--moe-shared-expert-intermediate-size", 64], "--moe-shared-expert-intermediate-size needs --num-experts"),
+        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64],
+         "shared experts (--moe-shared-expert-intermediate-size) are not supported"),
+        (["--num-experts", 4, "--moe-z-loss-coeff", 1e-3], "the router z-loss (--moe-z-loss-coeff) is not supported"),
+        (["--decoupled-min-lr", 1e-4], "--decoupled-min-lr needs --decoupled-lr"),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("extra, message", _refused_cases(), ids=lambda c: str(c)[:40])
+def test_refused_model_flags_name_the_flag(extra, message):
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(args=[str(a) for a in TINY + ["--train-iters", 1] + extra])
+    with pytest.raises(SystemExit) as exc:
+        validate_args(args)
+    assert message in str(exc.value), str(exc.value)
+
+
+def test_accepted_values_select_what_the_fork_does():
+    from megatron.training.arguments import parse_args, validate_args
+
+    argv = TINY + ["--train-iters", 1, "--rope-type", "rope", "--softmax-type", "vanilla", "--cuda-graph-impl", "none",
+                   "--moe-router-dtype", "fp32", "--expert-tensor-parallel-size", 1, "--num-experts", 2]
+    args = validate_args(parse_args(args=[str(a) for a in argv]))
+    assert (args.rope_type, args.moe_router_dtype, args.expert_tensor_parallel_size) == ("rope", "fp32", 1)
