@@ -87,19 +87,41 @@ def _add_moe_args(parser):
                         "--num-experts and the world size).")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach the ranks of their experts under expert parallelism.")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                   help="Shared experts' hidden size (refused by TransformerConfig: shared experts are not "
-                        "implemented).")
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                   help="Router z-loss coefficient (refused by TransformerConfig: not implemented).")
+    for flag, kind, what in (("--moe-z-loss-coeff", float, "the router z-loss coefficient"),
+                             ("--moe-shared-expert-intermediate-size", int, "the shared experts' hidden size")):
+        g.add_argument(flag, type=kind, default=None, help=f"{what}: refused (TransformerConfig's check: not "
+                       "implemented).")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="Tensor-parallel size of the experts: the same as --tensor-model-parallel-size here (the "
-                        "default); other values are refused.")
+                   help="The experts' tensor-parallel size: --tensor-model-parallel-size (the default) only.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="All local experts in one grouped GEMM per projection (Transformer Engine's GroupedLinear "
                         "with --transformer-impl transformer_engine, else torch's grouped matmul or a loop); "
                         "checkpoints interchange with the sequential experts.")
 
+
+# Upstream flags that select a kernel for the same math, which this fork does not have: accepted, and what they do
+# here said (flag, argparse kwargs, what it does here)
+KERNEL_FLAGS = (
+    ("--no-masked-softmax-fusion", dict(action="store_false", dest="masked_softmax_fusion"),
+     "this fork has no fused scale-mask-softmax kernel (attention is torch's SDPA)"),
+    ("--no-bias-gelu-fusion", dict(action="store_false", dest="bias_gelu_fusion"),
+     "this fork has no fused bias-GeLU kernel"),
+    ("--no-bias-dropout-fusion", dict(action="store_false", dest="bias_dropout_fusion"),
+     "this fork has no fused bias-dropout-add kernel"),
+    ("--no-rope-fusion", dict(action="store_false", dest="apply_rope_fusion"),
+     "rotary embeddings are applied by plain torch ops here"),
+    ("--cross-entropy-loss-fusion", dict(action="store_true"),
+     "the loss is torch's cross entropy (vocab-parallel under TP) either way"),
+    ("--cross-entropy-fusion-impl", dict(type=str, default="native", choices=["native", "te"]),
+     "with --cross-entropy-loss-fusion (no fused kernel here)"),
+    ("--no-gradient-accumulation-fusion", dict(action="store_false", dest="gradient_accumulation_fusion"),
+     "weight gradients are accumulated by autograd here (no fused wgrad kernel)"),
+    ("--moe-permute-fusion", dict(action="store_true"),
+     "tokens are permuted to their experts by torch ops here (no fused kernel)"),
+    ("--use-mcore-models", dict(action="store_true"),
+     "deprecated upstream (megatron-core models are the only ones)"),
+    ("--attention-softmax-in-fp32", dict(action="store_true"), "SDPA's kernels accumulate the softmax in fp32"),
+)
 
 # Upstream flags of its launch scripts that need what this fork lacks: parsed (so the run stops with the reason
 # instead of "unrecognized argument") and refused in validate_args when given. (flags, argparse kwargs, reason)
@@ -263,26 +285,8 @@ def _add_training_args(parser):
                         "--transformer-impl local). The same math.")
     # -- kernel selection (upstream's flags): each picks a kernel for the same math; README lists what they do here --
     g.add_argument("--use-flash-attn", action="store_true", help="The same as --attention-backend flash.")
-    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
-                   help="Accepted: this fork has no fused scale-mask-softmax kernel (attention is torch's SDPA).")
-    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
-                   help="Accepted: this fork has no fused bias-GeLU kernel.")
-    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
-                   help="Accepted: this fork has no fused bias-dropout-add kernel.")
-    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
-                   help="Accepted: rotary embeddings are applied by plain torch ops here.")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="Accepted: the loss is torch's cross entropy (vocab-parallel under TP) either way.")
-    g.add_argument("--cross-entropy-fusion-impl", type=str, default="native", choices=["native", "te"],
-                   help="Accepted with --cross-entropy-loss-fusion (no fused kernel here).")
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                   help="Accepted: weight gradients are accumulated by autograd here (no fused wgrad kernel).")
-    g.add_argument("--moe-permute-fusion", action="store_true",
-                   help="Accepted: tokens are permuted to their experts by torch ops here (no fused kernel).")
-    g.add_argument("--use-mcore-models", action="store_true",
-                   help="Deprecated upstream (megatron-core models are the only ones): accepted.")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true",
-                   help="Accepted: SDPA's kernels accumulate the softmax in fp32.")
+    for flag, kwargs, what in KERNEL_FLAGS:
+        g.add_argument(flag, help=f"Accepted: {what}.", **kwargs)
     g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
                    help="Forbid reduced-precision reductions in bf16 matmuls (torch.backends.cuda.matmul."
                         "allow_bf16_reduced_precision_reduction = False).")
@@ -381,17 +385,15 @@ def _add_checkpointing_args(parser):
                         "--non-persistent-global-ckpt-dir, default <save>/non_persistent, only the latest kept); a "
                         "load takes the newer of it and --load's latest.")
     g.add_argument("--non-persistent-ckpt-type", type=str, default=None, choices=["global", "local", "in_memory"],
-                   help="global (a torch_dist checkpoint on the shared file system); local and in_memory are "
-                        "refused.")
+                   help="global (torch_dist on the shared file system); local and in_memory are refused.")
     g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
                    help="Directory of the global non-persistent checkpoints (default <save>/non_persistent).")
     g.add_argument("--pretrained-checkpoint", type=str, default=None,
                    help="When --load has no checkpoint (or is not given): load the model from this checkpoint as "
                         "with --finetune (no optimizer, RNG or iteration), e.g. to start a fine-tune that later "
                         "resumes from --load.")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="Take the model-shape arguments (layers, sizes, heads, norms, position embedding, "
-                        "vocabulary, ...) from the checkpoint in --load (or --pretrained-checkpoint).")
+    g.add_argument("--use-checkpoint-args", action="store_true", help="Take the model-shape arguments (sizes, "
+                   "heads, norms, position embedding, ...) from the checkpoint in --load (or --pretrained-checkpoint).")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="Detect the format of the checkpoint a load reads (torch_dist is loaded; another format "
                         "is refused with its name).")
@@ -508,8 +510,7 @@ def _add_data_args(parser):
     g.add_argument("--data-args-path", type=str, default=None,
                    help="A file holding the value of --data-path (weights and prefixes separated by spaces).")
     g.add_argument("--per-split-data-args-path", type=str, default=None,
-                   help="A JSON file {\"train\": [...], \"valid\": [...], \"test\": [...]} holding the values of "
-                        "--train-data-path / --valid-data-path / --test-data-path.")
+                   help="A JSON file {train: [...], valid: [...], test: [...]} of the --*-data-path values.")
     g.add_argument("--data-cache-path", type=str, default=None,
                    help="Save each dataset's sample index arrays here (.npy) and read them back in later runs.")
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
