@@ -303,6 +303,25 @@ def _unpack_loss(out):
     return out, out.detach()
 
 
+def _loss_sum_and_tokens(out) -> torch.Tensor:
+    """``[loss sum, tokens]`` (float32) of a loss function's output under --calculate-per-token-loss."""
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise TypeError("--calculate-per-token-loss: the loss function must return (loss_sum, num_tokens, "
+                        "{'lm loss': [sum, num_tokens]})")
+    loss, num_tokens, _ = out
+    return torch.stack([loss.detach().float().reshape(()),
+                        torch.as_tensor(num_tokens).float().reshape(()).to(loss.device)])
+
+
+def _per_token_mean(sum_and_tokens: torch.Tensor) -> torch.Tensor:
+    """Loss sum / tokens of this rank's ``[loss sum, tokens]`` summed over the data-parallel ranks (collective)."""
+    group = parallel_state.get_data_parallel_group()
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        sum_and_tokens = sum_and_tokens.to(parallel_state.collective_device(group))
+        torch.distributed.all_reduce(sum_and_tokens, group=group)
+    return sum_and_tokens[0] / sum_and_tokens[1].clamp(min=1.0)
+
+
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config=None):
     """One iteration: gradient accumulation over ``args.num_microbatches``, grad sync, optimizer step,
     scheduler step, expert-bias update. Returns (lm loss averaged over micro-batches and DP, grad norm,
@@ -329,12 +348,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             output, loss_func = forward_step_func(data_iterator, chunk)
             out = loss_func(output)
             if per_token:
-                if not (isinstance(out, tuple) and len(out) == 3):
-                    raise TypeError("--calculate-per-token-loss: the loss function must return (loss_sum, "
-                                    "num_tokens, {'lm loss': [sum, num_tokens]})")
-                loss, num_tokens, _ = out
-                token_sums.append(torch.stack([loss.detach().float().reshape(()),
-                                               torch.as_tensor(num_tokens).float().reshape(()).to(loss.device)]))
+                loss = out[0]
+                token_sums.append(_loss_sum_and_tokens(out))
             else:
                 loss, value = _unpack_loss(out)
                 loss = loss / n
@@ -353,11 +368,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
         update_expert_bias(model, parallel_state.get_data_parallel_group())
     if per_token:  # the lm loss of the global batch: its loss sum over its tokens
-        group = parallel_state.get_data_parallel_group()
-        if group is not None and torch.distributed.get_world_size(group) > 1:
-            tokens = tokens.to(parallel_state.collective_device(group))
-            torch.distributed.all_reduce(tokens, group=group)
-        loss = tokens[0] / tokens[1].clamp(min=1.0)
+        loss = _per_token_mean(tokens)
     else:
         loss = average_losses_across_data_parallel_group([torch.stack(reported).mean()])[0]
     gn = float(grad_norm) if grad_norm is not None else float("nan")
@@ -372,11 +383,14 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
     chunk.eval()
     it = build_data_iterator(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
                              parallel_state.get_data_parallel_world_size())
-    values = []
+    values, per_token = [], bool(getattr(args, "calculate_per_token_loss", False))
     for _ in range(eval_iters * args.num_microbatches):
         output, loss_func = forward_step_func(it, chunk)
-        values.append(_unpack_loss(loss_func(output))[1].detach().float().reshape(()))
+        out = loss_func(output)
+        values.append(_loss_sum_and_tokens(out) if per_token else _unpack_loss(out)[1].detach().float().reshape(()))
     chunk.train()
+    if per_token:  # --calculate-per-token-loss: over every token of the evaluated batches
+        return float(_per_token_mean(torch.stack(values).sum(0)))
     return float(average_losses_across_data_parallel_group([torch.stack(values).mean()])[0])
 
 
@@ -459,6 +473,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 num_zeros = optimizer.count_zeros() if args.log_num_zeros_in_grad else None
                 params_norm = optimizer.get_params_norm() if args.log_params_norm else None
                 result.params_norms[iteration], result.num_zeros[iteration] = params_norm, num_zeros
+                writer = get_scalar_writer()
+                for name, value in (("params-norm", params_norm), ("num-zeros", num_zeros)):
+                    if writer is not None and value is not None:
+                        writer.add_scalar(name, value, iteration)
                 training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0,
                              iters, loss_scale, skipped, nan_iters, num_zeros=num_zeros, params_norm=params_norm)
                 interval_losses, t0, iters = [], time.time(), 0

@@ -91,8 +91,8 @@ def _per_token_body(rank, world_size, tmp):
         "--data-path", prefix, "--eod-mask-loss", "--train-iters", 1, "--lr", 0.0, "--min-lr", 0.0,
         "--lr-warmup-iters", 0, "--clip-grad", 0.0]
     argv[argv.index("--vocab-size") + 1] = 20
-    res = _run(argv + ["--calculate-per-token-loss"])
     mean_of_means = _run(argv).losses[1]
+    res = _run(argv + ["--calculate-per-token-loss"])
     model = res.model[0]
     base = model.module if hasattr(model, "module") else model
     grads = {n: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
@@ -107,6 +107,10 @@ def _per_token_body(rank, world_size, tmp):
     want = (losses.float() * mask).sum() / mask.sum()
     want.backward()
     assert res.losses[1] == pytest.approx(float(want), rel=1e-6)
+    from megatron.training.training import evaluate
+
+    # evaluation counts every token too (the same 8 samples; --lr 0 left the weights as they were)
+    assert evaluate(pretrain_gpt.forward_step, train, [model], 1) == pytest.approx(float(want), rel=1e-6)
     assert abs(mean_of_means - float(want)) > 1e-5  # the masks differ per micro-batch: the formulas differ
     for n, p in base.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6)
