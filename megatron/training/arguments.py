@@ -91,6 +91,12 @@ def _add_moe_args(parser):
                              ("--moe-shared-expert-intermediate-size", int, "the shared experts' hidden size")):
         g.add_argument(flag, type=kind, default=None, help=f"{what}: refused (TransformerConfig's check: not "
                        "implemented).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing: the experts form this many equal groups (e.g. the EP size).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Group-limited routing: each token uses experts of its best this-many groups only.")
+    g.add_argument("--moe-router-topk-limited-devices", type=int, default=None,
+                   help="Deprecated upstream: --moe-router-num-groups EP size --moe-router-group-topk this value.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="The experts' tensor-parallel size: --tensor-model-parallel-size (the default) only.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
@@ -131,8 +137,6 @@ REFUSED_FLAGS = (
      dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
     (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
     (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
-    (("--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-limited-devices"),
-     dict(type=int, default=None), "group-limited (device-limited) routing is not implemented"),
     (("--moe-router-force-load-balancing",), dict(action="store_true"),
      "benchmark-only random routing is not implemented"),
     (("--moe-per-layer-logging",), dict(action="store_true"), "per-layer MoE loss logging is not implemented"),
@@ -979,6 +983,9 @@ def validate_args(args, defaults={}):
         _fail(f"--expert-tensor-parallel-size {etp} is not supported: the experts are split over the "
               f"tensor-parallel ranks (--tensor-model-parallel-size {args.tensor_model_parallel_size}); give that "
               "value or remove the flag")
+    if args.moe_router_topk_limited_devices:  # upstream's deprecated form of device-limited routing
+        args.moe_router_num_groups = args.expert_model_parallel_size
+        args.moe_router_group_topk = args.moe_router_topk_limited_devices
     if args.num_experts is not None:
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
@@ -992,7 +999,8 @@ def validate_args(args, defaults={}):
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
-        for dest in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
+        for dest in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff",
+                     "moe_router_num_groups", "moe_router_group_topk"):
             if getattr(args, dest) is not None:
                 _fail(f"{flag_name(dest)} needs --num-experts")
 
@@ -1185,6 +1193,8 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_dtype=args.moe_router_dtype,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
         attention_backend=args.attention_backend,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         recompute_method=args.recompute_method,

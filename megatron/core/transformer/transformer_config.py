@@ -136,6 +136,8 @@ class TransformerConfig:
     moe_token_dispatcher_type: str = "allgather"
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_z_loss_coeff: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
+    moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -227,6 +229,13 @@ class TransformerConfig:
                 )
             if self.moe_shared_expert_intermediate_size:
                 raise ValueError("shared experts (--moe-shared-expert-intermediate-size) are not supported")
+            if self.moe_router_num_groups or self.moe_router_group_topk:
+                g, k = self.moe_router_num_groups, self.moe_router_group_topk
+                if not (g and k and self.num_moe_experts % g == 0 and 1 <= k <= g and self.moe_router_topk % k == 0):
+                    raise ValueError(
+                        f"group-limited routing needs moe_router_num_groups (--moe-router-num-groups, {g}) dividing "
+                        f"num_moe_experts ({self.num_moe_experts}) and moe_router_group_topk (--moe-router-group-topk, "
+                        f"{k}) in [1, groups] dividing moe_router_topk ({self.moe_router_topk})")
             if self.moe_z_loss_coeff:
                 raise ValueError("the router z-loss (--moe-z-loss-coeff) is not supported")
         elif self.moe_router_enable_expert_bias:

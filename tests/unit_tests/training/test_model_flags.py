@@ -160,6 +160,9 @@ def _refused_cases():
          "shared experts (--moe-shared-expert-intermediate-size) are not supported"),
         (["--num-experts", 4, "--moe-z-loss-coeff", 1e-3], "the router z-loss (--moe-z-loss-coeff) is not supported"),
         (["--decoupled-min-lr", 1e-4], "--decoupled-min-lr needs --decoupled-lr"),
+        (["--num-experts", 4, "--moe-router-num-groups", 3, "--moe-router-group-topk", 1],
+         "group-limited routing needs moe_router_num_groups (--moe-router-num-groups, 3) dividing"),
+        (["--moe-router-group-topk", 1], "--moe-router-group-topk needs --num-experts"),
     ]
     return out
 
@@ -181,3 +184,36 @@ def test_accepted_values_select_what_the_fork_does():
                    "--moe-router-dtype", "fp32", "--expert-tensor-parallel-size", 1, "--num-experts", 2]
     args = validate_args(parse_args(args=[str(a) for a in argv]))
     assert (args.rope_type, args.moe_router_dtype, args.expert_tensor_parallel_size) == ("rope", "fp32", 1)
+
+
+def test_group_limited_routing_picks_within_the_best_groups():
+    from megatron.core.transformer.moe.router import topk_routing_with_score_function
+
+    logits = torch.tensor([[5.0, -5, 3, 3, -5, -5, 4, -5]])  # groups of 2: sums of both scores ~1.0, 1.9, 0.01, 1.0
+    _, free, _ = topk_routing_with_score_function(logits, 2, "sigmoid")
+    assert free[0].nonzero().flatten().tolist() == [0, 6]
+    probs, grouped, scores = topk_routing_with_score_function(logits, 2, "sigmoid", num_groups=4, group_topk=1)
+    assert grouped[0].nonzero().flatten().tolist() == [2, 3]  # both from the best group
+    torch.testing.assert_close(probs[0, 2:4], torch.tensor([0.5, 0.5]))  # sigmoid top-k renormalized
+    _, two_groups, _ = topk_routing_with_score_function(logits, 2, "sigmoid", num_groups=4, group_topk=2)
+    # two groups of topk // 2 = 1 best score each: groups 0 (0.993) and 3 (0.982) beat group 1 (0.953)
+    assert two_groups[0].nonzero().flatten().tolist() == [0, 6]
+
+
+def _limited_devices_body(rank, world_size):
+    args = _init(TINY + ["--train-iters", 1, "--num-experts", 4, "--moe-router-topk", 2,
+                         "--expert-model-parallel-size", 2, "--moe-router-topk-limited-devices", 1])
+    assert (args.moe_router_num_groups, args.moe_router_group_topk) == (2, 1)
+    res = _run(TINY + ["--train-iters", 2, "--num-experts", 4, "--expert-model-parallel-size", 2,
+                       "--moe-router-num-groups", 2, "--moe-router-group-topk", 1])
+    assert sorted(res.losses) == [1, 2]
+    chunk = res.model[0].module if hasattr(res.model[0], "module") else res.model[0]
+    router = chunk.decoder.layers[0].mlp.router
+    x = torch.randn(16, 32)
+    _, routing_map = router(x)
+    per_group = routing_map.view(16, 2, 2).any(dim=-1).sum(dim=-1)
+    assert per_group.tolist() == [1] * 16  # every token's 2 experts lie in one group (one EP rank)
+
+
+def test_moe_router_topk_limited_devices_runs_on_two_ranks():
+    run_distributed(_limited_devices_body, 2)
