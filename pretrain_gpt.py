@@ -39,15 +39,21 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 def get_batch(data_iterator):
-    """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (causal: no mask)."""
+    """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (attention_mask None:
+    causal, applied inside attention; a bool ``[b, 1, s, s]`` with --reset-attention-mask)."""
     batch = next(data_iterator)
-    return batch["tokens"], batch["labels"], batch["loss_mask"], None, batch["position_ids"]
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+    """Mean per-token loss over the unmasked tokens of the micro-batch; with --calculate-per-token-loss (upstream's
+    form) ``(loss sum, tokens, {'lm loss': [sum, tokens]})``, the training loop dividing by the global batch's
+    tokens."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
+    if get_args().calculate_per_token_loss:
+        total, tokens = torch.sum(losses * mask), mask.sum()
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     # a non-finite loss is caught once per iteration by the training loop (--check-for-nan-in-loss-and-grad), not
     # here: checking each micro-batch would stall the host on the device every micro-batch
@@ -64,8 +70,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     """MockGPTDataset with --mock-data, else GPTDataset over the --data-path prefix (or a blend of prefixes)."""
     args = get_args()
     tokenizer = get_tokenizer()
-    blend = None
-    if not args.mock_data:
+    blend, per_split = None, None
+    if args.data_blend_per_split is not None:  # --train-data-path / --valid-data-path / --test-data-path
+        per_split = [([p for p, _ in b], [w for _, w in b]) if b else None for b in args.data_blend_per_split]
+    elif not args.mock_data:
         blend = ([p for p, _ in args.data_blend], [w for _, w in args.data_blend])
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -76,6 +84,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         vocab_size=args.vocab_size or tokenizer.vocab_size,  # mock data: the tokenizer's ids (NullTokenizer: no eod)
         eod_mask_loss=args.eod_mask_loss,
         eod_id=tokenizer.eod,
+        blend_per_split=per_split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
     )
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_gpt_datasets(config, train_val_test_num_samples)

@@ -14,7 +14,7 @@ import torch
 
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
 from megatron.core.transformer.transformer_config import flag_name
-from megatron.training.utils import get_rank_safe
+from megatron.training.utils import get_rank_safe, print_rank_0
 
 # Rank-0-once guard of the param-gather / checkpoint-load warning (reset by tests).
 _PARAM_GATHER_WARNED = False
@@ -50,6 +50,14 @@ def _add_network_size_args(parser):
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate embedding and output-layer weights.")
+    # -- model options (upstream's flags; computed where the thing is: attention, norms) --
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="Normalize each head's queries and keys (--normalization, before rotary embedding).")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="Zero-centered norm weights: the norms scale by 1 + weight (weight initialized to 0).")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="No learned absolute position embedding (with the default --position-embedding-type "
+                        "learned_absolute: none; rotary embeddings are unaffected).")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="Size of the vocabulary without the end-of-document token (NullTokenizer; its eod id is "
                         "this value, its vocabulary one larger).")
@@ -79,10 +87,117 @@ def _add_moe_args(parser):
                         "--num-experts and the world size).")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach the ranks of their experts under expert parallelism.")
+    for flag, kind, what in (("--moe-z-loss-coeff", float, "the router z-loss coefficient"),
+                             ("--moe-shared-expert-intermediate-size", int, "the shared experts' hidden size")):
+        g.add_argument(flag, type=kind, default=None, help=f"{what}: refused (TransformerConfig's check: not "
+                       "implemented).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing: the experts form this many equal groups (e.g. the EP size).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Group-limited routing: each token uses experts of its best this-many groups only.")
+    g.add_argument("--moe-router-topk-limited-devices", type=int, default=None,
+                   help="Deprecated upstream: --moe-router-num-groups EP size --moe-router-group-topk this value.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="The experts' tensor-parallel size: --tensor-model-parallel-size (the default) only.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="All local experts in one grouped GEMM per projection (Transformer Engine's GroupedLinear "
                         "with --transformer-impl transformer_engine, else torch's grouped matmul or a loop); "
                         "checkpoints interchange with the sequential experts.")
+
+
+# Upstream flags that select a kernel for the same math, which this fork does not have: accepted, and what they do
+# here said (flag, argparse kwargs, what it does here)
+KERNEL_FLAGS = (
+    ("--no-masked-softmax-fusion", dict(action="store_false", dest="masked_softmax_fusion"),
+     "this fork has no fused scale-mask-softmax kernel (attention is torch's SDPA)"),
+    ("--no-bias-gelu-fusion", dict(action="store_false", dest="bias_gelu_fusion"),
+     "this fork has no fused bias-GeLU kernel"),
+    ("--no-bias-dropout-fusion", dict(action="store_false", dest="bias_dropout_fusion"),
+     "this fork has no fused bias-dropout-add kernel"),
+    ("--no-rope-fusion", dict(action="store_false", dest="apply_rope_fusion"),
+     "rotary embeddings are applied by plain torch ops here"),
+    ("--cross-entropy-loss-fusion", dict(action="store_true"),
+     "the loss is torch's cross entropy (vocab-parallel under TP) either way"),
+    ("--cross-entropy-fusion-impl", dict(type=str, default="native", choices=["native", "te"]),
+     "with --cross-entropy-loss-fusion (no fused kernel here)"),
+    ("--no-gradient-accumulation-fusion", dict(action="store_false", dest="gradient_accumulation_fusion"),
+     "weight gradients are accumulated by autograd here (no fused wgrad kernel)"),
+    ("--moe-permute-fusion", dict(action="store_true"),
+     "tokens are permuted to their experts by torch ops here (no fused kernel)"),
+    ("--use-mcore-models", dict(action="store_true"),
+     "deprecated upstream (megatron-core models are the only ones)"),
+    ("--attention-softmax-in-fp32", dict(action="store_true"), "SDPA's kernels accumulate the softmax in fp32"),
+)
+
+# Upstream flags of its launch scripts that need what this fork lacks: parsed (so the run stops with the reason
+# instead of "unrecognized argument") and refused in validate_args when given. (flags, argparse kwargs, reason)
+REFUSED_FLAGS = (
+    (("--multi-latent-attention",), dict(action="store_true"), "multi-latent attention (MLA) is not implemented"),
+    (("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--v-head-dim", "--qk-pos-emb-head-dim"),
+     dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
+    (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
+    (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
+    (("--moe-router-force-load-balancing",), dict(action="store_true"),
+     "benchmark-only random routing is not implemented"),
+    (("--moe-per-layer-logging",), dict(action="store_true"), "per-layer MoE loss logging is not implemented"),
+    (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
+     "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
+    (("--use-precision-aware-optimizer",), dict(action="store_true"),
+     "it keeps optimizer state in lower precision through Transformer Engine's FusedAdam; this fork's optimizer "
+     "keeps fp32 main params and state"),
+    (("--first-last-layers-bf16",), dict(action="store_true"),
+     "per-layer precision (FP8 layers with the first and last in bf16) is not implemented"),
+    (("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"), dict(type=int, default=None),
+     "per-layer precision (--first-last-layers-bf16) is not implemented"),
+    (("--window-size",), dict(type=str, default=None), "sliding-window attention is not implemented"),
+    (("--window-attn-skip-freq",), dict(type=int, default=None), "sliding-window attention is not implemented"),
+    (("--rotary-scaling-factor", "--mscale", "--mscale-all-dim"), dict(type=float, default=None),
+     "rotary embedding scaling (Llama 3.1 / YaRN) is not implemented"),
+    (("--glu-linear-offset", "--activation-func-clamp-value"), dict(type=float, default=None),
+     "gpt-oss's clamped GLU activation is not implemented"),
+    (("--quick-geglu",), dict(action="store_true"), "the quick-GeGLU activation is not implemented"),
+    (("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub",
+      "--fsdp-db-use-persist-buf-on-alloc-fail"), dict(action="store_true"),
+     "Megatron-FSDP's NCCL buffer options: this fork's Megatron-FSDP runs on FSDP2, which has no such buffers"),
+    (("--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"),
+     dict(type=str, default=None), "Megatron-FSDP's buffer dtypes: this fork's Megatron-FSDP runs on FSDP2 (fp32 "
+     "main params; gradients reduced in fp32, --grad-reduce-in-bf16 for bf16)"),
+    (("--step-batch-size-schedule",), dict(type=str, default=None),
+     "batch-size schedules are not supported (as --rampup-batch-size): the global batch size is fixed"),
+)
+# Given with these values they select what the fork does anyway; other values are refused (flag, kwargs, accepted
+# value, reason)
+ACCEPTED_VALUE_FLAGS = (
+    ("--rope-type", dict(type=str, default=None, choices=["rope", "yarn"]), "rope",
+     "YaRN rotary embeddings are not implemented"),
+    ("--softmax-type", dict(type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"]), "vanilla",
+     "only the vanilla attention softmax is implemented"),
+    ("--cuda-graph-impl", dict(type=str, default="none", choices=["none", "local", "transformer_engine"]), "none",
+     "CUDA graphs are not implemented"),
+    ("--moe-router-dtype", dict(type=str, default=None, choices=["fp32", "fp64"]), "fp32",
+     "the router computes its logits, scores and top-k in float32 (what fp32 asks for); fp64 is not implemented"),
+)
+
+
+def _add_refused_args(parser):
+    g = parser.add_argument_group(title="upstream flags refused with a reason (see REFUSED_FLAGS)")
+    for flags, kwargs, reason in REFUSED_FLAGS:
+        for flag in flags:
+            g.add_argument(flag, help=f"Refused: {reason}.", **kwargs)
+    for flag, kwargs, value, reason in ACCEPTED_VALUE_FLAGS:
+        g.add_argument(flag, help=f"{value} (what this fork does); other values are refused: {reason}.", **kwargs)
+
+
+def _validate_refused_args(args):
+    for flags, _, reason in REFUSED_FLAGS:
+        for flag in flags:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value not in (None, False):
+                _fail(f"{flag} is not supported: {reason}; remove the flag")
+    for flag, kwargs, value, reason in ACCEPTED_VALUE_FLAGS:
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given not in (None, kwargs.get("default"), value):
+            _fail(f"{flag} {given} is not supported: {reason}; use {value} or remove the flag")
 
 
 def _add_recompute_args(parser):
@@ -137,18 +252,48 @@ def _add_training_args(parser):
                    help="Samples to train in total: --train-samples / --global-batch-size iterations (instead of "
                         "--train-iters); the learning-rate schedule is then counted in samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="The loss of an iteration is the sum over all its unmasked tokens divided by their count "
+                        "(over micro-batches and data-parallel ranks), not the mean of per-micro-batch means.")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
                    help="Do not stop when the lm loss is not finite (default: stop with an error after that "
                         "iteration, whose update is skipped: its gradient norm is not finite either); the log then "
                         "counts such iterations.")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
+    # -- run control and housekeeping (upstream's flags; megatron/training/run_control.py) --
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   dest="check_for_nan_in_loss_and_grad", help="Stop when the lm loss is not finite (the default).")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM (what a scheduler sends before a preemption): finish the iteration, save a "
+                        "checkpoint (with --save) and exit with code 0, on every rank together.")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None,
+                   help="Exit (saving a checkpoint with --save) after the first iteration that ends more than this "
+                        "many minutes after the start.")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Disable Python's automatic garbage collection; collect every --manual-gc-interval "
+                        "iterations (and before each evaluation with --manual-gc-eval) on every rank together.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: iterations between collections (0: only at the start).")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="With --manual-gc: do not collect before and after each evaluation.")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Release the CUDA caching allocator's unused blocks: 1 after each optimizer step, 2 also "
+                        "after each evaluation (nothing to release on CPU).")
     g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
     g.add_argument("--attention-backend", type=str, default="auto",
                    choices=["auto", "flash", "fused", "unfused", "local"],
-                   help="auto (the default: Transformer Engine picks its backend; the local implementation has one) "
-                        "or local/unfused with --transformer-impl local; flash/fused are not supported yet.")
+                   help="The kernel of torch's scaled_dot_product_attention that computes core attention: auto "
+                        "(torch picks), flash, fused (memory-efficient; both CUDA), unfused/local (math, with "
+                        "--transformer-impl local). The same math.")
+    # -- kernel selection (upstream's flags): each picks a kernel for the same math; README lists what they do here --
+    g.add_argument("--use-flash-attn", action="store_true", help="The same as --attention-backend flash.")
+    for flag, kwargs, what in KERNEL_FLAGS:
+        g.add_argument(flag, help=f"Accepted: {what}.", **kwargs)
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="Forbid reduced-precision reductions in bf16 matmuls (torch.backends.cuda.matmul."
+                        "allow_bf16_reduced_precision_reduction = False).")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="Layer implementation (default: transformer_engine if installed, else local).")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None, help="Initialize on CPU.")
@@ -169,6 +314,11 @@ def _add_learning_rate_args(parser):
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="Linear warmup samples (with --train-samples).")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="LR at the start of the warmup.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Minimum learning rate.")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Peak learning rate of the input embedding and output layer (their own schedule with the "
+                        "same warmup and decay).")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Minimum learning rate of the input embedding and output layer (default --min-lr).")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="Use the arguments' scheduler values, not the checkpoint's.")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
@@ -229,6 +379,33 @@ def _add_checkpointing_args(parser):
                    "and move its tracker back (default: such a run is refused before training).")
     g.add_argument("--ckpt-fresh-start", action="store_true", help="Train from random initialization although --load "
                    "holds iter_N checkpoints but no tracker (default: refused; --ckpt-step N resumes from one).")
+    # -- run control on clusters (upstream's flags) --
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Keep only the checkpoints whose iteration is a multiple of this (and the latest): a save "
+                        "deletes the previous checkpoint unless its iteration is such a multiple. A multiple of "
+                        "--save-interval.")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="Iterations between non-persistent saves (--non-persistent-ckpt-type global: into "
+                        "--non-persistent-global-ckpt-dir, default <save>/non_persistent, only the latest kept); a "
+                        "load takes the newer of it and --load's latest.")
+    g.add_argument("--non-persistent-ckpt-type", type=str, default=None, choices=["global", "local", "in_memory"],
+                   help="global (torch_dist on the shared file system); local and in_memory are refused.")
+    g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
+                   help="Directory of the global non-persistent checkpoints (default <save>/non_persistent).")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None,
+                   help="When --load has no checkpoint (or is not given): load the model from this checkpoint as "
+                        "with --finetune (no optimizer, RNG or iteration), e.g. to start a fine-tune that later "
+                        "resumes from --load.")
+    g.add_argument("--use-checkpoint-args", action="store_true", help="Take the model-shape arguments (sizes, "
+                   "heads, norms, position embedding, ...) from the checkpoint in --load (or --pretrained-checkpoint).")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="Detect the format of the checkpoint a load reads (torch_dist is loaded; another format "
+                        "is refused with its name).")
+    g.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
+                   help="Deprecated (upstream): the same as --ckpt-format torch_dist, the only format here.")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="The state's structure is the same at every save of the run: skip the cross-rank sharding "
+                        "validation of the saves after the first (the same files are written).")
 
 
 def _add_mixed_precision_args(parser):
@@ -328,7 +505,29 @@ def _add_data_args(parser):
     g.add_argument("--num-workers", type=int, default=2,
                    help="Data loader workers (accepted, no effect: samples are read by index in the training "
                         "process, the same samples in the same order for any value).")
-    g.add_argument("--reset-position-ids", action="store_true", help="Not supported.")
+    # -- upstream's data flags (megatron/core/datasets/gpt_dataset.py) --
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="The training split's own prefix or weighted blend, used whole (with --valid-data-path and "
+                        "--test-data-path instead of --data-path and --split).")
+    g.add_argument("--valid-data-path", nargs="*", default=None, help="The validation split's prefix or blend.")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="The test split's prefix or blend.")
+    g.add_argument("--data-args-path", type=str, default=None,
+                   help="A file holding the value of --data-path (weights and prefixes separated by spaces).")
+    g.add_argument("--per-split-data-args-path", type=str, default=None,
+                   help="A JSON file {train: [...], valid: [...], test: [...]} of the --*-data-path values.")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="Save each dataset's sample index arrays here (.npy) and read them back in later runs.")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="Read the .bin files into memory instead of memory-mapping them (the same samples).")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="Position ids restart at 0 after each end-of-document token.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Tokens attend only to earlier tokens of their own document (a per-sample attention mask "
+                        "made by the dataloader).")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="Do not make the attention mask in the dataloader: the causal mask is applied inside "
+                        "attention (what this fork does anyway without --reset-attention-mask; refused with it).")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="Mask the loss where the input token is the tokenizer's end-of-document token.")
 
@@ -336,7 +535,7 @@ def _add_data_args(parser):
 def _add_tokenizer_args(parser):
     g = parser.add_argument_group(title="tokenizer")
     g.add_argument("--tokenizer-type", type=str, default=None,
-                   choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
+                   choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer"],
                    help="NullTokenizer (ids are tokens; --vocab-size), GPT2BPETokenizer (--vocab-file, "
                         "--merge-file), HuggingFaceTokenizer (--tokenizer-model: a local directory or tokenizer.json).")
     g.add_argument("--vocab-file", type=str, default=None, help="GPT-2 BPE vocabulary (vocab.json).")
@@ -344,6 +543,9 @@ def _add_tokenizer_args(parser):
     g.add_argument("--tokenizer-model", type=str, default=None,
                    help="HuggingFaceTokenizer: a local tokenizer directory (tokenizer.json and its config) or a "
                         "tokenizer.json file. Nothing is downloaded and no remote code runs.")
+    g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                   help="TikTokenizer's split pattern; TikTokenizer is refused (the tiktoken package is not a "
+                        "dependency of this fork).")
 
 
 def _add_logging_args(parser):
@@ -380,6 +582,18 @@ def _add_logging_args(parser):
                    help="With --profile: torch.profiler; the trace goes to --tensorboard-dir (else <--save>/"
                         "torch_profile, else the current directory) and the top-ops table is printed.")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks that profile.")
+    # -- logging and checks (upstream's flags; megatron/training/run_control.py) --
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="Log the L2 norm of the parameters (each value counted once) on each log line.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Log the number of zero gradient values (after the data-parallel reduction) on each log line.")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="Level of Python's logging for the megatron loggers (e.g. 10 DEBUG, 20 INFO, 30 WARNING).")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="Record CUDA allocator history and dump a snapshot to --memory-snapshot-path at the end "
+                        "of training (CUDA only: refused without a GPU).")
+    g.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle",
+                   help="With --record-memory-history: where the snapshot is written.")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -422,6 +636,7 @@ def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         _add_network_size_args, _add_moe_args, _add_recompute_args, _add_regularization_args, _add_training_args,
         _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
         _add_distributed_args, _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args,
+        _add_refused_args,
     ):
         add(parser)
     if extra_args_provider is not None:
@@ -478,6 +693,11 @@ def _validate_tokenizer_args(args):
         args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "NullTokenizer"
     if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
         _fail(f"--vocab-size is required (>= 1) with --tokenizer-type NullTokenizer (got {args.vocab_size})")
+    if args.tokenizer_type == "TikTokenizer":
+        _fail("--tokenizer-type TikTokenizer is not supported: the tiktoken package is not a dependency of this fork; "
+              "use HuggingFaceTokenizer with a tokenizer.json of the same vocabulary")
+    if args.tiktoken_pattern is not None:
+        _fail("--tiktoken-pattern goes with --tokenizer-type TikTokenizer, which this fork does not support")
     for dest in TOKENIZER_FILE_FLAGS[args.tokenizer_type]:
         path = getattr(args, dest)
         if not path:
@@ -515,6 +735,42 @@ def _validate_sample_based_args(args):
     args.train_iters = args.train_samples // args.global_batch_size
     # The iteration-based equivalents, for code that reads them (the scheduler counts samples).
     args.lr_decay_iters = max(1, args.lr_decay_samples // args.global_batch_size)
+
+
+def _validate_run_control_args(args):
+    """Run control on clusters, housekeeping and logging checks (upstream's flags; what they do:
+    ``megatron/training/run_control.py`` and ``checkpointing.py``)."""
+    if args.use_dist_ckpt_deprecated:
+        print_rank_0("WARNING: --use-dist-ckpt is deprecated (upstream): torch_dist is the only format here")
+    for dest in ("exit_duration_in_mins", "save_retain_interval", "non_persistent_save_interval"):
+        value = getattr(args, dest)
+        if value is not None and value <= 0:
+            _fail(f"{flag_name(dest)} must be positive (got {value})")
+    if args.save_retain_interval is not None:
+        if not (args.save and args.save_interval):
+            _fail("--save-retain-interval needs --save <dir> and --save-interval")
+        if args.save_retain_interval % args.save_interval:
+            _fail(f"--save-retain-interval ({args.save_retain_interval}) must be a multiple of --save-interval "
+                  f"({args.save_interval})")
+    if args.non_persistent_ckpt_type in ("local", "in_memory"):
+        _fail(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not supported: this fork has no "
+              "node-local or in-memory checkpointing; use global (a torch_dist checkpoint in <save>/non_persistent)")
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_ckpt_type != "global":
+            _fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+        if not (args.save or args.non_persistent_global_ckpt_dir):
+            _fail("--non-persistent-save-interval needs --save <dir> (or --non-persistent-global-ckpt-dir)")
+    if args.manual_gc_interval < 0:
+        _fail(f"--manual-gc-interval must be >= 0 (got {args.manual_gc_interval})")
+    if args.record_memory_history and not torch.cuda.is_available():
+        _fail("--record-memory-history records the CUDA allocator's history: there is no CUDA device here")
+    if args.logging_level is not None:
+        import logging
+
+        if not 0 <= args.logging_level <= 50:
+            _fail(f"--logging-level must be in [0, 50] (got {args.logging_level})")
+        logging.getLogger("megatron").setLevel(args.logging_level)
+        logging.getLogger().setLevel(args.logging_level)
 
 
 def _validate_hybrid_sharding_args(args):
@@ -581,6 +837,47 @@ def _validate_data_parallel_args(args):
                   "--use-megatron-fsdp (FSDP2 overlaps its reduce-scatter and all-gather with compute)")
 
 
+def _validate_data_path_args(args):
+    """``--data-args-path`` / ``--per-split-data-args-path`` (files holding the path flags' values) and the
+    per-split paths: sets ``args.data_blend_per_split`` (``[(prefix, weight)]`` or None for train, valid, test)."""
+    import json
+
+    if args.data_args_path:
+        if args.data_path:
+            _fail("--data-args-path and --data-path are mutually exclusive")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = f.read().split()
+        except OSError as e:
+            _fail(f"--data-args-path {args.data_args_path}: {e.strerror or e}")
+    splits = ("train", "valid", "test")
+    if args.per_split_data_args_path:
+        if any(getattr(args, f"{n}_data_path") for n in splits):
+            _fail("--per-split-data-args-path and --train-data-path / --valid-data-path / --test-data-path are "
+                  "mutually exclusive")
+        try:
+            with open(args.per_split_data_args_path) as f:
+                spec = json.load(f)
+        except (OSError, ValueError) as e:
+            _fail(f"--per-split-data-args-path {args.per_split_data_args_path}: {e}")
+        if not isinstance(spec, dict) or set(spec) - set(splits):
+            _fail(f"--per-split-data-args-path {args.per_split_data_args_path}: expected a JSON object with keys "
+                  f"of {list(splits)}, got {list(spec) if isinstance(spec, dict) else type(spec).__name__}")
+        for n in splits:
+            value = spec.get(n)
+            setattr(args, f"{n}_data_path", value.split() if isinstance(value, str) else value)
+    per_split = [getattr(args, f"{n}_data_path") for n in splits]
+    args.data_blend_per_split = None
+    if any(per_split):
+        if args.data_path:
+            _fail("--data-path and --train-data-path / --valid-data-path / --test-data-path are mutually exclusive")
+        if not args.train_data_path:
+            _fail("--valid-data-path / --test-data-path need --train-data-path")
+        if args.split is not None:
+            _fail("--split applies to --data-path; with --train-data-path ... each split's data is used whole")
+        args.data_blend_per_split = [parse_data_path(p) if p else None for p in per_split]
+
+
 def parse_data_path(data_path):
     """``--data-path`` values -> ``[(prefix, weight)]`` with weights normalized to sum 1: one prefix (weight 1),
     or a blend ``w1 p1 w2 p2 ...`` (upstream's form; ``1.0 p`` is a blend of one)."""
@@ -618,6 +915,12 @@ def validate_args(args, defaults={}):
     for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.use_checkpoint_args:  # before anything is derived from the model-shape arguments
+        if not (args.load or args.pretrained_checkpoint):
+            _fail("--use-checkpoint-args needs --load <dir> or --pretrained-checkpoint <dir>")
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)
 
     # ---- parallelism ------------------------------------------------------------------------------------
     if args.pipeline_model_parallel_size != 1:
@@ -642,6 +945,8 @@ def validate_args(args, defaults={}):
         value = getattr(args, flag)
         if value is None or value <= 0:
             _fail(f"--{flag.replace('_', '-')} is required and must be positive (got {value})")
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # --no-position-embedding (upstream: add_position_embedding False)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
@@ -661,9 +966,11 @@ def validate_args(args, defaults={}):
 
         args.transformer_impl = "transformer_engine" if HAVE_TE else "local"
 
-    if args.attention_backend in ("flash", "fused"):
-        _fail(f"--attention-backend {args.attention_backend} is not supported yet: use auto (Transformer Engine "
-              "chooses its fused/flash backend itself) or remove the flag")
+    if args.use_flash_attn:  # upstream: the same as --attention-backend flash
+        args.attention_backend = "flash"
+    if args.attention_backend in ("flash", "fused") and not torch.cuda.is_available():
+        _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) selects a CUDA kernel of torch's "
+              "scaled_dot_product_attention; there is no CUDA device here: use auto")
     if args.attention_backend in ("local", "unfused") and args.transformer_impl != "local":
         _fail(f"--attention-backend {args.attention_backend} needs --transformer-impl local (the unfused "
               "attention of this fork); with Transformer Engine use auto")
@@ -673,6 +980,14 @@ def validate_args(args, defaults={}):
     # ---- MoE --------------------------------------------------------------------------------------------
     # a positive --num-experts, --moe-router-topk in [1, --num-experts] and --moe-router-enable-expert-bias
     # needing --num-experts: TransformerConfig's checks (_validate_configs)
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != args.tensor_model_parallel_size:
+        _fail(f"--expert-tensor-parallel-size {etp} is not supported: the experts are split over the "
+              f"tensor-parallel ranks (--tensor-model-parallel-size {args.tensor_model_parallel_size}); give that "
+              "value or remove the flag")
+    if args.moe_router_topk_limited_devices:  # upstream's deprecated form of device-limited routing
+        args.moe_router_num_groups = args.expert_model_parallel_size
+        args.moe_router_group_topk = args.moe_router_topk_limited_devices
     if args.num_experts is not None:
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
@@ -686,8 +1001,10 @@ def validate_args(args, defaults={}):
     else:
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
-        if args.moe_ffn_hidden_size is not None:
-            _fail("--moe-ffn-hidden-size needs --num-experts")
+        for dest in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff",
+                     "moe_router_num_groups", "moe_router_group_topk"):
+            if getattr(args, dest) is not None:
+                _fail(f"{flag_name(dest)} needs --num-experts")
 
     # ---- batch sizes ------------------------------------------------------------------------------------
     if args.micro_batch_size is None or args.micro_batch_size <= 0:
@@ -708,6 +1025,10 @@ def validate_args(args, defaults={}):
         _fail("--lr is required")
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None and not 0 <= (args.decoupled_min_lr or 0.0) <= args.decoupled_lr:
+        _fail(f"--decoupled-min-lr ({args.decoupled_min_lr}) must be in [0, --decoupled-lr ({args.decoupled_lr})]")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = max(args.train_iters, 1)
     if args.lr_decay_iters <= 0:
@@ -767,17 +1088,19 @@ def validate_args(args, defaults={}):
     _validate_data_parallel_args(args)
 
     # ---- data ---------------------------------------------------------------------------------------------
-    if args.mock_data and args.data_path:
-        _fail("--mock-data and --data-path are mutually exclusive")
-    if not args.mock_data and not args.data_path:
-        _fail("give --data-path <prefix> (an indexed .bin/.idx dataset) or --mock-data")
+    _validate_data_path_args(args)
+    if args.mock_data and (args.data_path or args.data_blend_per_split):
+        _fail("--mock-data and --data-path (or --train-data-path ...) are mutually exclusive")
+    if not args.mock_data and not args.data_path and not args.data_blend_per_split:
+        _fail("give --data-path <prefix> (an indexed .bin/.idx dataset), --train-data-path ... or --mock-data")
     args.data_blend = parse_data_path(args.data_path) if args.data_path else None  # [(prefix, weight)]
     if args.data_blend is not None and len(args.data_blend) == 1:
         args.data_path = [args.data_blend[0][0]]  # "--data-path 1.0 <prefix>": a blend of one
     if args.split is None:
         args.split = "969,30,1"
-    if args.reset_position_ids:
-        _fail("--reset-position-ids is not supported by this fork")
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        _fail("--reset-attention-mask needs the attention mask made in the dataloader: remove "
+              "--no-create-attention-mask-in-dataloader")
 
     # ---- checkpointing ------------------------------------------------------------------------------------
     if args.ckpt_format != "torch_dist":
@@ -798,6 +1121,8 @@ def validate_args(args, defaults={}):
     if args.ckpt_fresh_start and not args.load:
         _fail("--ckpt-fresh-start needs --load <dir> (it allows starting from scratch although --load holds "
               "checkpoints without a tracker)")
+    _validate_run_control_args(args)
+    _validate_refused_args(args)
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")
@@ -826,6 +1151,9 @@ def core_transformer_config_from_args(args, config_class=None):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
@@ -864,6 +1192,12 @@ def core_transformer_config_from_args(args, config_class=None):
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        attention_backend=args.attention_backend,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
@@ -900,6 +1234,8 @@ def optimizer_config_from_args(args):
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
     return _build(OptimizerConfig, kw)
 

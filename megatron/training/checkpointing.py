@@ -35,6 +35,8 @@ from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+NON_PERSISTENT_SUBDIR = "non_persistent"  # upstream's: <save>/non_persistent/iter_N (global non-persistent saves)
+_saved_once = False  # --ckpt-assume-constant-structure: the first save of the process validates the sharding
 CHECKPOINT_VERSION = 3.0
 _TRACKER_MAX_BYTES = 4096
 
@@ -221,6 +223,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     """Save ``<save>/iter_<iteration>/`` on all ranks: write ``iter_N.partial``, rename it to ``iter_N`` when every
     rank finished, then advance the tracker. Holds (takes, if the start-up check did not) the save root's lock."""
     args = get_args()
+    if non_persistent_ckpt:  # --non-persistent-ckpt-type global: its own directory and tracker, latest kept
+        save_dir = save_dir or non_persistent_dir(args, args.save)
     save_dir = save_dir or args.save
     if not save_dir:
         raise CheckpointError("save_checkpoint: no directory (--save)")
@@ -258,8 +262,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
         non_finite = _non_finite_state(args, state_dict)
+        global _saved_once
+        validate = not (getattr(args, "ckpt_assume_constant_structure", False) and _saved_once)
+        _saved_once = True
         request = dist_checkpointing.save(
             state_dict, partial_dir, sharded_strategy=strategy, async_sharded_save=async_save,
+            validate_access_integrity=validate,
             preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or preprocess_common_state_dict)
     except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         error, cause = e, safety.describe_save_failure(e, partial_dir)
@@ -271,12 +279,13 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             shutil.rmtree(partial_dir, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {checkpoint_dir} failed: {e}; {tracker} was not advanced "
                               f"(it still names the previous checkpoint)") from error
+    keep = 1 if non_persistent_ckpt else None  # non-persistent: only the latest is kept
     if request is None:
-        _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, non_finite=non_finite)
+        _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, non_finite=non_finite, keep_latest=keep)
         return
     request.add_finalize_fn(
         lambda: _finalize_save(save_dir, iteration, partial_dir, checkpoint_dir, scheduled_at=start,
-                               non_finite=non_finite)
+                               non_finite=non_finite, keep_latest=keep)
     )
     _schedule_async_save(request, iteration, save_dir, start, strategy)
     if non_finite is not None:  # stop now (the save is set aside when it finished), not at a later finalize
@@ -315,7 +324,8 @@ def preprocess_common_state_dict(common_state_dict: dict) -> dict:
 
 
 def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_dir: str,
-                   scheduled_at: Optional[float] = None, non_finite: Optional[str] = None) -> None:
+                   scheduled_at: Optional[float] = None, non_finite: Optional[str] = None,
+                   keep_latest: Optional[int] = None) -> None:
     """The end of a save, after every rank wrote its part (collective): the one place that publishes the partial
     directory as ``iter_N`` and advances the tracker. A save holding NaN/Inf (``non_finite``: the tensor) is set
     aside as ``iter_N.nonfinite`` instead, the tracker stays, and every rank raises CheckpointError."""
@@ -334,14 +344,47 @@ def _finalize_save(save_dir: str, iteration: int, partial_dir: str, checkpoint_d
     error = None
     if get_rank() == 0:
         try:
+            previous = _tracker_iteration(save_dir)
             safety.publish(partial_dir, checkpoint_dir)
             _write_tracker(save_dir, iteration)
         except OSError as e:
             error = (f"saving checkpoint {checkpoint_dir} failed while publishing it: "
                      f"{safety.describe_save_failure(e, save_dir)}")
+        else:
+            retain = None if keep_latest else getattr(get_args(), "save_retain_interval", None)
+            _drop_old_checkpoints(save_dir, iteration, previous, retain, keep_latest)
     safety.raise_collectively(error)
     how = "" if scheduled_at is None else f" (asynchronous: finished {time.time() - scheduled_at:.2f} s after it was scheduled)"
     print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}{how}")
+
+
+def non_persistent_dir(args, base_dir: Optional[str]) -> Optional[str]:
+    """Where global non-persistent checkpoints live: ``--non-persistent-global-ckpt-dir``, else
+    ``<base_dir>/non_persistent`` (upstream's layout)."""
+    explicit = getattr(args, "non_persistent_global_ckpt_dir", None)
+    if explicit:
+        return explicit
+    return os.path.join(base_dir, NON_PERSISTENT_SUBDIR) if base_dir else None
+
+
+def _drop_old_checkpoints(save_dir: str, iteration: int, previous: Optional[int], retain: Optional[int],
+                          keep_latest: Optional[int]) -> None:
+    """Rank 0, after ``iter_<iteration>`` was published: ``--save-retain-interval R`` deletes the previous
+    checkpoint unless its iteration is a multiple of R (a symbolic link is left alone); ``keep_latest`` (the
+    non-persistent directory) deletes every ``iter_N`` but the newest ``keep_latest``."""
+    doomed = []
+    if keep_latest:
+        doomed = safety.complete_checkpoints(save_dir)[:-keep_latest]  # sorted by iteration
+    elif retain and previous is not None and previous > 0 and previous != iteration and previous % retain:
+        doomed = [previous]
+    for old in doomed:
+        path = get_checkpoint_name(save_dir, old)
+        if os.path.islink(path):
+            print(f"  not deleting checkpoint {path}: a symbolic link", flush=True)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        why = "non-persistent: only the latest is kept" if keep_latest else f"--save-retain-interval {retain}"
+        print(f"  deleted checkpoint {path} ({why})", flush=True)
 
 
 def check_save_target(args, start_iteration: int) -> None:
@@ -409,6 +452,96 @@ def _find_checkpoint(load_dir: str, args) -> Optional[Tuple[int, bool, str]]:
         raise CheckpointError(f"checkpoint directory {checkpoint_dir} (iteration {iteration}, from {src}) does not "
                               f"exist{note}")
     return iteration, release, checkpoint_dir
+
+
+def _pick_checkpoint(args, load_arg: str, load_dir: Optional[str]):
+    """(directory, ``_find_checkpoint`` result) a load reads: the latest of ``--load`` (or ``--ckpt-step``); the
+    global non-persistent checkpoint instead when it is as new or newer (upstream's rule); ``--pretrained-checkpoint``
+    when ``--load`` has none, loaded as with ``--finetune`` (sets ``args.finetune``)."""
+    found = _find_checkpoint(load_dir, args) if load_dir else None
+    if load_arg != "load":
+        return load_dir, found
+    np_dir = non_persistent_dir(args, load_dir)
+    if (getattr(args, "non_persistent_ckpt_type", None) == "global" and getattr(args, "ckpt_step", None) is None
+            and np_dir and os.path.isfile(get_checkpoint_tracker_filename(np_dir))):
+        np_found = _find_checkpoint(np_dir, args)
+        if np_found is not None and (found is None or np_found[0] >= found[0]):
+            print_rank_0(f"  the non-persistent checkpoint {np_found[2]} is the newest: loading it")
+            return np_dir, np_found
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if found is None and pretrained:
+        print_rank_0(f"  no checkpoint in --load {load_dir}: loading --pretrained-checkpoint {pretrained} "
+                     f"(model only, as --finetune)")
+        found = _find_checkpoint(pretrained, args)
+        if found is None:
+            raise CheckpointError(f"--pretrained-checkpoint {pretrained}: no checkpoint tracker "
+                                  f"{get_checkpoint_tracker_filename(pretrained)} (and no checkpoint in --load)")
+        args.finetune = True
+        return pretrained, found
+    return load_dir, found
+
+
+def checkpoint_format(checkpoint_dir: str) -> str:
+    """The format of a checkpoint directory: the backend its ``metadata.json`` names (``torch_dist``), ``torch``
+    for upstream's legacy layout (``mp_rank_XX/model_optim_rng.pt``), else ``unknown``."""
+    from megatron.core.dist_checkpointing.core import maybe_load_config
+
+    config = maybe_load_config(checkpoint_dir)
+    if config is not None:
+        return config.sharded_backend
+    try:
+        names = os.listdir(checkpoint_dir)
+    except OSError:
+        return "unknown"
+    if any(n.startswith("mp_rank_") for n in names):
+        return "torch"
+    return "torch_dist" if os.path.isfile(os.path.join(checkpoint_dir, ".metadata")) else "unknown"
+
+
+def load_args_from_checkpoint(args, load_arg: str = "load") -> bool:
+    """``--use-checkpoint-args``: take the model-shape arguments from the checkpoint's stored args (upstream's
+    rule: the sizes only where the run did not give them, the rest always). Reads the latest checkpoint of
+    ``args.<load_arg>``, else of ``--pretrained-checkpoint`` (no collectives: before the process groups exist).
+    Returns whether arguments were read."""
+    found = None
+    for d in (getattr(args, load_arg, None), getattr(args, "pretrained_checkpoint", None)):
+        tracker = get_checkpoint_tracker_filename(d) if d else None
+        if args.ckpt_step is not None and d:
+            found = get_checkpoint_name(d, args.ckpt_step)
+        elif tracker and os.path.isfile(tracker):
+            iteration, release = _parse_tracker(tracker)
+            found = get_checkpoint_name(d, iteration, release)
+        if found:
+            break
+    if found is None:
+        raise CheckpointError("--use-checkpoint-args: no checkpoint tracker in --load or --pretrained-checkpoint")
+    common = dist_checkpointing.load_common_state_dict(found)
+    ckpt_args = common.get("args") if isinstance(common, dict) else None
+    if ckpt_args is None:
+        raise CheckpointError(f"--use-checkpoint-args: checkpoint {found} stores no arguments")
+    values = ckpt_args if isinstance(ckpt_args, dict) else vars(ckpt_args)
+    taken = []
+    for name in CHECKPOINT_MODEL_ARGS:
+        fill_only = name in _FILL_ONLY_ARGS
+        if name not in values or values[name] is None or (fill_only and getattr(args, name, None) is not None):
+            continue
+        setattr(args, name, values[name])
+        taken.append(f"{name}={values[name]}")
+    print_rank_0(f"  --use-checkpoint-args: from {found}: {', '.join(taken)}")
+    return True
+
+
+# --use-checkpoint-args: the sizes are taken only where the run did not give them; the others always (upstream)
+_FILL_ONLY_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+                   "kv_channels", "max_position_embeddings", "vocab_size", "num_experts", "moe_ffn_hidden_size",
+                   "tokenizer_type")
+CHECKPOINT_MODEL_ARGS = _FILL_ONLY_ARGS + (
+    "num_query_groups", "group_query_attention", "position_embedding_type", "rotary_base", "rotary_percent",
+    "add_bias_linear", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+    "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by", "moe_layer_freq",
+    "moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "moe_grouped_gemm", "moe_shared_expert_intermediate_size",
+)
 
 
 def _copy_model_values(model_chunk, sharded_sd: dict, loaded: dict, strict: bool) -> None:
@@ -547,9 +680,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
 def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, skip_load_to_model_and_optimizer):
     args = get_args()
     load_dir = getattr(args, load_arg)
-    if not load_dir:
+    if not load_dir and not (load_arg == "load" and getattr(args, "pretrained_checkpoint", None)):
         return 0, 0
-    found = _find_checkpoint(load_dir, args)
+    load_dir, found = _pick_checkpoint(args, load_arg, load_dir)
     if found is None:
         tracker = get_checkpoint_tracker_filename(load_dir)
         if args.exit_on_missing_checkpoint:
@@ -560,6 +693,11 @@ def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, sk
         print_rank_0(f"WARNING: no checkpoint tracker {tracker}; training from random initialization")
         return 0, 0
     iteration, release, checkpoint_dir = found
+    fmt = checkpoint_format(checkpoint_dir)
+    if fmt != "torch_dist":
+        how = " (detected: --auto-detect-ckpt-format)" if getattr(args, "auto_detect_ckpt_format", False) else ""
+        raise CheckpointError(f"checkpoint {checkpoint_dir} is in format {fmt!r}{how}; this fork loads torch_dist "
+                              f"only (convert it with upstream's tools/checkpoint/convert.py)")
     print_rank_0(f"loading checkpoint from {load_dir} at iteration {iteration} (torch_dist)")
 
     load_optim = optimizer is not None and not (args.no_load_optim or args.finetune or release)

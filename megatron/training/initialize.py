@@ -61,4 +61,6 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         distributed_timeout_minutes=parsed_args.distributed_timeout_minutes,
     )
     set_random_seed(parsed_args.seed)
+    if getattr(parsed_args, "disable_bf16_reduced_precision_matmul", False):
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     return parsed_args

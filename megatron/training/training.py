@@ -26,10 +26,11 @@ from megatron.training.arguments import (
 )
 from megatron.training.checkpoint_safety import check_save_dir
 from megatron.training.checkpointing import (check_save_target, load_checkpoint, maybe_finalize_async_save,
-                                             save_checkpoint)
+                                             non_persistent_dir, save_checkpoint)
 from megatron.training.global_vars import get_args, get_scalar_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.profiling import TrainingProfiler
+from megatron.training.run_control import RunControl
 from megatron.training.utils import (
     average_losses_across_data_parallel_group,
     current_rss_bytes,
@@ -49,6 +50,9 @@ except ImportError:  # megatron/core/enums.py is not part of this fork (yet)
         retro_decoder = 3
 
 
+_TRAIN_START_TIME = None  # when pretrain() started (--exit-duration-in-mins)
+
+
 @dataclass
 class TrainingResult:
     """What ``pretrain`` returns (upstream returns nothing): the final iteration, the per-iteration lm loss
@@ -58,11 +62,19 @@ class TrainingResult:
     losses: Dict[int, float] = field(default_factory=dict)
     grad_norms: Dict[int, float] = field(default_factory=dict)
     learning_rates: Dict[int, float] = field(default_factory=dict)
+    params_norms: Dict[int, Optional[float]] = field(default_factory=dict)
+    """--log-params-norm: the parameter norm at each log iteration."""
+    num_zeros: Dict[int, Optional[int]] = field(default_factory=dict)
+    """--log-num-zeros-in-grad: zero gradient values at each log iteration."""
     loss_scales: Dict[int, float] = field(default_factory=dict)
     """The loss scale each iteration used (1.0 without --fp16)."""
     skipped_iterations: int = 0
     """Iterations whose optimizer step was skipped (inf/nan gradients)."""
     valid_losses: Dict[int, float] = field(default_factory=dict)
+    exit_reason: Optional[str] = None
+    """Why training stopped before --train-iters (SIGTERM, --exit-duration-in-mins, --exit-interval), else None."""
+    interrupted: bool = False
+    """Stopped by SIGTERM (--exit-signal-handler) or --exit-duration-in-mins: no final evaluation."""
     final_valid_loss: Optional[float] = None
     test_loss: Optional[float] = None
     model: list = None
@@ -140,13 +152,14 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
-    if args.load:
+    if args.load or args.pretrained_checkpoint:
         start = time.time()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
             model, optimizer, opt_param_scheduler
         )
         if args.iteration > 0 or args.finetune:
-            _report_checkpoint_io("load", args.load, time.time() - start, args.iteration)
+            _report_checkpoint_io("load", args.load or args.pretrained_checkpoint, time.time() - start,
+                                  args.iteration)
     return model, optimizer, opt_param_scheduler
 
 
@@ -290,6 +303,25 @@ def _unpack_loss(out):
     return out, out.detach()
 
 
+def _loss_sum_and_tokens(out) -> torch.Tensor:
+    """``[loss sum, tokens]`` (float32) of a loss function's output under --calculate-per-token-loss."""
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise TypeError("--calculate-per-token-loss: the loss function must return (loss_sum, num_tokens, "
+                        "{'lm loss': [sum, num_tokens]})")
+    loss, num_tokens, _ = out
+    return torch.stack([loss.detach().float().reshape(()),
+                        torch.as_tensor(num_tokens).float().reshape(()).to(loss.device)])
+
+
+def _per_token_mean(sum_and_tokens: torch.Tensor) -> torch.Tensor:
+    """Loss sum / tokens of this rank's ``[loss sum, tokens]`` summed over the data-parallel ranks (collective)."""
+    group = parallel_state.get_data_parallel_group()
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        sum_and_tokens = sum_and_tokens.to(parallel_state.collective_device(group))
+        torch.distributed.all_reduce(sum_and_tokens, group=group)
+    return sum_and_tokens[0] / sum_and_tokens[1].clamp(min=1.0)
+
+
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config=None):
     """One iteration: gradient accumulation over ``args.num_microbatches``, grad sync, optimizer step,
     scheduler step, expert-bias update. Returns (lm loss averaged over micro-batches and DP, grad norm,
@@ -300,24 +332,34 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if hasattr(chunk, "zero_grad_buffer"):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    # --calculate-per-token-loss (upstream's formula): each micro-batch's SUMMED loss is back-propagated as it is;
+    # finalize_model_grads divides the gradients by the tokens of the whole global batch (summed over DP)
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
     if args.num_experts is not None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 if per_token else 1.0 / n))  # as upstream
     get_loss_scale = getattr(optimizer, "get_loss_scale", None)  # fp16 loss scaling, where the optimizer has it
     loss_scale = get_loss_scale() if callable(get_loss_scale) else None
-    reported = []
+    reported, token_sums = [], []
     for i in range(n):
         sync_ctx = chunk.no_sync() if (i < n - 1 and hasattr(chunk, "no_sync")) else nullcontext()
         with sync_ctx:
             output, loss_func = forward_step_func(data_iterator, chunk)
-            loss, value = _unpack_loss(loss_func(output))
-            loss = loss / n
+            out = loss_func(output)
+            if per_token:
+                loss = out[0]
+                token_sums.append(_loss_sum_and_tokens(out))
+            else:
+                loss, value = _unpack_loss(out)
+                loss = loss / n
+                reported.append(value.detach().float().reshape(()))
             if loss_scale is not None:  # fp16: scaled loss (1 otherwise); the optimizer unscales the grads
                 loss = loss * loss_scale.to(loss.device).reshape(())
             loss.backward()
-        reported.append(value.detach().float().reshape(()))
-    finalize_model_grads(model)  # DP grad sync, then sequence-parallel grads summed over TP
+    tokens = torch.stack(token_sums).sum(0) if per_token else None  # [loss sum, tokens] of this DP rank
+    # DP grad sync, then sequence-parallel grads summed over TP (per-token: divided by the global token count)
+    finalize_model_grads(model, num_tokens=tokens[1] if per_token else None)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
@@ -325,8 +367,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         from megatron.core.transformer.moe.moe_utils import update_expert_bias
 
         update_expert_bias(model, parallel_state.get_data_parallel_group())
-    local = torch.stack(reported).mean()
-    loss = average_losses_across_data_parallel_group([local])[0]
+    if per_token:  # the lm loss of the global batch: its loss sum over its tokens
+        loss = _per_token_mean(tokens)
+    else:
+        loss = average_losses_across_data_parallel_group([torch.stack(reported).mean()])[0]
     gn = float(grad_norm) if grad_norm is not None else float("nan")
     return loss, gn, update_successful
 
@@ -339,15 +383,19 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
     chunk.eval()
     it = build_data_iterator(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
                              parallel_state.get_data_parallel_world_size())
-    values = []
+    values, per_token = [], bool(getattr(args, "calculate_per_token_loss", False))
     for _ in range(eval_iters * args.num_microbatches):
         output, loss_func = forward_step_func(it, chunk)
-        values.append(_unpack_loss(loss_func(output))[1].detach().float().reshape(()))
+        out = loss_func(output)
+        values.append(_loss_sum_and_tokens(out) if per_token else _unpack_loss(out)[1].detach().float().reshape(()))
     chunk.train()
+    if per_token:  # --calculate-per-token-loss: over every token of the evaluated batches
+        return float(_per_token_mean(torch.stack(values).sum(0)))
     return float(average_losses_across_data_parallel_group([torch.stack(values).mean()])[0])
 
 
-def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=1.0, skipped=0, nan_iters=0) -> str:
+def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=1.0, skipped=0, nan_iters=0,
+                 num_zeros=None, params_norm=None) -> str:
     args = get_args()
     per_iter = elapsed / max(iters, 1)
     tokens_per_s = args.global_batch_size * args.seq_length / per_iter if per_iter > 0 else 0.0
@@ -366,6 +414,8 @@ def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=
         f" lm loss: {loss_avg:.6E} |"
         f" loss scale: {loss_scale:.1f} |"
         f" grad norm: {grad_norm:.3f} |"
+        f"{'' if num_zeros is None else f' num zeros: {num_zeros} |'}"
+        f"{'' if params_norm is None else f' params norm: {params_norm:.3f} |'}"
         f" number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nan_iters:3d} |"
         f" {memory_report()} |"
@@ -385,6 +435,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
     profiler = TrainingProfiler(args, get_rank(), iteration, printer=print)  # --profile (profiling.py)
+    control = RunControl(args, _TRAIN_START_TIME)  # --exit-signal-handler, --manual-gc, ...
     try:
         while iteration < args.train_iters:
             t_step = time.time()
@@ -418,26 +469,41 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if on_iteration_end is not None:
                 on_iteration_end(iteration, model, value)
             if iteration % args.log_interval == 0:
+                # --log-num-zeros-in-grad / --log-params-norm: this iteration's (the grads are zeroed next step)
+                num_zeros = optimizer.count_zeros() if args.log_num_zeros_in_grad else None
+                params_norm = optimizer.get_params_norm() if args.log_params_norm else None
+                result.params_norms[iteration], result.num_zeros[iteration] = params_norm, num_zeros
+                writer = get_scalar_writer()
+                for name, value in (("params-norm", params_norm), ("num-zeros", num_zeros)):
+                    if writer is not None and value is not None:
+                        writer.add_scalar(name, value, iteration)
                 training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0,
-                             iters, loss_scale, skipped, nan_iters)
+                             iters, loss_scale, skipped, nan_iters, num_zeros=num_zeros, params_norm=params_norm)
                 interval_losses, t0, iters = [], time.time(), 0
                 skipped, nan_iters = 0, 0
             t_extra = time.time()  # evaluation and saving are not counted in the iteration time
+            control.after_step(iteration)
             if args.async_save:  # advance the tracker of background saves that finished on every rank
                 maybe_finalize_async_save(blocking=False)
             if (valid_dataset is not None and args.eval_iters > 0 and args.eval_interval
                     and iteration % args.eval_interval == 0):
+                control.around_evaluation()
                 v = evaluate_and_print(forward_step_func, valid_dataset, model, iteration, "validation")
+                control.around_evaluation()
                 result.valid_losses[iteration] = v
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
-                saved_at = iteration
+            # saves (persistent / non-persistent) and exits (SIGTERM, duration, interval): run_control.py
+            reason, saved = control.save_and_decide_exit(
+                iteration, lambda non_persistent=False: timed_save_checkpoint(
+                    iteration, model, optimizer, opt_param_scheduler, non_persistent=non_persistent))
+            saved_at = iteration if saved else saved_at
             t0 += time.time() - t_extra
-            if args.exit_interval and iteration % args.exit_interval == 0:
-                print_rank_0(f"exiting program at iteration {iteration} (--exit-interval {args.exit_interval})")
+            if reason is not None:
+                print_rank_0(reason)
+                result.exit_reason, result.interrupted = reason, control.interrupted
                 break
     finally:  # an error (a non-finite loss, a failed save) still ends the profile and writes its trace
         profiler.close()
+        control.close()
     return iteration, saved_at
 
 
@@ -446,13 +512,15 @@ def _loss_scale_value(optimizer) -> float:
     return float(get_loss_scale().reshape(-1)[0]) if callable(get_loss_scale) else 1.0
 
 
-def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler) -> None:
+def timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, non_persistent=False) -> None:
     """``save_checkpoint`` with its duration, size and rate printed (and written to TensorBoard)."""
     args = get_args()
     start = time.time()
-    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far,
+                    non_persistent_ckpt=non_persistent)
     if not args.async_save:  # an asynchronous save reports when it is scheduled and when it is finalized
-        _report_checkpoint_io("save", args.save, time.time() - start, iteration)
+        where = non_persistent_dir(args, args.save) if non_persistent else args.save
+        _report_checkpoint_io("save", where, time.time() - start, iteration)
 
 
 def evaluate_and_print(forward_step_func, dataset, model, iteration: int, name: str) -> float:
@@ -479,9 +547,11 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     ``args``: the command line as a list (default ``sys.argv[1:]``). ``on_iteration_end(iteration, model, loss)``
     is called after each iteration (tests). Returns a ``TrainingResult``.
     """
+    start = time.time()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, args=args)
     args = get_args()
-    start = time.time()
+    global _TRAIN_START_TIME
+    _TRAIN_START_TIME = start  # --exit-duration-in-mins counts from here (upstream's name)
     if args.save:  # before any work: --save writable and this job's alone (all ranks stop otherwise)
         check_save_dir(args.save)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
@@ -506,10 +576,11 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         timed_save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
     if args.async_save:  # at exit: wait for the background saves and advance the tracker
         maybe_finalize_async_save(blocking=True, terminate=True)
-    # As upstream: the validation and test sets are evaluated at the end (with --eval-iters > 0).
-    if args.eval_iters > 0 and valid_ds is not None:
+    # As upstream: the validation and test sets are evaluated at the end (with --eval-iters > 0); not after a
+    # SIGTERM or --exit-duration-in-mins (the job is about to be stopped)
+    if args.eval_iters > 0 and valid_ds is not None and not result.interrupted:
         result.final_valid_loss = evaluate_and_print(forward_step_func, valid_ds, model, iteration, "validation")
-    if args.eval_iters > 0 and test_ds is not None:
+    if args.eval_iters > 0 and test_ds is not None and not result.interrupted:
         result.test_loss = evaluate_and_print(forward_step_func, test_ds, model, iteration, "test")
     writer = get_scalar_writer()
     if writer is not None:

@@ -9,6 +9,7 @@ token), and visits the samples in a seeded shuffled order. Everything is a funct
 sequence_length, num_samples), so every rank and every restart sees the same sample at the same index.
 ``MockGPTDataset`` generates samples from the seed and the index only (no files).
 """
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -29,6 +30,19 @@ class GPTDatasetConfig:
     eod_id: Optional[int] = None
     blend: Optional[Tuple[List[str], Optional[List[float]]]] = None
     """Upstream's form ``(prefixes, weights)`` (``weights`` None: equal); instead of ``path_prefix``."""
+    blend_per_split: Optional[List[Optional[Tuple[List[str], Optional[List[float]]]]]] = None
+    """Upstream's: one ``(prefixes, weights)`` (or None: no such split) for train, valid and test, each dataset used
+    whole (``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``); instead of ``blend``/``split``."""
+    path_to_cache: Optional[str] = None
+    """Upstream's ``--data-cache-path``: the sample index arrays of each dataset are saved there (``.npy``, named
+    by a hash of what determines them) and read back by later runs instead of being rebuilt."""
+    mmap_bin_files: bool = True
+    """False (``--no-mmap-bin-files``): read each ``.bin`` into memory instead of memory-mapping it."""
+    reset_position_ids: bool = False
+    """Position ids restart at 0 after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Tokens attend only within their document: each sample gets a bool ``attention_mask`` ``[1, s, s]`` (True:
+    masked), causal and blocked across end-of-document tokens."""
 
     def __post_init__(self):
         if self.blend is not None:
@@ -41,12 +55,14 @@ class GPTDatasetConfig:
                 raise ValueError(f"GPTDatasetConfig: blend has {len(prefixes)} prefixes but {len(weights)} weights")
             if len(prefixes) == 1:
                 self.path_prefix, self.blend = prefixes[0], None
-        if self.eod_mask_loss and self.eod_id is None:
-            raise ValueError("GPTDatasetConfig: --eod-mask-loss needs the tokenizer's end-of-document id (eod_id); "
-                             "this tokenizer has none")
+        for flag, on in (("--eod-mask-loss", self.eod_mask_loss), ("--reset-position-ids", self.reset_position_ids),
+                         ("--reset-attention-mask", self.reset_attention_mask)):
+            if on and self.eod_id is None:
+                raise ValueError(f"GPTDatasetConfig: {flag} needs the tokenizer's end-of-document id (eod_id); "
+                                 "this tokenizer has none")
         if self.sequence_length <= 0:
             raise ValueError(f"GPTDatasetConfig: sequence_length (--seq-length) must be positive, got {self.sequence_length}")
-        if not self.mock and not self.path_prefix and self.blend is None:
+        if not self.mock and not self.path_prefix and self.blend is None and self.blend_per_split is None:
             raise ValueError("GPTDatasetConfig: give a data path prefix (--data-path) or use mock data (--mock-data)")
         if self.mock and (self.vocab_size is None or self.vocab_size < 2):
             raise ValueError(f"GPTDatasetConfig: mock data needs --vocab-size >= 2, got {self.vocab_size}")
@@ -59,12 +75,21 @@ def _make_sample(text: np.ndarray, config: GPTDatasetConfig) -> dict:
     loss_mask = np.ones(len(tokens), dtype=np.float32)
     if config.eod_mask_loss:
         loss_mask[tokens == config.eod_id] = 0.0
-    return {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": np.arange(len(tokens), dtype=np.int64),
-    }
+    sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+              "position_ids": np.arange(len(tokens), dtype=np.int64)}
+    if config.reset_position_ids or config.reset_attention_mask:
+        # a document starts after each end-of-document token: its index in the sample
+        starts = np.flatnonzero(tokens == config.eod_id) + 1
+        doc = np.zeros(len(tokens), dtype=np.int64)
+        doc[starts[starts < len(tokens)]] = 1
+        doc = np.cumsum(doc)  # the document of each position
+        if config.reset_position_ids:
+            first = np.concatenate([[0], starts[starts < len(tokens)]])
+            sample["position_ids"] = np.arange(len(tokens), dtype=np.int64) - first[doc]
+        if config.reset_attention_mask:
+            causal = np.tril(np.ones((len(tokens), len(tokens)), dtype=bool))
+            sample["attention_mask"] = ~(causal & (doc[:, None] == doc[None, :]))[None]  # True: masked
+    return sample
 
 
 class GPTDataset:
@@ -84,6 +109,7 @@ class GPTDataset:
         self.dataset_path = dataset_path
         self.index_split = index_split
         self.config = config
+        self.loaded_from_cache = False
         seq = config.sequence_length
         docs = indexed_dataset.document_indices
         seq_begin, seq_end = int(docs[document_begin]), int(docs[document_end])
@@ -98,6 +124,10 @@ class GPTDataset:
         if num_samples is None:
             num_samples = (tokens_per_epoch - 1) // seq
         self.num_samples = int(num_samples)
+        cached = self._cached_indices(document_begin, document_end)
+        if cached is not None:
+            self.document_index, self.sample_index, self.shuffle_index = cached
+            return
         num_epochs = max(1, -(-(self.num_samples * seq + 1) // tokens_per_epoch))
         rng = np.random.RandomState(config.random_seed % (2**32))
         # The sequence order: one permutation of the split's sequences per epoch.
@@ -105,11 +135,58 @@ class GPTDataset:
             [self.sequence_ids[rng.permutation(len(self.sequence_ids))] for _ in range(num_epochs)]
         )
         doc_lengths = indexed_dataset.sequence_lengths[self.document_index].astype(np.int64)
-        self._cum = np.concatenate([[0], np.cumsum(doc_lengths)])  # token offset where each entry starts
+        cum = np.concatenate([[0], np.cumsum(doc_lengths)])  # token offset where each entry starts
         starts = np.arange(self.num_samples + 1, dtype=np.int64) * seq
-        pos = np.searchsorted(self._cum, starts, side="right") - 1
-        self.sample_index = np.stack([pos, starts - self._cum[pos]], axis=1)  # (entry, offset) per sample start
+        pos = np.searchsorted(cum, starts, side="right") - 1
+        self.sample_index = np.stack([pos, starts - cum[pos]], axis=1)  # (entry, offset) per sample start
         self.shuffle_index = rng.permutation(self.num_samples).astype(np.int64)
+        self._save_indices()
+
+    # ---- --data-cache-path ------------------------------------------------------------------------------
+    INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+
+    def _cache_prefix(self, document_begin: int, document_end: int) -> Optional[str]:
+        """``<cache>/<hash>-GPTDataset-<split>``: the hash covers what determines the index arrays."""
+        if not self.config.path_to_cache:
+            return None
+        import hashlib
+        import json
+
+        what = json.dumps({"class": "GPTDataset", "path": os.path.abspath(self.dataset_path or ""),
+                           "documents": [document_begin, document_end], "num_samples": self.num_samples,
+                           "sequence_length": self.config.sequence_length, "seed": self.config.random_seed,
+                           "split": self.index_split, "bin_size": os.path.getsize(self.dataset_path + ".bin")
+                           if self.dataset_path and os.path.isfile(self.dataset_path + ".bin") else None},
+                          sort_keys=True)
+        digest = hashlib.md5(what.encode()).hexdigest()
+        self._cache_description = what
+        return os.path.join(self.config.path_to_cache, f"{digest}-GPTDataset-{self.index_split}")
+
+    def _cached_indices(self, document_begin: int, document_end: int):
+        """The index arrays from ``--data-cache-path`` when all are there (None otherwise)."""
+        self._cache = self._cache_prefix(document_begin, document_end)
+        if self._cache is None:
+            return None
+        paths = [f"{self._cache}-{n}.npy" for n in self.INDEX_NAMES]
+        if not all(os.path.isfile(p) for p in paths):
+            return None
+        self.loaded_from_cache = True
+        return tuple(np.load(p, mmap_mode="r") for p in paths)
+
+    def _save_indices(self) -> None:
+        """Write the index arrays to ``--data-cache-path`` (each file written whole then renamed: a reader never
+        sees half a file; ranks that build the same arrays write the same bytes)."""
+        if self._cache is None:
+            return
+        os.makedirs(self.config.path_to_cache, exist_ok=True)
+        for name in self.INDEX_NAMES:
+            path = f"{self._cache}-{name}.npy"
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "wb") as f:
+                np.save(f, getattr(self, name))
+            os.replace(tmp, path)
+        with open(f"{self._cache}-description.txt", "w") as f:
+            f.write(self._cache_description)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -169,7 +246,10 @@ def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples):
         )
     if config.blend is not None:
         return _build_blended(config, train_valid_test_num_samples)
-    indexed = IndexedDataset(config.path_prefix)
+    if config.blend_per_split is not None:
+        return tuple(_build_whole(config, blend, n, name) if blend is not None and n else None
+                     for name, n, blend in zip(names, train_valid_test_num_samples, config.blend_per_split))
+    indexed = IndexedDataset(config.path_prefix, mmap=config.mmap_bin_files)
     num_docs = len(indexed.document_indices) - 1
     bounds = get_split_bounds(parse_and_normalize_split(config.split), num_docs)
     out = []
@@ -191,7 +271,7 @@ def _build_blended(config: GPTDatasetConfig, train_valid_test_num_samples):
     prefixes, weights = config.blend
     weights = list(weights) if weights is not None else [1.0] * len(prefixes)
     split = parse_and_normalize_split(config.split)
-    indexed = [IndexedDataset(p) for p in prefixes]
+    indexed = [IndexedDataset(p, mmap=config.mmap_bin_files) for p in prefixes]
     bounds = [get_split_bounds(split, len(ds.document_indices) - 1) for ds in indexed]
     out = []
     for s, (name, n) in enumerate(zip(("train", "valid", "test"), train_valid_test_num_samples)):
@@ -207,3 +287,18 @@ def _build_blended(config: GPTDatasetConfig, train_valid_test_num_samples):
             parts.append(GPTDataset(ds, prefix, begin, end, need, name, config) if need else None)
         out.append(BlendedDataset(parts, weights, n, name))
     return tuple(out)
+
+
+def _build_whole(config: GPTDatasetConfig, blend, num_samples: int, name: str):
+    """One split from its own prefixes (``--train-data-path`` ...): every document of each, blended by weight."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    prefixes, weights = blend
+    weights = list(weights) if weights is not None else [1.0] * len(prefixes)
+    parts = []
+    for prefix, need in zip(prefixes, BlendedDataset.samples_per_dataset(weights, num_samples)):
+        ds = IndexedDataset(prefix, mmap=config.mmap_bin_files)
+        parts.append(GPTDataset(ds, prefix, 0, len(ds.document_indices) - 1, need, name, config) if need else None)
+    if len(parts) == 1:
+        return parts[0]
+    return BlendedDataset(parts, weights, num_samples, name)

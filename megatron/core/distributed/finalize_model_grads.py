@@ -24,10 +24,14 @@ def allreduce_sequence_parallel_grads(model: List[torch.nn.Module]) -> None:
         return
     grads = []
     for chunk in model:
-        if not getattr(getattr(chunk, "config", None), "sequence_parallel", False):
+        config = getattr(chunk, "config", None)
+        sp, qk = getattr(config, "sequence_parallel", False), getattr(config, "qk_layernorm", False)
+        if not (sp or qk):
             continue
-        for p in _unwrap(chunk).parameters():
-            if p.requires_grad and getattr(p, "sequence_parallel", False):
+        for name, p in _unwrap(chunk).named_parameters():
+            # --qk-layernorm: each TP rank normalized its own heads with the shared weights (upstream sums these too)
+            partial = (sp and getattr(p, "sequence_parallel", False)) or (qk and _is_qk_norm(name))
+            if p.requires_grad and partial:
                 g = getattr(p, "main_grad", None)
                 if g is None:
                     g = p.grad
@@ -78,6 +82,9 @@ def allreduce_word_embedding_grads(model: List[torch.nn.Module]) -> None:
         if grad is None:
             weight.grad = grad = torch.zeros_like(weight)
         allreduce_embedding_group_(grad, getattr(inner, "vp_stage", None))
+
+def _is_qk_norm(name: str) -> bool:
+    return ".q_layernorm." in f".{name}" or ".k_layernorm." in f".{name}"
 
 
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None, **unused):

@@ -256,7 +256,7 @@ if HAVE_TE:  # pragma: no cover - runs only where TE is installed (GPU tests)
                     eps=config.layernorm_epsilon,
                     normalization=config.normalization,
                     return_layernorm_output=False,
-                    zero_centered_gamma=False,
+                    zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
                     **_common_kwargs(config, init_method, bias, skip_bias_add, "column", is_expert),
                 )
             self.config = config

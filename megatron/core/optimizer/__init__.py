@@ -32,6 +32,8 @@ def get_param_groups(
     lr_mult: float = 1.0,
     lr: Optional[float] = None,
     min_lr: Optional[float] = None,
+    decoupled_lr: Optional[float] = None,
+    decoupled_min_lr: Optional[float] = None,
 ):
     """Param groups keyed by (wd_mult, lr_mult, is_expert_parallel), with upstream's group keys (``wd_mult``,
     ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``, ``max_lr``, ``min_lr``) that
@@ -44,23 +46,32 @@ def get_param_groups(
                 continue
             no_wd = no_weight_decay_cond(name, p) if no_weight_decay_cond is not None else _default_no_wd(name, p)
             scale_lr = scale_lr_cond(name, p) if scale_lr_cond is not None else False
-            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, not getattr(p, "allreduce", True))
+            decoupled = decoupled_lr is not None and is_embedding_or_output_parameter(name, p)
+            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, not getattr(p, "allreduce", True), decoupled)
             groups.setdefault(key, []).append(p)
             names[p] = name
     out = []
-    for (wd_mult, lm, is_expert), params in groups.items():
+    for (wd_mult, lm, is_expert, decoupled), params in groups.items():
         out.append(
             {
                 "params": params,
                 "wd_mult": wd_mult,
                 "lr_mult": lm,
                 "is_expert_parallel": is_expert,
-                "is_decoupled_lr": False,
-                "max_lr": lr,
-                "min_lr": min_lr,
+                "is_decoupled_lr": decoupled,
+                "max_lr": decoupled_lr if decoupled else lr,
+                "min_lr": (decoupled_min_lr if decoupled_min_lr is not None else min_lr) if decoupled else min_lr,
             }
         )
     return out, names
+
+
+def is_embedding_or_output_parameter(name: str, param) -> bool:
+    """The input embedding's and the output layer's weights (upstream's ``is_embedding_or_output_parameter``): what
+    ``--decoupled-lr`` applies to."""
+    if getattr(param, "is_embedding_or_output_parameter", False):
+        return True
+    return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
 
 
 def get_megatron_optimizer(
@@ -86,7 +97,8 @@ def get_megatron_optimizer(
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr (--lr) must be set")
     min_lr = config.min_lr if config.min_lr is not None else 0.0
-    groups, names = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config.lr, min_lr)
+    groups, names = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config.lr, min_lr,
+                                     config.decoupled_lr, config.decoupled_min_lr)
     from megatron.core.optimizer.grad_scaler import build_grad_scaler
 
     params = [p for g in groups for p in g["params"]]

@@ -253,7 +253,15 @@ class DistributedOptimizer(MegatronOptimizer):
     def get_grad_norm(self) -> float:
         """Global L2 norm (``global_grad_norm``): the owned slices' squares summed over the DP group, each value
         counted once under tensor parallelism."""
-        entries = [(s.model_param, main.grad) for s, main in zip(self.slices, self.main_params)]
+        return self._global_norm([main.grad for main in self.main_params])
+
+    @torch.no_grad()
+    def get_params_norm(self) -> float:
+        """Global L2 norm of the fp32 main params (the owned slices, summed over the DP group)."""
+        return self._global_norm([main.detach() for main in self.main_params])
+
+    def _global_norm(self, tensors) -> float:
+        entries = [(s.model_param, t) for s, t in zip(self.slices, tensors)]
         groups = {"dense": self.group, "expert": _dp_group_and_size(expert=True)[0]}
         return global_grad_norm(entries, shard_group=groups,
                                 kinds=self._kept_norm_kinds())  # model_params are the slices' params, in order

@@ -311,10 +311,18 @@ class MegatronOptimizer:
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients (``global_grad_norm``; DTensor grads: their local shards, summed over
         their mesh). Same value on every rank."""
-        entries = []
-        for mp, p in zip(self.model_params, self.get_parameters()):
-            g = p.grad
-            entries.append((mp, _local(g) if g is not None and _is_dtensor(g) else g))
+        return self._global_norm([p.grad for p in self.get_parameters()])
+
+    @torch.no_grad()
+    def get_params_norm(self) -> float:
+        """Global L2 norm of the (main) parameters, each value counted once as in :meth:`get_grad_norm`
+        (``--log-params-norm``; upstream's ``calc_params_l2_norm``). Collective."""
+        return self._global_norm([p.detach() for p in self.get_parameters()])
+
+    def _global_norm(self, tensors: List[Optional[torch.Tensor]]) -> float:
+        """``global_grad_norm`` of one tensor per model parameter (None: not counted)."""
+        entries = [(mp, _local(t) if t is not None and _is_dtensor(t) else t)
+                   for mp, t in zip(self.model_params, tensors)]
         return global_grad_norm(entries, shard_group=self._shard_groups(), kinds=self._kept_norm_kinds())
 
     def _shard_groups(self) -> Dict[str, dist.ProcessGroup]:

@@ -59,6 +59,19 @@ class SelfAttentionSubmodules:
     q_layernorm: object = None
     k_layernorm: object = None
 
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "fused": "EFFICIENT_ATTENTION", "unfused": "MATH", "local": "MATH"}
+
+
+def sdpa_backend(attention_backend):
+    """The context that restricts ``F.scaled_dot_product_attention`` to the kernel of ``--attention-backend`` (an
+    ``AttnBackend`` or its name; ``auto``: torch's own choice, no restriction)."""
+    name = _SDPA_BACKENDS.get(getattr(attention_backend, "name", attention_backend))
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, name))
+
 
 class SelfAttention(MegatronModule):
     def __init__(self, config, layer_number: int = 1, fuse_input_layernorm: bool = False):
@@ -86,6 +99,15 @@ class SelfAttention(MegatronModule):
             config, "row", self.query_projection_size, config.hidden_size, init_method=out_init,
             bias=config.add_bias_linear, skip_bias_add=True,
         )
+        if config.qk_layernorm:  # upstream's keys; a TE layer's norms carry TE's _extra_state as upstream's TENorm
+            from megatron.core.transformer.torch_norm import build_norm
+
+            te = config.transformer_impl == "transformer_engine"
+            self.q_layernorm = build_norm(config, self.head_dim, te_extra_state=te)
+            self.k_layernorm = build_norm(config, self.head_dim, te_extra_state=te)
+            for norm in (self.q_layernorm, self.k_layernorm):  # a whole sequence per rank: not sequence-parallel
+                for p in norm.parameters():
+                    p.sequence_parallel = False
 
     def forward(
         self,
@@ -104,6 +126,8 @@ class SelfAttention(MegatronModule):
         q = q.reshape(s, b, self.num_heads, self.head_dim)
         k = k.reshape(s, b, self.num_query_groups, self.head_dim)
         v = v.reshape(s, b, self.num_query_groups, self.head_dim)
+        if self.config.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb)
             k = apply_rotary_pos_emb(k, rotary_pos_emb)
@@ -126,7 +150,7 @@ class SelfAttention(MegatronModule):
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)
         rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
-        with rng if rng is not None else contextlib.nullcontext():
+        with rng if rng is not None else contextlib.nullcontext(), sdpa_backend(self.config.attention_backend):
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)

@@ -32,6 +32,17 @@ class _NormBase(IgnoresExtraState, torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
+    def _zero_centered(self) -> bool:
+        """``--apply-layernorm-1p`` (upstream's ``layernorm_zero_centered_gamma``, TE's ``zero_centered_gamma``): the
+        stored weight is ``gamma - 1`` (initialized to 0, decayed towards 0), the norm scales by ``1 + weight``."""
+        return bool(getattr(self.config, "layernorm_zero_centered_gamma", False))
+
+    def _gamma_init(self) -> float:
+        return 0.0 if self._zero_centered() else 1.0
+
+    def _gamma(self) -> torch.Tensor:
+        return self.weight + 1 if self._zero_centered() else self.weight
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         sd = self.state_dict(keep_vars=True)
         if self.te_extra_state:
@@ -48,20 +59,20 @@ class LayerNorm(_NormBase):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(self._gamma_init())
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        return F.layer_norm(x, (self.hidden_size,), self._gamma(), self.bias, self.eps)
 
 
 class RMSNorm(_NormBase):
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(self._gamma_init())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), self._gamma(), self.eps)
 
 
 def build_norm(config, hidden_size: int, eps: float = None, te_extra_state: bool = False) -> torch.nn.Module:

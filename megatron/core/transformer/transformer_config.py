@@ -73,6 +73,7 @@ class TransformerConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norms scale by 1 + weight (weight init 0)
     normalization: str = "LayerNorm"  # 'LayerNorm' | 'RMSNorm'
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # QKV bias when add_bias_linear is False
@@ -103,7 +104,6 @@ class TransformerConfig:
 
     # ---- implementation -------------------------------------------------------------------------------------
     transformer_impl: str = "local"  # 'local' | 'transformer_engine' (GPTModel sets it from its layer spec)
-    attention_backend: AttnBackend = AttnBackend.auto  # accepted as upstream; attention is torch's SDPA here
 
     # ---- parallelism (tensor, sequence, pipeline, expert; context parallelism must stay 1) ----------------------
     tensor_model_parallel_size: int = 1
@@ -132,6 +132,11 @@ class TransformerConfig:
     grad_scale_func: Optional[Callable] = None  # fp16: multiplies the loss by the loss scale
     timers: Optional[Callable] = None
 
+    attention_backend: AttnBackend = AttnBackend.auto
+    """Upstream's ``AttnBackend`` (its name is accepted too and turned into the member): which kernel of torch's
+    ``scaled_dot_product_attention`` computes core attention: auto (torch picks), flash (FLASH_ATTENTION), fused
+    (EFFICIENT_ATTENTION), unfused / local (MATH). The same math whichever is picked."""
+
     # ---- accepted for upstream compatibility; no effect in this fork ------------------------------------------
     gradient_accumulation_fusion: bool = False
     bias_activation_fusion: bool = False
@@ -156,8 +161,11 @@ class TransformerConfig:
     recompute_modules: Optional[List[str]] = None  # selective; default ['core_attn'] as upstream
     distribute_saved_activations: bool = False
 
-    # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     qk_layernorm: bool = False
+    """--qk-layernorm: a norm (``normalization``, over each head's ``kv_channels``) on the queries and the keys before
+    rotary embedding (upstream's ``self_attention.q_layernorm`` / ``k_layernorm``)."""
+
+    # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     fp8_dot_product_attention: bool = False
 
     # ---- mixture of experts ---------------------------------------------------------------------------------
@@ -177,6 +185,8 @@ class TransformerConfig:
     moe_token_dispatcher_type: str = "allgather"
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_z_loss_coeff: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
+    moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
 
     def _check_pipeline(self):
         """Pipeline sizes, virtual stages and the uneven first/last stages (their layers must split evenly, as
@@ -226,9 +236,11 @@ class TransformerConfig:
             )
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are mutually exclusive (--fp16 / --bf16)")
+        if isinstance(self.attention_backend, str) and self.attention_backend in AttnBackend.__members__:
+            self.attention_backend = AttnBackend[self.attention_backend]
         if not isinstance(self.attention_backend, AttnBackend):
-            raise ValueError(f"attention_backend must be an AttnBackend (--attention-backend), "
-                             f"got {self.attention_backend!r}")
+            raise ValueError(f"TransformerConfig.attention_backend (--attention-backend) must be an AttnBackend or one "
+                             f"of {', '.join(AttnBackend.__members__)}; got {self.attention_backend!r}")
         if self.pipeline_dtype is not None and not isinstance(self.pipeline_dtype, torch.dtype):
             raise ValueError(f"pipeline_dtype must be a torch.dtype or None, got {self.pipeline_dtype!r}")
         if self.fp8 not in (None, "e4m3", "hybrid"):
@@ -263,8 +275,6 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
         self._check_pipeline()
         self._check_recompute()
-        if self.qk_layernorm:
-            raise ValueError("qk_layernorm (--qk-layernorm) is not supported")
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.num_moe_experts is not None:
@@ -285,6 +295,13 @@ class TransformerConfig:
                 )
             if self.moe_shared_expert_intermediate_size:
                 raise ValueError("shared experts (--moe-shared-expert-intermediate-size) are not supported")
+            if self.moe_router_num_groups or self.moe_router_group_topk:
+                g, k = self.moe_router_num_groups, self.moe_router_group_topk
+                if not (g and k and self.num_moe_experts % g == 0 and 1 <= k <= g and self.moe_router_topk % k == 0):
+                    raise ValueError(
+                        f"group-limited routing needs moe_router_num_groups (--moe-router-num-groups, {g}) dividing "
+                        f"num_moe_experts ({self.num_moe_experts}) and moe_router_group_topk (--moe-router-group-topk, "
+                        f"{k}) in [1, groups] dividing moe_router_topk ({self.moe_router_topk})")
             if self.moe_z_loss_coeff:
                 raise ValueError("the router z-loss (--moe-z-loss-coeff) is not supported")
         elif self.moe_router_enable_expert_bias:

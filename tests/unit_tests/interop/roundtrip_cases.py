@@ -29,6 +29,10 @@ MODELS = {
     "gqa": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=128, normalization="RMSNorm"),
                 gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
+    # --qk-layernorm: per-head LayerNorm on queries and keys (q_layernorm / k_layernorm), GQA, RoPE
+    "qk": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                           ffn_hidden_size=128, qk_layernorm=True),
+               gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
 }
 
 # name: (world size, TP, EP, sequence parallel)
@@ -69,11 +73,12 @@ def model_config(model: str, layout: str) -> dict:
 
 def cases(layout: str):
     """(model, fully_parallel_save, async_save, fp8 recipe) of one layout: on CPU every model with the fully
-    parallel save on and off, the dense model once more with an async save (tp1 only), recipe False (local layers);
-    on the GPU every model with TE layers per FP8 recipe (None: no FP8)."""
+    parallel save on and off (the qk-layernorm model with one save kind), the dense model once more with an async
+    save (tp1 only), recipe False (local layers); on the GPU every model with TE layers per FP8 recipe (None: no
+    FP8)."""
     if layout in GPU_LAYOUTS:
-        return [(m, False, False, r) for m in MODELS for r in FP8_RECIPES]
-    out = [(m, fp, False, False) for m in MODELS for fp in (True, False)]  # recipe False: no TE
+        return [(m, False, False, r) for m in MODELS if m != "qk" for r in FP8_RECIPES]
+    out = [(m, fp, False, False) for m in MODELS for fp in (True, False) if m != "qk" or fp]  # recipe False: no TE
     if layout == "tp1":
         out.append(("dense", True, True, False))
     return out

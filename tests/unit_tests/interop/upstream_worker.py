@@ -62,7 +62,8 @@ def build_model(model: str, layout: str, recipe=False):
     experts = cfg.get("num_moe_experts")
     if recipe is False:
         cfg["use_cpu_initialization"] = True
-        spec = get_gpt_layer_local_spec(num_experts=experts, normalization=cfg.get("normalization", "LayerNorm"))
+        spec = get_gpt_layer_local_spec(num_experts=experts, normalization=cfg.get("normalization", "LayerNorm"),
+                                        qk_layernorm=cfg.get("qk_layernorm", False))
     else:
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
     if recipe:

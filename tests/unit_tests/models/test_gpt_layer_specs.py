@@ -204,7 +204,8 @@ def test_config_fields_and_enums():
     cfg = _cfg(pipeline_dtype=torch.bfloat16, attention_backend=AttnBackend.flash)
     assert cfg.pipeline_dtype is torch.bfloat16 and cfg.attention_backend is AttnBackend.flash
     assert _cfg().attention_backend is AttnBackend.auto and _cfg().pipeline_dtype is None
-    with pytest.raises(ValueError, match=r"attention_backend must be an AttnBackend \(--attention-backend\)"):
-        _cfg(attention_backend="flash")
+    assert _cfg(attention_backend="flash").attention_backend is AttnBackend.flash  # the name is taken too
+    with pytest.raises(ValueError, match=r"attention_backend \(--attention-backend\) must be an AttnBackend"):
+        _cfg(attention_backend="sdpa")
     with pytest.raises(ValueError, match="pipeline_dtype must be a torch.dtype"):
         _cfg(pipeline_dtype="bf16")

@@ -23,6 +23,8 @@ def topk_routing_with_score_function(
     expert_bias: torch.Tensor = None,
     use_pre_softmax: bool = False,
     scaling_factor: float = None,
+    num_groups: int = None,
+    group_topk: int = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route ``logits`` ``[T, E]`` to ``topk`` experts.
 
@@ -40,6 +42,8 @@ def topk_routing_with_score_function(
     else:
         raise ValueError(f"unknown moe_router_score_function {score_function!r} (--moe-router-score-function)")
     for_selection = scores if expert_bias is None else scores + expert_bias.to(scores.device, torch.float32)
+    if num_groups:  # group-limited routing: only experts of the token's best group_topk groups are eligible
+        for_selection = limit_to_best_groups(for_selection, topk, num_groups, group_topk)
     _, top_indices = torch.topk(for_selection, k=topk, dim=-1)
     top_probs = torch.gather(scores, 1, top_indices)
     if score_function == "softmax" and not use_pre_softmax:
@@ -51,6 +55,18 @@ def topk_routing_with_score_function(
     probs = torch.zeros_like(scores).scatter(1, top_indices, top_probs)
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_indices, True)
     return probs, routing_map, scores
+
+
+def limit_to_best_groups(for_selection: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
+    """``--moe-router-num-groups G --moe-router-group-topk K`` (DeepSeek's device/node-limited routing): the experts
+    ``[T, E]`` form G equal consecutive groups; a group's score is the sum of its best ``topk // K`` selection
+    scores; experts outside each token's K best groups get ``-inf`` (never selected)."""
+    t, e = for_selection.shape
+    grouped = for_selection.view(t, num_groups, e // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(group_topk, dim=-1).indices
+    keep = torch.zeros(t, num_groups, dtype=torch.bool, device=for_selection.device).scatter(1, best, True)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
 
 
 class TopKRouter(MegatronModule):
@@ -98,6 +114,8 @@ class TopKRouter(MegatronModule):
             expert_bias=self.expert_bias,
             use_pre_softmax=self.config.moe_router_pre_softmax,
             scaling_factor=self.config.moe_router_topk_scaling_factor,
+            num_groups=self.config.moe_router_num_groups,
+            group_topk=self.config.moe_router_group_topk,
         )
         if self.enable_expert_bias and self.training and not is_recomputing():  # counted once per forward
             with torch.no_grad():
