@@ -38,7 +38,7 @@ def _same_math_body(rank, world_size):
                                                                               backend] + KERNEL_FLAGS])
         torch.manual_seed(0)
         model = pretrain_gpt.model_provider().eval()
-        assert model.config.attention_backend == backend
+        assert model.config.attention_backend.name == backend
         with torch.no_grad():
             outs[backend] = model(tokens, torch.arange(16)[None], None)
     assert args.masked_softmax_fusion is False and args.gradient_accumulation_fusion is False
