@@ -78,7 +78,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
     """Save replicated shards once across ``parallelization_group`` (default: WORLD), balancing bytes per rank.
 
     Only shards whose main replica (``replica_id`` 0) lies on a rank of the group are redistributed among the ranks
-    of the group holding them; the others keep their replica_ids (another group saves them). The group's ranks must
+    of the group holding them; the others get replica_id 1 (another group saves them). The group's ranks must
     hold identical data for identical shards (that is what a replica is).
     """
 
