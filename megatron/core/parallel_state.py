@@ -221,9 +221,12 @@ def _load_nccl_configs(path: Optional[str], high_priority_stream_groups: Optiona
     return configs
 
 
-def _nccl_options(config: Optional[dict]):
-    if not config:
+def get_nccl_options(pg_name, nccl_comm_cfgs):
+    """``ProcessGroupNCCL.Options`` for the group ``pg_name`` from ``nccl_comm_cfgs`` (name -> {option: value}: the
+    communicator settings of --nccl-communicator-config-path), or None when it has no entry (NCCL's defaults)."""
+    if pg_name not in nccl_comm_cfgs:
         return None
+    config = nccl_comm_cfgs[pg_name]
     options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=config.get("is_high_priority_stream", False))
     for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
         if key in config:
@@ -231,6 +234,42 @@ def _nccl_options(config: Optional[dict]):
                 raise RuntimeError(f"net_name ({config[key]}) is not supported. Accepted values: 'IB' or 'socket'.")
             setattr(options.config, key, config[key])
     return options
+
+
+_USER_GROUPS: List[dist.ProcessGroup] = []  # groups made by create_group that this rank is in
+
+
+def create_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                 group_desc=None):
+    """``torch.distributed.new_group`` with upstream's arguments (collective over the world unless
+    ``use_local_synchronization``); the group is remembered for ``update_pg_timeout``."""
+    group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                           use_local_synchronization=use_local_synchronization, group_desc=group_desc)
+    if isinstance(group, dist.ProcessGroup):
+        _USER_GROUPS.append(group)
+    return group
+
+
+def _my_groups() -> List[dist.ProcessGroup]:
+    """Every group this rank is in: the default group, initialize_model_parallel's and create_group's."""
+    out: List[dist.ProcessGroup] = [dist.group.WORLD]
+    for g in list(_CREATED.values()) + _USER_GROUPS:
+        if isinstance(g, dist.ProcessGroup) and all(g is not o for o in out):
+            out.append(g)
+    return out
+
+
+def update_pg_timeout(timeout: timedelta, pg: Optional[dist.ProcessGroup] = None) -> None:
+    """Set ``timeout`` on ``pg``, or on every group of this rank (``pg`` None), after a barrier over ``pg`` (the
+    world when None); nothing where torch lacks ``_set_pg_timeout``."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    dist.barrier(pg)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for group in ([pg] if pg is not None else _my_groups()):
+        set_timeout(timeout, group)
 
 
 def initialize_model_parallel(
@@ -306,7 +345,8 @@ def initialize_model_parallel(
             key = (tuple(ranks), backend, repr(sorted(config.items())) if config else None)
             if key not in _CREATED:  # every rank takes the same branches: new_group is collective
                 _CREATED[key] = dist.new_group(ranks, timeout=timeout, backend="gloo" if gloo else None,
-                                               pg_options=_nccl_options(config), group_desc=name.upper())
+                                               pg_options=get_nccl_options(config_name, nccl_configs)
+                                               if config else None, group_desc=name.upper())
             if me in ranks:
                 _GROUPS[name], _RANKS[name] = _CREATED[key], list(ranks)
 
@@ -383,6 +423,7 @@ def destroy_model_parallel() -> None:
     _GROUPS.clear()
     _RANKS.clear()
     _CREATED.clear()
+    _USER_GROUPS.clear()
     _OVERRIDES.clear()
     _NUM_INSTANCES["n"] = 1
     _VIRTUAL_PIPELINE.update(size=None, rank=None)
@@ -464,6 +505,17 @@ def get_context_parallel_global_ranks(check_initialized=True):
     if not _INITIALIZED and not check_initialized:
         return None
     return list(_ranks("cp"))
+
+
+def get_hierarchical_context_parallel_groups(check_initialized=True):
+    """The inner rings of hierarchical context parallelism: never built here (this fork has no context
+    parallelism; ``hierarchical_context_parallel_sizes`` is refused), so None, or with ``check_initialized`` an
+    AssertionError as upstream's when they were not built."""
+    assert not check_initialized, (
+        "hierarchical context parallel groups are not initialized (hierarchical_context_parallel_sizes is not "
+        "supported by this fork)"
+    )
+    return None
 
 
 def get_embedding_group(check_initialized=True):

@@ -70,7 +70,10 @@ def _enum_globals() -> List[Any]:
         ModelType,
     )
 
-    return [AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType]
+    from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+
+    return [AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType, RerunDiagnostic,
+            RerunMode, RerunState]
 
 
 # Plain-data classes only: constructing them (``__new__`` + state) runs no code of the checkpoint's choosing.

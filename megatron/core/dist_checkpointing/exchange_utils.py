@@ -36,7 +36,16 @@ class ShardDistribution(NamedTuple):
 
 
 def _shard_size(sh_ten: ShardedTensor) -> int:
-    """Bytes of the shard's data (of its flat range if flattened)."""
+    """The shard's weight in the distribution, as upstream counts it: bytes of its ``local_shape`` (for a flattened
+    shard that is the whole local tensor, not its flat range, so the same ranks are chosen as upstream)."""
+    numel = 1
+    for n in sh_ten.local_shape:
+        numel *= n
+    return numel * torch.empty((), dtype=sh_ten.dtype).element_size()
+
+
+def _io_bytes(sh_ten: ShardedTensor) -> int:
+    """Bytes of the shard's data actually written or read (its flat range if flattened)."""
     return sh_ten.numel() * torch.empty((), dtype=sh_ten.dtype).element_size()
 
 
@@ -49,13 +58,23 @@ T = TypeVar("T")
 
 
 def distribute_shards_to_ranks(
-    shard_to_ranks: Dict[T, List[int]], shard_to_size: Dict[T, int], num_ranks: int
+    shard_to_ranks: Dict[T, List[int]],
+    shard_to_size: Dict[T, int],
+    num_ranks: int,
+    cross_parallelization_group_loads: Set[T],
 ) -> Dict[T, int]:
-    """One rank per shard among the ranks holding it, balancing bytes: greedy, largest shard first (ties by shard
-    id), each to its least loaded holder (ties to the lowest rank). Deterministic: every rank computes the same."""
+    """One rank per shard among the ranks holding it, balancing bytes, in upstream's order so that the same state
+    dict gets the same assignment as upstream: shards whose main replica is in this group before those loaded for
+    another group (``cross_parallelization_group_loads``), then fewer holders first, then larger first, then by
+    shard id; each goes to its least loaded holder (ties to the lowest rank). Deterministic: every rank computes
+    the same."""
     load = [0] * num_ranks
     result = {}
-    for shard in sorted(shard_to_ranks, key=lambda s: (-shard_to_size[s], s)):
+
+    def order(shard):
+        return (shard in cross_parallelization_group_loads, len(shard_to_ranks[shard]), -shard_to_size[shard], shard)
+
+    for shard in sorted(shard_to_ranks, key=order):
         rank = min(shard_to_ranks[shard], key=lambda r: (load[r], r))
         result[shard] = rank
         load[rank] += shard_to_size[shard]
@@ -81,7 +100,7 @@ def determine_main_replica_uniform_distribution(
     dist.all_gather_object(gathered, local, group=parallelization_group)
     all_ranks: Dict[_ShardId, List[int]] = {}
     metadata: Dict[_ShardId, ShardedTensor] = {}
-    in_group: Set[_ShardId] = set()
+    has_main: Set[_ShardId] = set()
     for rank, shards in enumerate(gathered):
         for sh in shards:
             sid = _sharded_tensor_shard_id(sh)
@@ -89,11 +108,14 @@ def determine_main_replica_uniform_distribution(
             if rank not in ranks:  # a rank holding the same shard twice counts once
                 ranks.append(rank)
             metadata.setdefault(sid, sh)
-            if ignore_groups or is_main_replica(sh.replica_id):
-                in_group.add(sid)
+            if is_main_replica(sh.replica_id):
+                has_main.add(sid)
+    # A load (ignore_groups) distributes every shard; those whose main replica is in another group come last.
+    in_group = set(all_ranks) if ignore_groups else has_main
+    cross_group = in_group - has_main
     all_ranks = {sid: ranks for sid, ranks in all_ranks.items() if sid in in_group}
     sizes = {sid: _shard_size(metadata[sid]) for sid in all_ranks}
-    main = distribute_shards_to_ranks(all_ranks, sizes, size)
+    main = distribute_shards_to_ranks(all_ranks, sizes, size, cross_group)
     return ShardDistribution(main, in_group, metadata, all_ranks)
 
 
@@ -101,7 +123,7 @@ def bytes_per_rank(distribution: ShardDistribution, num_ranks: int) -> List[int]
     """Bytes each group rank saves/reads under ``distribution`` (for reports and tests)."""
     out = [0] * num_ranks
     for sid, rank in distribution.main_rank_for_shard.items():
-        out[rank] += _shard_size(distribution.shard_to_metadata[sid])
+        out[rank] += _io_bytes(distribution.shard_to_metadata[sid])
     return out
 
 

@@ -260,13 +260,13 @@ def load_sharded_metadata(
     *,
     common_strategy: Optional[LoadCommonStrategy] = None,
 ) -> ShardedStateDict:
-    """Tensors (as ``load_tensors_metadata``) and ShardedObjects (keyed by unique_key, no data) of the checkpoint."""
+    """Tensors (as ``load_tensors_metadata``) and ShardedObjects (keyed by unique_key, no data) of the checkpoint;
+    as upstream, the common state's object (key ``common_state``) is among them when the checkpoint stores it so."""
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )
     out = dict(common_strategy.load_sharded_metadata(Path(checkpoint_dir))) if common_strategy is not None else {}
     out.update(sharded_strategy.load_sharded_metadata(Path(checkpoint_dir)))
-    out.pop(_common_state_object(None).unique_key, None)  # the common state, not an object of the state dict
     return out
 
 
@@ -351,6 +351,10 @@ def load(
             ckpt_sharded_metadata = load_sharded_metadata(
                 checkpoint_dir, sharded_strategy, common_strategy=common_strategy
             )
+            # the common state is loaded separately (load_common), never a key of the state dict
+            ckpt_sharded_metadata = {
+                k: v for k, v in ckpt_sharded_metadata.items() if getattr(v, "key", None) != COMMON_STATE_KEY
+            }
         except CheckpointingException as e:
             error = str(e)
         dist_utils.raise_collectively(error, CheckpointingException, "checkpointing")

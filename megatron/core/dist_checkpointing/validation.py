@@ -14,7 +14,9 @@ from typing import Dict, List, Optional, Set, Tuple, Union
 import torch.distributed as dist
 
 from .. import dist_utils
-from .core import CheckpointingException, maybe_load_config
+from .core import CheckpointingException, check_is_distributed_checkpoint, maybe_load_config  # noqa: F401
+# upstream 0.19 keeps the integrity manifest's names in this module; the code lives in integrity.py
+from .integrity import INTEGRITY_FNAME, save_integrity_manifest, verify_integrity_manifest  # noqa: F401
 from .dict_utils import diff, extract_matching_values, nested_values
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 

@@ -150,7 +150,7 @@ def _save_load_positional(rank, world, tmp_path):
     assert not os.listdir(os.path.join(str(tmp_path), "never"))
     # load_sharded_metadata(dir, sharded_strategy) positionally
     md = dist_checkpointing.load_sharded_metadata(d, TorchDistLoadShardedStrategy())
-    assert set(md) == {"w"} and md["w"].global_shape == (4 * world, 3)
+    assert set(md) == {"w", "common_state/shard_0_1"} and md["w"].global_shape == (4 * world, 3)
     # load_common / load_common_state_dict / verify_checkpoint
     assert serialization.load_common(d)["it"] == 3 and dist_checkpointing.load_common_state_dict(d)["it"] == 3
     assert validation.verify_checkpoint(d).sharded_backend == "torch_dist"

@@ -458,8 +458,8 @@ def test_distribute_shards_balances_deterministically():
               ("d", (0,), (2,), ()): [0, 1], ("e", (0,), (1,), ()): [1]}
     sizes = {"a": 40, "b": 40, "c": 20, "d": 20, "e": 10}
     sizes = {s: sizes[s[0]] for s in shards}
-    out = distribute_shards_to_ranks(shards, sizes, 2)
-    assert out == distribute_shards_to_ranks(dict(reversed(list(shards.items()))), sizes, 2)
+    out = distribute_shards_to_ranks(shards, sizes, 2, set())
+    assert out == distribute_shards_to_ranks(dict(reversed(list(shards.items()))), sizes, 2, set())
     per_rank = Counter()
     for s, r in out.items():
         assert r in shards[s]

@@ -79,7 +79,9 @@ def test_upstream_metadata_calls(tmp_path):
         FC2: ((2, 4, 16, 16), torch.float32),
     }
     smd = dist_checkpointing.load_sharded_metadata(ckpt)
-    assert set(smd) == {FC1, FC2, "misc.obj/shard_0_1"}  # the common state is not an object of the state dict
+    # as upstream's: every object of the checkpoint, the common state's included
+    assert set(smd) == {FC1, FC2, "misc.obj/shard_0_1", "common_state/shard_0_1"}
+    assert smd["common_state/shard_0_1"].key == "common_state" and smd["common_state/shard_0_1"].data is None
     assert isinstance(smd["misc.obj/shard_0_1"], ShardedObject) and smd["misc.obj/shard_0_1"].global_shape == (1,)
     plain = dist_checkpointing.load_plain_tensors(ckpt)
     assert set(plain) == {FC1, FC2}

@@ -59,3 +59,16 @@ def ensure_upstream() -> Path:
             raise RuntimeError(f"{site}: upstream megatron-core {VERSION} did not unpack")
         (root / "READY").write_text(f"megatron-core {VERSION} + {' '.join(EXTRA)}\n")
     return site
+
+
+def upstream_site_or_skip() -> Path:
+    """``ensure_upstream()`` for a test: without a package index a developer's offline run skips (pytest.skip), CI
+    (``CI`` set) fails."""
+    import pytest
+
+    try:
+        return ensure_upstream()
+    except Exception as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"upstream megatron-core could not be installed: {e}")

@@ -4,9 +4,9 @@ Both wrappers keep the wrapped strategy's behaviour and on-disk format; they onl
 for a shard that several ranks hold (same key, global offset and local shape):
 
 - ``FullyParallelSaveStrategyWrapper``: every distinct shard is written by exactly one rank of the group, chosen to
-  balance the bytes written per rank (greedy, largest shard first, ties to the lowest rank: deterministic on all
-  ranks). It works by rewriting ``replica_id`` (0 on the chosen rank, 1 elsewhere) on copies of the ShardedTensors
-  and then delegating to the wrapped strategy.
+  balance the bytes written per rank (upstream's greedy order, ``exchange_utils.distribute_shards_to_ranks``:
+  deterministic on all ranks, the same ranks as upstream). As upstream, it rewrites ``replica_id`` in place (0 on the
+  chosen rank, 1 elsewhere) and then delegates to the wrapped strategy.
 - ``FullyParallelLoadStrategyWrapper``: every distinct shard is read from disk by exactly one rank of the group (the
   same balancing), through the wrapped strategy; the read shards are then exchanged over the group
   (``torch.distributed.broadcast``; gloo on CPU, NCCL on GPU) and written into every rank's own destination tensors.
@@ -78,7 +78,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
     """Save replicated shards once across ``parallelization_group`` (default: WORLD), balancing bytes per rank.
 
     Only shards whose main replica (``replica_id`` 0) lies on a rank of the group are redistributed among the ranks
-    of the group holding them; the others keep their replica_ids (another group saves them). The group's ranks must
+    of the group holding them; the others get replica_id 1 (another group saves them). The group's ranks must
     hold identical data for identical shards (that is what a replica is).
     """
 
@@ -101,7 +101,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         return self.base_strategy.can_handle_sharded_objects
 
     def save(self, sharded_state_dict, checkpoint_dir):
-        sharded_state_dict = self.apply_saving_parallelization(sharded_state_dict)
+        self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
     def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "nvrx"):
@@ -110,7 +110,7 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
             raise CheckpointingException(
                 f"{type(self.base_strategy).__name__} has no async_save; cannot save {checkpoint_dir} asynchronously"
             )
-        sharded_state_dict = self.apply_saving_parallelization(sharded_state_dict)
+        self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)
 
     def determine_distribution(self, sharded_state_dict) -> ShardDistribution:
@@ -129,33 +129,29 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
             self._cached_fingerprint = fp
         return distribution
 
-    def apply_saving_parallelization(self, sharded_state_dict):
-        """A copy of ``sharded_state_dict`` whose ShardedTensors (shallow copies, same data) have rewritten replica_ids.
-
-        The caller's ShardedTensors are not modified.
-        """
+    def apply_saving_parallelization(self, sharded_state_dict) -> None:
+        """Rewrite the ``replica_id`` of the ShardedTensors of ``sharded_state_dict`` in place, as upstream does:
+        0 where this rank saves the shard for the group, 1 everywhere else (also for shards whose main replica is in
+        another group). Deviation: a rank holding the same shard twice saves it once (its other copies get 1)."""
         group = self.parallelization_group
         if dist.get_world_size(group) == 1:
-            return sharded_state_dict
-        distribution = self.determine_distribution(sharded_state_dict).main_rank_for_shard
+            return None
+        distribution = self.determine_distribution(sharded_state_dict)
         my_rank = dist.get_rank(group)
-        seen_here = set()
-
-        def rewrite(v):
+        saved_here = set()
+        for v in nested_values(sharded_state_dict):
             if not isinstance(v, ShardedTensor):
-                return v
+                continue
             sid = _shard_id(v)
-            saver = distribution.get(sid)
-            if saver is None:  # not saved by this group: keep the replica_id
-                return v
-            new = copy.copy(v)
-            # A rank holding the same shard twice saves it once.
-            new.replica_id = 0 if (saver == my_rank and sid not in seen_here) else 1
-            if new.replica_id == 0:
-                seen_here.add(sid)
-            return new
-
-        return dict_list_map_outplace(rewrite, sharded_state_dict)
+            saves = (
+                sid in distribution.shards_in_this_group
+                and distribution.main_rank_for_shard[sid] == my_rank
+                and sid not in saved_here
+            )
+            v.replica_id = 0 if saves else 1
+            if saves:
+                saved_here.add(sid)
+        return None
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
