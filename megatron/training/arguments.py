@@ -269,7 +269,10 @@ def _add_distributed_args(parser):
     g = parser.add_argument_group(title="distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Tensor-parallel size: heads, query groups, FFN and vocabulary split over this many ranks.")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Pipeline stages: the layers split evenly over this many ranks (1F1B schedule).")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Layers per virtual stage (model chunk) with pipeline parallelism: interleaved schedule.")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 is supported.")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Split norms/dropout regions on the sequence over the tensor-parallel ranks (needs TP > 1).")
@@ -613,6 +616,37 @@ def _validate_tensor_parallel_model_args(args):
               "with --sequence-parallel")
 
 
+def _validate_pipeline_args(args):
+    """--pipeline-model-parallel-size P: P divides WORLD_SIZE / TP and --num-layers (even split);
+    --num-layers-per-virtual-pipeline-stage L: L divides the layers of a stage (``virtual_pipeline_model_parallel_size``
+    = layers / (P x L) chunks per rank). Refused by name where it does not compose: Megatron-FSDP, the distributed
+    optimizer (not tested with pipeline stages yet)."""
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    args.virtual_pipeline_model_parallel_size = None
+    if pp < 1 or args.world_size % (tp * pp) != 0:
+        _fail(f"--pipeline-model-parallel-size ({pp}) x --tensor-model-parallel-size ({tp}) must divide WORLD_SIZE "
+              f"({args.world_size})")
+    if pp == 1:
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        return
+    if args.num_layers is None or args.num_layers % pp != 0:
+        _fail(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    per_stage = args.num_layers // pp
+    lv = args.num_layers_per_virtual_pipeline_stage
+    if lv is not None:
+        if lv <= 0 or per_stage % lv != 0:
+            _fail(f"--num-layers-per-virtual-pipeline-stage ({lv}) must divide the layers per pipeline stage "
+                  f"(--num-layers / --pipeline-model-parallel-size = {per_stage})")
+        if per_stage // lv > 1:
+            args.virtual_pipeline_model_parallel_size = per_stage // lv
+    for dest, why in (("use_megatron_fsdp", "FSDP2 units are built over the whole model, not per stage"),
+                      ("use_distributed_optimizer", "its sharded buffers are not built per pipeline stage yet")):
+        if getattr(args, dest, False):
+            _fail(f"{flag_name(dest)} is not supported with --pipeline-model-parallel-size {pp} ({why}); use 1, or "
+                  f"remove {flag_name(dest)}")
+
+
 def validate_args(args, defaults={}):
     """Fill derived defaults and exit with a message naming the flags on bad combinations."""
     for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
@@ -620,9 +654,6 @@ def validate_args(args, defaults={}):
             setattr(args, key, value)
 
     # ---- parallelism ------------------------------------------------------------------------------------
-    if args.pipeline_model_parallel_size != 1:
-        _fail(f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size} is not supported by the training "
-              "loop yet (megatron.core.pipeline_parallel has the schedules; pretrain_gpt.py does not call them: use 1)")
     if args.context_parallel_size != 1:
         _fail(f"--context-parallel-size={args.context_parallel_size} is not supported: context parallelism needs "
               "Transformer Engine attention on GPUs (use 1)")
@@ -631,7 +662,8 @@ def validate_args(args, defaults={}):
     tp = args.tensor_model_parallel_size
     if tp < 1 or args.world_size % tp != 0:
         _fail(f"--tensor-model-parallel-size ({tp}) must be a positive divisor of WORLD_SIZE ({args.world_size})")
-    args.data_parallel_size = args.world_size // tp
+    _validate_pipeline_args(args)
+    args.data_parallel_size = args.world_size // (tp * args.pipeline_model_parallel_size)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -836,6 +868,8 @@ def core_transformer_config_from_args(args, config_class=None):
         use_cpu_initialization=bool(args.use_cpu_initialization),
         init_model_with_meta_device=bool(args.init_model_with_meta_device),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         sequence_parallel=bool(args.sequence_parallel),
         params_dtype=args.params_dtype,
         fp16=args.fp16,

@@ -1,0 +1,89 @@
+"""pretrain_gpt with --pipeline-model-parallel-size 2 x --tensor-model-parallel-size 2 on 4 CPU gloo ranks: each rank
+builds its stage (2 of the 4 layers; with --num-layers-per-virtual-pipeline-stage 1 two chunks of one layer) and
+trains; from the same weights and optimizer state (a PP=1 checkpoint) the losses of the same global batches equal the
+PP=1 x TP=2 run's (fp32 tolerance, tied embeddings, clipped), and a save at PP=2 resumes at PP=1 (model and DDP
+optimizer state) continuing the uninterrupted curve."""
+import numpy as np
+import pytest
+
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.training.test_training import NO_DROPOUT, TINY, _run, _same_on_all_ranks, _tracker
+
+PP = TINY + NO_DROPOUT + ["--num-layers", 4, "--tensor-model-parallel-size", 2, "--train-iters", 8,
+                          "--log-interval", 1]
+
+
+def _stage(model):
+    """(pre_process, post_process, global layer numbers) of each model chunk of this rank."""
+    return [(m.module.pre_process, m.module.post_process, [layer.layer_number for layer in m.module.decoder.layers])
+            for m in model]
+
+
+def _body(rank, world_size, ckpt_a, ckpt_b):
+    from megatron.core import parallel_state
+
+    # PP=1 x TP=2 x DP=2 (2 micro-batches per iteration), saved at iteration 3: the reference curve
+    ref = _run(PP + ["--save", ckpt_a, "--save-interval", 3])
+    curve = {i: ref.losses[i] for i in range(1, 9)}
+    assert curve[8] < curve[1], curve
+    # A fresh PP=2 x TP=2 run (DP=1: 4 micro-batches through 1F1B) trains; its initial weights are not those of PP=1
+    # (each stage draws its own layers from the seed, as upstream), so its curve is only checked to fall.
+    seen = []
+    fresh = _run(PP + ["--pipeline-model-parallel-size", 2, "--train-iters", 4],
+                 on_iteration_end=lambda it, model, loss: seen.append(
+                     (parallel_state.get_pipeline_model_parallel_rank(), _stage(model))))
+    pp_rank, stages = seen[0]
+    assert pp_rank == rank // 2  # RankGenerator order tp-cp-ep-dp-pp
+    assert stages == [(pp_rank == 0, pp_rank == 1, [2 * pp_rank + 1, 2 * pp_rank + 2])], stages
+    got = [fresh.losses[i] for i in range(1, 5)]
+    _same_on_all_ranks(got)  # broadcast from the last stage: rank 0 (first stage) logs the same value
+    assert got[-1] < got[0], got
+    # From the same weights and optimizer state (the PP=1 checkpoint of iteration 3), PP=2 gives the PP=1 losses,
+    # then saves at iteration 5
+    first = _run(PP + ["--pipeline-model-parallel-size", 2, "--load", ckpt_a, "--ckpt-step", 3, "--save", ckpt_b,
+                       "--save-interval", 5, "--exit-interval", 5])
+    assert sorted(first.losses) == [4, 5] and _tracker(ckpt_b) == "5"
+    got = [first.losses[i] for i in (4, 5)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [curve[4], curve[5]], rtol=1e-5, atol=0)
+    # the PP=2 checkpoint (model + DDP optimizer state + scheduler) resumed at PP=1 continues the curve
+    second = _run(PP + ["--load", ckpt_b])
+    assert sorted(second.losses) == [6, 7, 8]
+    resumed = [second.losses[i] for i in (6, 7, 8)]
+    _same_on_all_ranks(resumed)
+    np.testing.assert_allclose(resumed, [curve[6], curve[7], curve[8]], rtol=1e-5, atol=0)
+    # interleaved: two virtual stages of one layer per rank (virtual stage c*2 + pp_rank holds layer c*2 + pp_rank + 1)
+    seen.clear()
+    inter = _run(PP + ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+                       "--load", ckpt_a, "--ckpt-step", 3, "--train-iters", 5],
+                 on_iteration_end=lambda it, model, loss: seen.append(_stage(model)))
+    assert seen[0] == [(pp_rank == 0, False, [pp_rank + 1]), (False, pp_rank == 1, [pp_rank + 3])], seen[0]
+    got = [inter.losses[i] for i in (4, 5)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [curve[4], curve[5]], rtol=1e-5, atol=0)
+
+
+def test_pretrain_gpt_pp2_tp2_equals_pp1_and_resumes_at_pp1(tmp_path):
+    run_distributed(_body, 4, str(tmp_path / "a"), str(tmp_path / "b"), timeout=600)
+
+
+def test_pipeline_flags():
+    from tests.unit_tests.training.test_arguments import _args
+
+    args = _args("--pipeline-model-parallel-size", 2, "--num-layers", 4, "--num-layers-per-virtual-pipeline-stage", 1,
+                 "--tensor-model-parallel-size", 2, "--global-batch-size", 8, world_size=8)
+    assert (args.data_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches) == (2, 2, 2)
+    for extra, words in (
+        (("--pipeline-model-parallel-size", 3), ["--pipeline-model-parallel-size (3)", "WORLD_SIZE (4)"]),
+        (("--pipeline-model-parallel-size", 2, "--num-layers", 3), ["--num-layers (3)", "divisible"]),
+        (("--pipeline-model-parallel-size", 2, "--num-layers", 4, "--num-layers-per-virtual-pipeline-stage", 3),
+         ["--num-layers-per-virtual-pipeline-stage (3)"]),
+        (("--num-layers-per-virtual-pipeline-stage", 1), ["needs --pipeline-model-parallel-size"]),
+        (("--pipeline-model-parallel-size", 2, "--use-megatron-fsdp"), ["--use-megatron-fsdp", "pipeline"]),
+        (("--pipeline-model-parallel-size", 2, "--use-distributed-optimizer"),
+         ["--use-distributed-optimizer", "pipeline"]),
+        (("--pipeline-model-parallel-size", 2, "--context-parallel-size", 2), ["--context-parallel-size"]),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            _args(*extra, world_size=4)
+        assert all(w in str(exc.value) for w in words), (extra, str(exc.value))
