@@ -619,8 +619,8 @@ def _validate_tensor_parallel_model_args(args):
 def _validate_pipeline_args(args):
     """--pipeline-model-parallel-size P: P divides WORLD_SIZE / TP and --num-layers (even split);
     --num-layers-per-virtual-pipeline-stage L: L divides the layers of a stage (``virtual_pipeline_model_parallel_size``
-    = layers / (P x L) chunks per rank). Refused by name where it does not compose: Megatron-FSDP, the distributed
-    optimizer (not tested with pipeline stages yet)."""
+    = layers / (P x L) chunks per rank). Refused by name where it does not compose: Megatron-FSDP (context
+    parallelism is refused for every P)."""
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     args.virtual_pipeline_model_parallel_size = None
     if pp < 1 or args.world_size % (tp * pp) != 0:
@@ -640,11 +640,10 @@ def _validate_pipeline_args(args):
                   f"(--num-layers / --pipeline-model-parallel-size = {per_stage})")
         if per_stage // lv > 1:
             args.virtual_pipeline_model_parallel_size = per_stage // lv
-    for dest, why in (("use_megatron_fsdp", "FSDP2 units are built over the whole model, not per stage"),
-                      ("use_distributed_optimizer", "its sharded buffers are not built per pipeline stage yet")):
-        if getattr(args, dest, False):
-            _fail(f"{flag_name(dest)} is not supported with --pipeline-model-parallel-size {pp} ({why}); use 1, or "
-                  f"remove {flag_name(dest)}")
+    if args.use_megatron_fsdp:
+        _fail(f"--use-megatron-fsdp is not supported with --pipeline-model-parallel-size {pp} (its FSDP2 units are "
+              "not built per pipeline stage); use --pipeline-model-parallel-size 1, or DDP (optionally with "
+              "--use-distributed-optimizer)")
 
 
 def validate_args(args, defaults={}):

@@ -2,7 +2,8 @@
 builds its stage (2 of the 4 layers; with --num-layers-per-virtual-pipeline-stage 1 two chunks of one layer) and
 trains; from the same weights and optimizer state (a PP=1 checkpoint) the losses of the same global batches equal the
 PP=1 x TP=2 run's (fp32 tolerance, tied embeddings, clipped), and a save at PP=2 resumes at PP=1 (model and DDP
-optimizer state) continuing the uninterrupted curve."""
+optimizer state) continuing the uninterrupted curve; with --use-distributed-optimizer, PP=2 x DP=2 (1F1B and
+interleaved) continues a PP=1 x DP=4 checkpoint on its curve, and its own save resumes at PP=1."""
 import numpy as np
 import pytest
 
@@ -67,6 +68,37 @@ def test_pretrain_gpt_pp2_tp2_equals_pp1_and_resumes_at_pp1(tmp_path):
     run_distributed(_body, 4, str(tmp_path / "a"), str(tmp_path / "b"), timeout=600)
 
 
+def _distrib_optimizer_body(rank, world_size, ckpt_a, ckpt_b):
+    dist_opt = PP + ["--tensor-model-parallel-size", 1, "--use-distributed-optimizer"]
+    ref = _run(dist_opt + ["--save", ckpt_a, "--save-interval", 3])  # PP=1 x DP=4, one micro-batch per iteration
+    curve = {i: ref.losses[i] for i in range(1, 9)}
+    assert curve[8] < curve[1], curve
+    # PP=2 x DP=2 (2 micro-batches), main params and Adam state resharded from DP=4 and over the stages; saved at 5
+    pp = _run(dist_opt + ["--pipeline-model-parallel-size", 2, "--load", ckpt_a, "--ckpt-step", 3, "--save", ckpt_b,
+                          "--save-interval", 5, "--exit-interval", 5])
+    assert type(pp.optimizer).__name__ == "DistributedOptimizer" and sorted(pp.losses) == [4, 5]
+    assert [len(m.module.decoder.layers) for m in pp.model] == [2]  # this rank's stage: 2 of the 4 layers
+    got = [pp.losses[i] for i in (4, 5)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [curve[4], curve[5]], rtol=1e-5, atol=0)
+    # its PP=2 x DP=2 checkpoint resumed at PP=1 x DP=4 continues the curve
+    second = _run(dist_opt + ["--load", ckpt_b])
+    got = [second.losses[i] for i in (6, 7, 8)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [curve[6], curve[7], curve[8]], rtol=1e-5, atol=0)
+    # and interleaved (two chunks of one layer per rank, one distributed optimizer over both)
+    inter = _run(dist_opt + ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+                             "--load", ckpt_a, "--ckpt-step", 3, "--train-iters", 6])
+    assert [len(m.module.decoder.layers) for m in inter.model] == [1, 1]
+    got = [inter.losses[i] for i in (4, 5, 6)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [curve[4], curve[5], curve[6]], rtol=1e-5, atol=0)
+
+
+def test_pretrain_gpt_distributed_optimizer_pp2_equals_pp1_and_resumes_at_pp1(tmp_path):
+    run_distributed(_distrib_optimizer_body, 4, str(tmp_path / "a"), str(tmp_path / "b"), timeout=600)
+
+
 def test_pipeline_flags():
     from tests.unit_tests.training.test_arguments import _args
 
@@ -80,8 +112,6 @@ def test_pipeline_flags():
          ["--num-layers-per-virtual-pipeline-stage (3)"]),
         (("--num-layers-per-virtual-pipeline-stage", 1), ["needs --pipeline-model-parallel-size"]),
         (("--pipeline-model-parallel-size", 2, "--use-megatron-fsdp"), ["--use-megatron-fsdp", "pipeline"]),
-        (("--pipeline-model-parallel-size", 2, "--use-distributed-optimizer"),
-         ["--use-distributed-optimizer", "pipeline"]),
         (("--pipeline-model-parallel-size", 2, "--context-parallel-size", 2), ["--context-parallel-size"]),
     ):
         with pytest.raises(SystemExit) as exc:
