@@ -360,7 +360,7 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
 
         iters = [build_data_iterator(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
                                      parallel_state.get_data_parallel_world_size()) for _ in model]
-        values = [pipeline_forward_backward(forward_step_func, iters, model, None, forward_only=True)
+        values = [pipeline_forward_backward(forward_step_func, iters, model, None, forward_only=True)[0]
                   for _ in range(eval_iters)]
         eval_iters = 0
     for _ in range(eval_iters * args.num_microbatches):

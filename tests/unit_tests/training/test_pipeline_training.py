@@ -42,11 +42,16 @@ def _body(rank, world_size, ckpt_a, ckpt_b):
     # From the same weights and optimizer state (the PP=1 checkpoint of iteration 3), PP=2 gives the PP=1 losses,
     # then saves at iteration 5
     first = _run(PP + ["--pipeline-model-parallel-size", 2, "--load", ckpt_a, "--ckpt-step", 3, "--save", ckpt_b,
-                       "--save-interval", 5, "--exit-interval", 5])
+                       "--save-interval", 5, "--exit-interval", 5, "--eval-iters", 2])
     assert sorted(first.losses) == [4, 5] and _tracker(ckpt_b) == "5"
     got = [first.losses[i] for i in (4, 5)]
     _same_on_all_ranks(got)
     np.testing.assert_allclose(got, [curve[4], curve[5]], rtol=1e-5, atol=0)
+    # its validation loss (forward-only through the schedule) equals PP=1's on the same weights
+    evaluated = _run(PP + ["--load", ckpt_b, "--skip-train", "--eval-iters", 2])
+    _same_on_all_ranks([first.final_valid_loss])
+    assert first.final_valid_loss == pytest.approx(evaluated.final_valid_loss, rel=1e-5), (
+        first.final_valid_loss, evaluated.final_valid_loss)
     # the PP=2 checkpoint (model + DDP optimizer state + scheduler) resumed at PP=1 continues the curve
     second = _run(PP + ["--load", ckpt_b])
     assert sorted(second.losses) == [6, 7, 8]
