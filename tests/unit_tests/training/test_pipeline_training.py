@@ -3,7 +3,8 @@ builds its stage (2 of the 4 layers; with --num-layers-per-virtual-pipeline-stag
 trains; from the same weights and optimizer state (a PP=1 checkpoint) the losses of the same global batches equal the
 PP=1 x TP=2 run's (fp32 tolerance, tied embeddings, clipped), and a save at PP=2 resumes at PP=1 (model and DDP
 optimizer state) continuing the uninterrupted curve; with --use-distributed-optimizer, PP=2 x DP=2 (1F1B and
-interleaved) continues a PP=1 x DP=4 checkpoint on its curve, and its own save resumes at PP=1."""
+interleaved) continues a PP=1 x DP=4 checkpoint on its curve, and its own save resumes at PP=1; with --fp16 (2 ranks)
+PP=2 continues a PP=1 x DP=2 checkpoint with its loss scale."""
 import numpy as np
 import pytest
 
@@ -102,6 +103,23 @@ def _distrib_optimizer_body(rank, world_size, ckpt_a, ckpt_b):
 
 def test_pretrain_gpt_distributed_optimizer_pp2_equals_pp1_and_resumes_at_pp1(tmp_path):
     run_distributed(_distrib_optimizer_body, 4, str(tmp_path / "a"), str(tmp_path / "b"), timeout=600)
+
+
+def _fp16_body(rank, world_size, ckpt):
+    fp16 = PP + ["--tensor-model-parallel-size", 1, "--fp16", "--initial-loss-scale", 1024, "--train-iters", 5]
+    ref = _run(fp16 + ["--save", ckpt, "--save-interval", 2])  # PP=1 x DP=2
+    # PP=2 x DP=1 from the same weights, fp32 main params and loss scaler: the schedule scales each micro-batch's
+    # loss by the optimizer's loss scale (config.grad_scale_func)
+    pp = _run(fp16 + ["--pipeline-model-parallel-size", 2, "--load", ckpt, "--ckpt-step", 2])
+    assert sorted(pp.losses) == [3, 4, 5] and pp.skipped_iterations == 0
+    assert [pp.loss_scales[i] for i in (3, 4, 5)] == [ref.loss_scales[i] for i in (3, 4, 5)]
+    got = [pp.losses[i] for i in (3, 4, 5)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [ref.losses[i] for i in (3, 4, 5)], rtol=2e-3, atol=0)
+
+
+def test_pretrain_gpt_fp16_pp2_equals_pp1(tmp_path):
+    run_distributed(_fp16_body, 2, str(tmp_path / "ckpt"), timeout=600)
 
 
 def test_pipeline_flags():
