@@ -4,7 +4,8 @@ trains; from the same weights and optimizer state (a PP=1 checkpoint) the losses
 PP=1 x TP=2 run's (fp32 tolerance, tied embeddings, clipped), and a save at PP=2 resumes at PP=1 (model and DDP
 optimizer state) continuing the uninterrupted curve; with --use-distributed-optimizer, PP=2 x DP=2 (1F1B and
 interleaved) continues a PP=1 x DP=4 checkpoint on its curve, and its own save resumes at PP=1; with --fp16 (2 ranks)
-PP=2 continues a PP=1 x DP=2 checkpoint with its loss scale."""
+PP=2 continues a PP=1 x DP=2 checkpoint with its loss scale; MoE with the expert bias (and aux loss) at PP=2 x DP=2
+continues a PP=1 x DP=4 checkpoint with the same losses and expert biases."""
 import numpy as np
 import pytest
 
@@ -120,6 +121,29 @@ def _fp16_body(rank, world_size, ckpt):
 
 def test_pretrain_gpt_fp16_pp2_equals_pp1(tmp_path):
     run_distributed(_fp16_body, 2, str(tmp_path / "ckpt"), timeout=600)
+
+
+def _moe_body(rank, world_size, ckpt):
+    moe = PP + ["--tensor-model-parallel-size", 1, "--num-experts", 4, "--moe-router-topk", 2,
+                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", 0.01, "--moe-ffn-hidden-size", 32,
+                "--moe-aux-loss-coeff", 0.01, "--train-iters", 5]
+    ref = _run(moe + ["--save", ckpt, "--save-interval", 2])  # PP=1 x DP=4
+    pp = _run(moe + ["--pipeline-model-parallel-size", 2, "--load", ckpt, "--ckpt-step", 2])  # PP=2 x DP=2
+    assert sorted(pp.losses) == [3, 4, 5]
+    got = [pp.losses[i] for i in (3, 4, 5)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [ref.losses[i] for i in (3, 4, 5)], rtol=1e-5, atol=0)
+    # the expert bias of this stage's layers followed the same updates
+    offset = 2 * (rank // 2)  # layers 1-2 on the first stage, 3-4 on the last
+    for i, layer in enumerate(pp.model[0].module.decoder.layers):
+        assert layer.mlp.router.expert_bias.abs().sum() > 0  # updated (it starts at zero)
+        np.testing.assert_allclose(layer.mlp.router.expert_bias.numpy(),
+                                   ref.model[0].module.decoder.layers[offset + i].mlp.router.expert_bias.numpy(),
+                                   rtol=0, atol=1e-6)
+
+
+def test_pretrain_gpt_moe_expert_bias_pp2_equals_pp1(tmp_path):
+    run_distributed(_moe_body, 4, str(tmp_path / "ckpt"), timeout=600)
 
 
 def test_pipeline_flags():
