@@ -273,6 +273,10 @@ def _add_distributed_args(parser):
                    help="Pipeline stages: the layers split evenly over this many ranks (1F1B schedule).")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="Layers per virtual stage (model chunk) with pipeline parallelism: interleaved schedule.")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Layers of the first pipeline stage (uneven split; the others share the rest equally).")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Layers of the last pipeline stage (uneven split; the others share the rest equally).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 is supported.")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Split norms/dropout regions on the sequence over the tensor-parallel ranks (needs TP > 1).")
@@ -626,9 +630,28 @@ def _validate_pipeline_args(args):
     if pp < 1 or args.world_size % (tp * pp) != 0:
         _fail(f"--pipeline-model-parallel-size ({pp}) x --tensor-model-parallel-size ({tp}) must divide WORLD_SIZE "
               f"({args.world_size})")
+    uneven = [flag_name(d) for d in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+              if getattr(args, d) is not None]
     if pp == 1:
+        for flag in (["--num-layers-per-virtual-pipeline-stage"]
+                     if args.num_layers_per_virtual_pipeline_stage is not None else []) + uneven:
+            _fail(f"{flag} needs --pipeline-model-parallel-size > 1")
+        return
+    if uneven:  # the first/last stages' counts, the rest split equally (pipeline_layer_counts names the flags)
+        from types import SimpleNamespace
+
+        from megatron.core.transformer.transformer_config import pipeline_layer_counts
+
         if args.num_layers_per_virtual_pipeline_stage is not None:
-            _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            _fail(f"--num-layers-per-virtual-pipeline-stage is not supported with {' and '.join(uneven)}")
+        try:
+            pipeline_layer_counts(SimpleNamespace(
+                num_layers=args.num_layers or 0, pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=None,
+                num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+                num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers))
+        except ValueError as e:
+            _fail(str(e))
         return
     if args.num_layers is None or args.num_layers % pp != 0:
         _fail(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
@@ -869,6 +892,8 @@ def core_transformer_config_from_args(args, config_class=None):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
         sequence_parallel=bool(args.sequence_parallel),
         params_dtype=args.params_dtype,
         fp16=args.fp16,

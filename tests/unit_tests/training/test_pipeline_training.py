@@ -1,5 +1,6 @@
 """pretrain_gpt with --pipeline-model-parallel-size 2 x --tensor-model-parallel-size 2 on 4 CPU gloo ranks: each rank
-builds its stage (2 of the 4 layers; with --num-layers-per-virtual-pipeline-stage 1 two chunks of one layer) and
+builds its stage (2 of the 4 layers; 1 + 3 with --decoder-first-pipeline-num-layers 1; with
+--num-layers-per-virtual-pipeline-stage 1 two chunks of one layer) and
 trains; from the same weights and optimizer state (a PP=1 checkpoint) the losses of the same global batches equal the
 PP=1 x TP=2 run's (fp32 tolerance, tied embeddings, clipped), and a save at PP=2 resumes at PP=1 (model and DDP
 optimizer state) continuing the uninterrupted curve; with --use-distributed-optimizer, PP=2 x DP=2 (1F1B and
@@ -60,6 +61,15 @@ def _body(rank, world_size, ckpt_a, ckpt_b):
     resumed = [second.losses[i] for i in (6, 7, 8)]
     _same_on_all_ranks(resumed)
     np.testing.assert_allclose(resumed, [curve[6], curve[7], curve[8]], rtol=1e-5, atol=0)
+    # uneven: 1 + 3 layers (--decoder-first-pipeline-num-layers 1)
+    seen.clear()
+    uneven = _run(PP + ["--pipeline-model-parallel-size", 2, "--decoder-first-pipeline-num-layers", 1,
+                        "--load", ckpt_a, "--ckpt-step", 3, "--train-iters", 5],
+                  on_iteration_end=lambda it, model, loss: seen.append(_stage(model)))
+    assert seen[0] == [(pp_rank == 0, pp_rank == 1, [1] if pp_rank == 0 else [2, 3, 4])], seen[0]
+    got = [uneven.losses[i] for i in (4, 5)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [curve[4], curve[5]], rtol=1e-5, atol=0)
     # interleaved: two virtual stages of one layer per rank (virtual stage c*2 + pp_rank holds layer c*2 + pp_rank + 1)
     seen.clear()
     inter = _run(PP + ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
@@ -152,6 +162,9 @@ def test_pipeline_flags():
     args = _args("--pipeline-model-parallel-size", 2, "--num-layers", 4, "--num-layers-per-virtual-pipeline-stage", 1,
                  "--tensor-model-parallel-size", 2, "--global-batch-size", 8, world_size=8)
     assert (args.data_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches) == (2, 2, 2)
+    args = _args("--pipeline-model-parallel-size", 2, "--num-layers", 3, "--decoder-first-pipeline-num-layers", 1,
+                 world_size=2)
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (1, None)
     for extra, words in (
         (("--pipeline-model-parallel-size", 3), ["--pipeline-model-parallel-size (3)", "WORLD_SIZE (4)"]),
         (("--pipeline-model-parallel-size", 2, "--num-layers", 3), ["--num-layers (3)", "divisible"]),
@@ -159,6 +172,13 @@ def test_pipeline_flags():
          ["--num-layers-per-virtual-pipeline-stage (3)"]),
         (("--num-layers-per-virtual-pipeline-stage", 1), ["needs --pipeline-model-parallel-size"]),
         (("--pipeline-model-parallel-size", 2, "--use-megatron-fsdp"), ["--use-megatron-fsdp", "pipeline"]),
+        (("--decoder-first-pipeline-num-layers", 1), ["--decoder-first-pipeline-num-layers",
+                                                      "needs --pipeline-model-parallel-size"]),
+        (("--pipeline-model-parallel-size", 2, "--num-layers", 4, "--decoder-first-pipeline-num-layers", 5),
+         ["do not split", "--decoder-first-pipeline-num-layers 5"]),
+        (("--pipeline-model-parallel-size", 2, "--num-layers", 4, "--decoder-last-pipeline-num-layers", 3,
+          "--num-layers-per-virtual-pipeline-stage", 1), ["--num-layers-per-virtual-pipeline-stage",
+                                                         "--decoder-last-pipeline-num-layers"]),
         (("--pipeline-model-parallel-size", 2, "--context-parallel-size", 2), ["--context-parallel-size"]),
     ):
         with pytest.raises(SystemExit) as exc:
