@@ -2,6 +2,7 @@
 
     python pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --mock-data            # one process (CPU: gloo)
     torchrun --nproc-per-node N pretrain_gpt.py ...                                  # N data-parallel ranks
+    torchrun --nproc-per-node 4 pretrain_gpt.py ... --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2
 """
 from functools import partial
 
@@ -35,6 +36,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
     )
 
 

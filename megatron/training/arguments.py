@@ -446,7 +446,14 @@ def _add_distributed_args(parser):
     g = parser.add_argument_group(title="distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Tensor-parallel size: heads, query groups, FFN and vocabulary split over this many ranks.")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Pipeline stages: the layers split evenly over this many ranks (1F1B schedule).")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Layers per virtual stage (model chunk) with pipeline parallelism: interleaved schedule.")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Layers of the first pipeline stage (uneven split; the others share the rest equally).")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Layers of the last pipeline stage (uneven split; the others share the rest equally).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 is supported.")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Split norms/dropout regions on the sequence over the tensor-parallel ranks (needs TP > 1).")
@@ -910,6 +917,58 @@ def _validate_tensor_parallel_model_args(args):
               "with --sequence-parallel")
 
 
+def _validate_pipeline_args(args):
+    """--pipeline-model-parallel-size P: P divides WORLD_SIZE / TP and --num-layers (even split);
+    --num-layers-per-virtual-pipeline-stage L: L divides the layers of a stage (``virtual_pipeline_model_parallel_size``
+    = layers / (P x L) chunks per rank). Refused by name where it does not compose: Megatron-FSDP (context
+    parallelism is refused for every P)."""
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    args.virtual_pipeline_model_parallel_size = None
+    if pp < 1 or args.world_size % (tp * pp) != 0:
+        _fail(f"--pipeline-model-parallel-size ({pp}) x --tensor-model-parallel-size ({tp}) must divide WORLD_SIZE "
+              f"({args.world_size})")
+    uneven = [flag_name(d) for d in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+              if getattr(args, d) is not None]
+    if pp == 1:
+        for flag in (["--num-layers-per-virtual-pipeline-stage"]
+                     if args.num_layers_per_virtual_pipeline_stage is not None else []) + uneven:
+            _fail(f"{flag} needs --pipeline-model-parallel-size > 1")
+        return
+    if uneven:  # the first/last stages' counts, the rest split equally (pipeline_layer_counts names the flags)
+        from types import SimpleNamespace
+
+        from megatron.core.transformer.transformer_config import pipeline_layer_counts
+
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            _fail(f"--num-layers-per-virtual-pipeline-stage is not supported with {' and '.join(uneven)}")
+        try:
+            pipeline_layer_counts(SimpleNamespace(
+                num_layers=args.num_layers or 0, pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=None,
+                num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+                num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers))
+        except ValueError as e:
+            _fail(str(e))
+        return
+    if args.num_layers is None or args.num_layers % pp != 0:
+        _fail(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    per_stage = args.num_layers // pp
+    lv = args.num_layers_per_virtual_pipeline_stage
+    if lv is not None:
+        if lv <= 0 or per_stage % lv != 0:
+            _fail(f"--num-layers-per-virtual-pipeline-stage ({lv}) must divide the layers per pipeline stage "
+                  f"(--num-layers / --pipeline-model-parallel-size = {per_stage})")
+        if per_stage // lv > 1:
+            args.virtual_pipeline_model_parallel_size = per_stage // lv
+    if args.use_megatron_fsdp:
+        _fail(f"--use-megatron-fsdp is not supported with --pipeline-model-parallel-size {pp} (its FSDP2 units are "
+              "not built per pipeline stage); use --pipeline-model-parallel-size 1, or DDP (optionally with "
+              "--use-distributed-optimizer)")
+    if getattr(args, "calculate_per_token_loss", False):
+        _fail(f"--calculate-per-token-loss is not supported with --pipeline-model-parallel-size {pp} yet (the "
+              "pipeline schedules here average per-micro-batch losses)")
+
+
 def validate_args(args, defaults={}):
     """Fill derived defaults and exit with a message naming the flags on bad combinations."""
     for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
@@ -923,9 +982,6 @@ def validate_args(args, defaults={}):
         load_args_from_checkpoint(args)
 
     # ---- parallelism ------------------------------------------------------------------------------------
-    if args.pipeline_model_parallel_size != 1:
-        _fail(f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size} is not supported by the training "
-              "loop yet (megatron.core.pipeline_parallel has the schedules; pretrain_gpt.py does not call them: use 1)")
     if args.context_parallel_size != 1:
         _fail(f"--context-parallel-size={args.context_parallel_size} is not supported: context parallelism needs "
               "Transformer Engine attention on GPUs (use 1)")
@@ -934,7 +990,8 @@ def validate_args(args, defaults={}):
     tp = args.tensor_model_parallel_size
     if tp < 1 or args.world_size % tp != 0:
         _fail(f"--tensor-model-parallel-size ({tp}) must be a positive divisor of WORLD_SIZE ({args.world_size})")
-    args.data_parallel_size = args.world_size // tp
+    _validate_pipeline_args(args)
+    args.data_parallel_size = args.world_size // (tp * args.pipeline_model_parallel_size)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -1164,6 +1221,10 @@ def core_transformer_config_from_args(args, config_class=None):
         use_cpu_initialization=bool(args.use_cpu_initialization),
         init_model_with_meta_device=bool(args.init_model_with_meta_device),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
         sequence_parallel=bool(args.sequence_parallel),
         params_dtype=args.params_dtype,
         fp16=args.fp16,

@@ -115,8 +115,9 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
 
 # ---- RNG --------------------------------------------------------------------------------------------------
 def get_rng_state():
-    """This rank's RNG states as upstream's ``rng_state`` ShardedObject: one per tensor-parallel rank (shape
-    ``(1, tp)``, offset ``(0, tp_rank)``), written by DP rank 0 only; with the model-parallel tracker's states."""
+    """This rank's RNG states as upstream's ``rng_state`` ShardedObject: one per (pipeline, tensor)-parallel rank
+    (shape ``(pp, tp)``, offset ``(pp_rank, tp_rank)``), written by DP rank 0 only; with the model-parallel tracker's
+    states."""
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -129,7 +130,10 @@ def get_rng_state():
     }
     tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_tensor_model_parallel_rank())
-    return ShardedObject("rng_state", [state], (1, tp), (0, tp_rank), replica_id=parallel_state.get_data_parallel_rank())
+    pp, pp_rank = (parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_rank())
+    return ShardedObject("rng_state", [state], (pp, tp), (pp_rank, tp_rank),
+                         replica_id=parallel_state.get_data_parallel_rank())
 
 
 def set_rng_state(rng_state) -> None:
@@ -145,10 +149,12 @@ def set_rng_state(rng_state) -> None:
         get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _checkpoint_tensor_parallel_size(checkpoint_dir) -> int:
-    """The --tensor-model-parallel-size a checkpoint was saved with (its args; 1 when absent)."""
+def _checkpoint_model_parallel_sizes(checkpoint_dir) -> Tuple[int, int]:
+    """The (--tensor-model-parallel-size, --pipeline-model-parallel-size) a checkpoint was saved with (its args; 1
+    when absent)."""
     ckpt_args = dist_checkpointing.load_common_state_dict(checkpoint_dir).get("args")
-    return int(getattr(ckpt_args, "tensor_model_parallel_size", 1) or 1)
+    return (int(getattr(ckpt_args, "tensor_model_parallel_size", 1) or 1),
+            int(getattr(ckpt_args, "pipeline_model_parallel_size", 1) or 1))
 
 
 # ---- state dict ---------------------------------------------------------------------------------------------
@@ -173,8 +179,8 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
         for i, chunk in enumerate(chunks):
             state_dict[f"model{i}"] = _model_sharded_state_dict(chunk)
     if optimizer is not None:
-        model_sd = state_dict["model"] if len(chunks) == 1 else {
-            k: v for i in range(len(chunks)) for k, v in state_dict[f"model{i}"].items()}
+        model_sd = state_dict["model"] if len(chunks) == 1 else {  # chunk-prefixed: their local names repeat
+            f"model{i}.{k}": v for i in range(len(chunks)) for k, v in state_dict[f"model{i}"].items()}
         state_dict["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                **(optim_sd_kwargs or {}))
     if opt_param_scheduler is not None:
@@ -702,10 +708,12 @@ def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, sk
 
     load_optim = optimizer is not None and not (args.no_load_optim or args.finetune or release)
     load_rng = not (args.no_load_rng or args.finetune or release)
-    if load_rng and _checkpoint_tensor_parallel_size(checkpoint_dir) != args.tensor_model_parallel_size:
-        # as upstream: per-TP-rank RNG states do not carry over to another TP size
-        print_rank_0(f"WARNING: checkpoint saved with another --tensor-model-parallel-size than "
-                     f"{args.tensor_model_parallel_size}: its RNG state is not loaded")
+    if load_rng and _checkpoint_model_parallel_sizes(checkpoint_dir) != (args.tensor_model_parallel_size,
+                                                                         args.pipeline_model_parallel_size):
+        # as upstream: per-(PP, TP)-rank RNG states do not carry over to other TP/PP sizes
+        print_rank_0(f"WARNING: checkpoint saved with another --tensor-model-parallel-size or "
+                     f"--pipeline-model-parallel-size than ({args.tensor_model_parallel_size}, "
+                     f"{args.pipeline_model_parallel_size}): its RNG state is not loaded")
         load_rng = False
     chunks = _chunks(model)
     state_dict = generate_state_dict(

@@ -55,6 +55,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parsed_args.tensor_model_parallel_size,
         pipeline_model_parallel_size=parsed_args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parsed_args.virtual_pipeline_model_parallel_size,
         context_parallel_size=parsed_args.context_parallel_size,
         expert_model_parallel_size=parsed_args.expert_model_parallel_size,
         num_distributed_optimizer_instances=parsed_args.num_distributed_optimizer_instances,

@@ -90,14 +90,21 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     args = get_args()
     config = core_transformer_config_from_args(args)
     device = default_device()
-    if config.init_model_with_meta_device:
-        with torch.device("meta"):
-            model = model_provider_func(pre_process=True, post_process=True)
-    elif device.type == "cuda" and not args.use_cpu_initialization:
-        with torch.device(device):
-            model = model_provider_func(pre_process=True, post_process=True)
-    else:
-        model = model_provider_func(pre_process=True, post_process=True).to(device)
+
+    def build(**stage):  # stage: pre_process, post_process (and vp_stage) of this rank's model chunk
+        if config.init_model_with_meta_device:
+            with torch.device("meta"):
+                return model_provider_func(**stage)
+        if device.type == "cuda" and not args.use_cpu_initialization:
+            with torch.device(device):
+                return model_provider_func(**stage)
+        return model_provider_func(**stage).to(device)
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # this rank's stage (virtual chunks: several)
+        from megatron.training.pipeline_training import build_pipeline_model_chunks
+
+        return build_pipeline_model_chunks(build, config, args, wrap_with_ddp)
+    model = build(pre_process=True, post_process=True)
     if parallel_state.get_data_parallel_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f" > number of parameters on data-parallel rank 0: {n}", flush=True)
@@ -329,8 +336,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     args = get_args()
     chunk = model[0]
     n = args.num_microbatches
-    if hasattr(chunk, "zero_grad_buffer"):
-        chunk.zero_grad_buffer()
+    for m in model:
+        if hasattr(m, "zero_grad_buffer"):
+            m.zero_grad_buffer()
     optimizer.zero_grad()
     # --calculate-per-token-loss (upstream's formula): each micro-batch's SUMMED loss is back-propagated as it is;
     # finalize_model_grads divides the gradients by the tokens of the whole global batch (summed over DP)
@@ -342,6 +350,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     get_loss_scale = getattr(optimizer, "get_loss_scale", None)  # fp16 loss scaling, where the optimizer has it
     loss_scale = get_loss_scale() if callable(get_loss_scale) else None
     reported, token_sums = [], []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # the schedule also finalizes the grads
+        from megatron.training.pipeline_training import pipeline_forward_backward
+
+        reported = pipeline_forward_backward(forward_step_func, data_iterator, model, optimizer, forward_only=False)
+        n = 0
     for i in range(n):
         sync_ctx = chunk.no_sync() if (i < n - 1 and hasattr(chunk, "no_sync")) else nullcontext()
         with sync_ctx:
@@ -358,8 +371,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
                 loss = loss * loss_scale.to(loss.device).reshape(())
             loss.backward()
     tokens = torch.stack(token_sums).sum(0) if per_token else None  # [loss sum, tokens] of this DP rank
-    # DP grad sync, then sequence-parallel grads summed over TP (per-token: divided by the global token count)
-    finalize_model_grads(model, num_tokens=tokens[1] if per_token else None)
+    if n:  # DP grad sync, then sequence-parallel grads summed over TP (per-token: divided by the global token count)
+        finalize_model_grads(model, num_tokens=tokens[1] if per_token else None)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
@@ -380,15 +393,25 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
     """Mean lm loss over ``eval_iters`` global batches of ``dataset`` from its first sample."""
     args = get_args()
     chunk = model[0]
-    chunk.eval()
+    for m in model:
+        m.eval()
     it = build_data_iterator(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
                              parallel_state.get_data_parallel_world_size())
     values, per_token = [], bool(getattr(args, "calculate_per_token_loss", False))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        from megatron.training.pipeline_training import pipeline_forward_backward
+
+        iters = [build_data_iterator(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+                                     parallel_state.get_data_parallel_world_size()) for _ in model]
+        values = [pipeline_forward_backward(forward_step_func, iters, model, None, forward_only=True)[0]
+                  for _ in range(eval_iters)]
+        eval_iters = 0
     for _ in range(eval_iters * args.num_microbatches):
         output, loss_func = forward_step_func(it, chunk)
         out = loss_func(output)
         values.append(_loss_sum_and_tokens(out) if per_token else _unpack_loss(out)[1].detach().float().reshape(()))
-    chunk.train()
+    for m in model:
+        m.train()
     if per_token:  # --calculate-per-token-loss: over every token of the evaluated batches
         return float(_per_token_mean(torch.stack(values).sum(0)))
     return float(average_losses_across_data_parallel_group([torch.stack(values).mean()])[0])
@@ -561,6 +584,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     train_iter = build_data_iterator(train_ds, args.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # every model chunk reads the micro-batches
+        train_iter = [train_iter] + [build_data_iterator(train_ds, args.consumed_train_samples, args.micro_batch_size,
+                                                         dp_rank, dp_size) for _ in model[1:]]
     print_rank_0(f" > setup done in {time.time() - start:.2f}s; training from iteration {args.iteration} "
                  f"(consumed samples {args.consumed_train_samples}), {args.num_microbatches} micro-batch(es) "
                  f"per iteration, data-parallel size {dp_size}")

@@ -595,11 +595,22 @@ class MegatronOptimizer:
         return out
 
     def _param_sharded_tensor(self, p, model_sharded_state_dict: dict):
+        """The ShardedTensor of parameter ``p``: the one of ``p``'s name, else the one holding ``p`` itself (several
+        model chunks, the virtual pipeline stages, repeat local names: their entries are chunk-prefixed), else the
+        one whose key ends with the name."""
         name = self.param_to_name.get(p)
         if name is None:
             raise KeyError("MegatronOptimizer.sharded_state_dict: a parameter has no name (param_to_name)")
         if name in model_sharded_state_dict:
             return model_sharded_state_dict[name]
+        cache = getattr(self, "_sharded_by_param", None)
+        if cache is None or cache[0] is not model_sharded_state_dict:
+            by_param = {id(v.data): v for v in model_sharded_state_dict.values()
+                        if hasattr(v, "global_offset") and isinstance(getattr(v, "data", None), torch.Tensor)}
+            self._sharded_by_param = cache = (model_sharded_state_dict, by_param)
+        hit = cache[1].get(id(p))
+        if hit is not None and hit.data is p:
+            return hit
         hits = [k for k in model_sharded_state_dict if k.endswith("." + name)]
         if len(hits) == 1:
             return model_sharded_state_dict[hits[0]]

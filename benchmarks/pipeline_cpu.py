@@ -1,0 +1,88 @@
+"""Step time of pretrain_gpt with pipeline parallelism against data parallelism on CPU ranks (gloo): PP=2 x DP=1
+against PP=1 x DP=2 on 2 processes, each rank running the same number of micro-batches per iteration (``--m``), so
+PP=2 runs half the global batch of DP=2. Printed: seconds per iteration (median after ``--warmup`` iterations), the
+ratio to PP=1 x DP=2, tokens/s ratio, and 1F1B's bubble ``(p - 1) / (m + p - 1)``. CPU figures: read the ratios only.
+
+    PYTHONPATH=. python benchmarks/pipeline_cpu.py [--m 8] [--iters 8] [--layers 8] [--hidden 256]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _argv(a, pp: int, dp: int) -> list:
+    mbs = 2
+    return [str(x) for x in (
+        "--num-layers", a.layers, "--hidden-size", a.hidden, "--num-attention-heads", 8, "--seq-length", a.seq,
+        "--max-position-embeddings", a.seq, "--vocab-size", 1024, "--micro-batch-size", mbs,
+        "--global-batch-size", mbs * dp * a.m, "--train-iters", a.iters, "--lr", 1e-4, "--mock-data",
+        "--log-interval", 1000, "--eval-iters", 0, "--distributed-backend", "gloo", "--transformer-impl", "local",
+        "--hidden-dropout", 0, "--attention-dropout", 0, "--pipeline-model-parallel-size", pp, "--seed", 3)]
+
+
+def _worker(rank, world, store_path, a, pp, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, a.threads))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    import pretrain_gpt
+    from megatron.training.training import pretrain
+
+    stamps = []
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, None,
+             pretrain_gpt.forward_step, args=_argv(a, pp, world // pp),
+             on_iteration_end=lambda it, model, loss: stamps.append(time.perf_counter()))
+    if rank == 0:
+        steps = [b - c for c, b in zip(stamps, stamps[1:])][a.warmup:]
+        out.put(statistics.median(steps))
+    dist.destroy_process_group()
+
+
+def run(a, pp: int) -> float:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    fd, store = tempfile.mkstemp(prefix="pp_bench_")
+    os.close(fd)
+    os.unlink(store)
+    procs = [ctx.Process(target=_worker, args=(r, 2, store, a, pp, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    value = out.get(timeout=1800)
+    for p in procs:
+        p.join()
+    return value
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, default=8, help="micro-batches per iteration on each rank")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    a = p.parse_args()
+    dp2 = run(a, pp=1)
+    pp2 = run(a, pp=2)
+    tokens = {"PP=1 x DP=2": 2 * 2 * a.m * a.seq, "PP=2 x DP=1": 2 * a.m * a.seq}  # per iteration
+    bubble = 1 / (a.m + 1)
+    print(f"\n{a.layers} layers, hidden {a.hidden}, seq {a.seq}, {a.m} micro-batches of 2 per rank, 2 CPU ranks "
+          f"({a.threads} thread(s) each)")
+    print(f"| {'config':<12} | {'s/iter ratio':>12} | {'tokens/s ratio':>14} | {'1F1B bubble':>11} |")
+    print(f"|{'-' * 14}|{'-' * 14}|{'-' * 16}|{'-' * 13}|")
+    for name, t, bub in (("PP=1 x DP=2", dp2, 0.0), ("PP=2 x DP=1", pp2, bubble)):
+        print(f"| {name:<12} | {t / dp2:>12.2f} | {tokens[name] / t / (tokens['PP=1 x DP=2'] / dp2):>14.2f} | "
+              f"{bub:>11.2f} |")
+
+
+if __name__ == "__main__":
+    main()
