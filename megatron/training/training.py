@@ -343,12 +343,15 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     # --calculate-per-token-loss (upstream's formula): each micro-batch's SUMMED loss is back-propagated as it is;
     # finalize_model_grads divides the gradients by the tokens of the whole global batch (summed over DP)
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    get_loss_scale = getattr(optimizer, "get_loss_scale", None)  # fp16 loss scaling, where the optimizer has it
+    loss_scale = get_loss_scale() if callable(get_loss_scale) else None
     if args.num_experts is not None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 if per_token else 1.0 / n))  # as upstream
-    get_loss_scale = getattr(optimizer, "get_loss_scale", None)  # fp16 loss scaling, where the optimizer has it
-    loss_scale = get_loss_scale() if callable(get_loss_scale) else None
+        # as upstream: the aux-loss gradient scaled like the main loss's (the fp16 loss scale included, which the
+        # optimizer divides out of every gradient), per micro-batch unless per-token
+        aux_scale = (1.0 if per_token else 1.0 / n) * (float(loss_scale) if loss_scale is not None else 1.0)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_scale))
     reported, token_sums = [], []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # the schedule also finalizes the grads
         from megatron.training.pipeline_training import pipeline_forward_backward

@@ -42,7 +42,7 @@ def default_layer_specs(config, use_te: bool) -> List[ModuleSpec]:
             for i in range(config.num_layers)]
 
 
-def resolve_layer_specs(config, spec) -> List[ModuleSpec]:
+def resolve_layer_specs(config, spec, stage_layers: Optional[int] = None) -> List[ModuleSpec]:
     """The per-layer specs of ``spec`` (None: from ``config.transformer_impl``; a layer ModuleSpec: for every layer;
     TransformerBlockSubmodules: one per layer). The specs choose Transformer Engine or local linears, as upstream:
     ``config.transformer_impl`` is set to that choice (FP8/FP4 need the Transformer Engine spec)."""
@@ -50,9 +50,10 @@ def resolve_layer_specs(config, spec) -> List[ModuleSpec]:
         return default_layer_specs(config, config.transformer_impl == "transformer_engine")
     if isinstance(spec, TransformerBlockSubmodules):
         specs = list(spec.layer_specs)
-        if len(specs) != config.num_layers:
-            raise ValueError(f"the block spec has {len(specs)} layer specs for num_layers={config.num_layers} "
-                             "(--num-layers); this fork builds every layer on each rank")
+        if len(specs) not in (config.num_layers, stage_layers):
+            raise ValueError(f"the block spec has {len(specs)} layer specs; expected one per layer of the model "
+                             f"(num_layers={config.num_layers}, --num-layers) or of this pipeline stage "
+                             f"({stage_layers})")
     elif isinstance(spec, ModuleSpec):
         specs = [spec] * config.num_layers
     else:
@@ -95,10 +96,11 @@ class TransformerBlock(MegatronModule):
         self.post_process = post_process
         self.vp_stage = vp_stage
         self.input_tensor = None
-        specs = resolve_layer_specs(config, spec)  # one per layer of the whole model
         offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
         count = get_num_layers_to_build(config, vp_stage, pp_rank)
-        self.layers = torch.nn.ModuleList([build_module(specs[offset + i], config, layer_number=offset + i + 1)
+        specs = resolve_layer_specs(config, spec, count)  # the whole model's layers, or this stage's (upstream's)
+        first = 0 if len(specs) == count != config.num_layers else offset
+        self.layers = torch.nn.ModuleList([build_module(specs[first + i], config, layer_number=offset + i + 1)
                                            for i in range(count)])
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:

@@ -107,8 +107,8 @@ def test_unsupported_spec_options_are_refused():
         specs.get_gpt_layer_local_spec(normalization="ScaleNorm")
     with pytest.raises(ValueError, match="inference-optimized"):
         specs.get_gpt_layer_with_inference_spec()
-    with pytest.raises(ValueError, match="vp_stage / pp_rank"):
-        specs.get_gpt_decoder_block_spec(_cfg(), False, vp_stage=0)
+    # upstream's pipeline arguments are accepted: the spec holds every layer, the block takes its stage's
+    assert len(specs.get_gpt_decoder_block_spec(_cfg(), False, vp_stage=0, pp_rank=1).layer_specs) == 2
     assert specs.get_gpt_mtp_block_spec(_cfg(), None, False) is None
 
 
@@ -167,7 +167,7 @@ def test_a_spec_that_disagrees_with_the_config_is_refused():
     with pytest.raises(ValueError, match=r"moe_grouped_gemm=False.*\['mlp'\] differ"):
         GPTModel(_cfg(num_moe_experts=4, moe_router_topk=2), grouped, VOCAB, SEQ)
     short = TransformerBlockSubmodules(layer_specs=[specs.get_gpt_layer_local_spec()])
-    with pytest.raises(ValueError, match="1 layer specs for num_layers=2"):
+    with pytest.raises(ValueError, match=r"has 1 layer specs; expected one per layer of the model \(num_layers=2"):
         GPTModel(_cfg(), short, VOCAB, SEQ)
     mixed = TransformerBlockSubmodules(layer_specs=[specs.get_gpt_layer_local_spec(),
                                                     specs.get_gpt_layer_with_transformer_engine_spec()])
@@ -209,3 +209,20 @@ def test_config_fields_and_enums():
         _cfg(attention_backend="sdpa")
     with pytest.raises(ValueError, match="pipeline_dtype must be a torch.dtype"):
         _cfg(pipeline_dtype="bf16")
+
+
+def test_rope_settings_from_the_config_or_the_arguments():
+    """Upstream passes rotary_base / rotary_percent to GPTModel; this fork's config carries them too: either place
+    works, and two different explicit values are refused (never silently one of them)."""
+    from megatron.core.models.gpt import GPTModel
+
+    def rope(cfg, **kw):
+        m = GPTModel(cfg, vocab_size=64, max_sequence_length=16, position_embedding_type="rope", **kw)
+        return m.rotary_pos_emb.rotary_base, m.rotary_pos_emb.dim
+
+    assert rope(_cfg(rotary_base=500)) == (500, 8)
+    assert rope(_cfg(), rotary_base=500) == (500, 8)
+    assert rope(_cfg(rotary_percent=0.5))[1] == 4
+    assert rope(_cfg(rotary_base=500), rotary_base=500)[0] == 500
+    with pytest.raises(ValueError, match="rotary_base=700 but config.rotary_base=500"):
+        rope(_cfg(rotary_base=500), rotary_base=700)

@@ -122,9 +122,9 @@ def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool, normalizat
 def get_gpt_decoder_block_spec(config, use_transformer_engine: bool, normalization: Optional[str] = None,
                                qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
                                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
-    """The block spec: every layer's spec and the final norm (this fork builds all layers on each rank)."""
-    if vp_stage is not None or pp_rank not in (None, 0):
-        raise ValueError("get_gpt_decoder_block_spec: vp_stage / pp_rank are not supported (no pipeline stages)")
+    """The block spec: every layer's spec and the final norm. ``vp_stage`` / ``pp_rank`` (upstream's, for a
+    pipeline stage) are accepted: the spec holds the whole model's layers and ``TransformerBlock`` takes its stage's
+    (a stage-local list, as upstream's, is accepted there too)."""
     return TransformerBlockSubmodules(
         layer_specs=get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm),
         layer_norm=WrappedTorchNorm,

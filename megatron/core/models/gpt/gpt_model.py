@@ -17,6 +17,18 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.utils import init_method_normal, init_weights
 
 
+def _rope_setting(config, name: str, value, default):
+    """Upstream takes the RoPE settings as GPTModel arguments; this fork's TransformerConfig carries them too
+    (``--rotary-base`` / ``--rotary-percent``). An argument left at upstream's default takes the config's value; two
+    different explicit values are refused."""
+    configured = getattr(config, name, default)
+    if value == default or value == configured:
+        return configured
+    if configured != default:
+        raise ValueError(f"GPTModel: {name}={value!r} but config.{name}={configured!r}; give one of them")
+    return value
+
+
 class GPTModel(MegatronModule):
     """Decoder-only transformer language model.
 
@@ -99,8 +111,8 @@ class GPTModel(MegatronModule):
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_base=rotary_base,
+                rotary_percent=_rope_setting(config, "rotary_percent", rotary_percent, 1.0),
+                rotary_base=_rope_setting(config, "rotary_base", rotary_base, 10000),
             )
         else:
             self.rotary_pos_emb = None
