@@ -140,7 +140,9 @@ def test_writer_starts_writeback_as_it_writes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fqn", ["w", "obj"])
 def test_flipped_bytes_named(tmp_path, monkeypatch, fqn):
-    monkeypatch.setattr(fs_mod, "_READ_CHUNK", 1000)  # several chunks per item
+    from megatron.core.dist_checkpointing.strategies import item_checks
+
+    monkeypatch.setattr(item_checks, "READ_CHUNK", 1000)  # several chunks per item
     ckpt = str(tmp_path / "ckpt")
     dcp_save(_state(), storage_writer=ChecksummedFileSystemWriter(ckpt))
     _, info = _item(ckpt, fqn)

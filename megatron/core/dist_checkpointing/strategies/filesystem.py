@@ -52,11 +52,11 @@ from torch.futures import Future
 from ... import dist_utils
 from ...safe_globals import SafeUnpickler, safe_pickle_load, safe_torch_load
 from ..core import CheckpointingException
+from .item_checks import checksum_message, checksum_range, describe_index, truncated_message  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 CHECKSUM_ATTR = "mcore_checksum"
-_READ_CHUNK = 8 << 20
 VERIFY_MODES = ("auto", "require", "off")
 _verify_mode = "auto"  # of readers created without ``verify=`` (``checksum_verification``)
 
@@ -398,7 +398,7 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
         if lost:
             raise CheckpointingException(
                 f"writing checkpoint {self.path} failed: {len(lost)} item(s) were not written "
-                f"(first: {_describe_index(lost[0])}); see the writer thread's error above"
+                f"(first: {describe_index(lost[0])}); see the writer thread's error above"
             )
         for wr in results:
             self._annotate(wr.storage_data)
@@ -417,49 +417,11 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
                 logging.WARNING,
                 f"{path}: an item was not written as one piece; its checksum is computed by reading it back",
             )
-            value = _checksum_range(path, start, end, ALGORITHMS[self.algorithm])
+            value = checksum_range(path, start, end, ALGORITHMS[self.algorithm])
         setattr(info, CHECKSUM_ATTR, format_checksum(self.algorithm, value))
 
 
-def _checksum_range(path: str, start: int, end: int, update: Callable[[Any, int], int], stream=None) -> int:
-    """Checksum of bytes [start, end) of a file (``stream``: an open binary file of it); short file -> error."""
-
-    def _run(f) -> int:
-        f.seek(start)
-        buf = memoryview(bytearray(min(_READ_CHUNK, max(end - start, 1))))
-        value, pos = 0, start
-        while pos < end:
-            n = f.readinto(buf[: min(len(buf), end - pos)])
-            if not n:
-                raise CheckpointingException(truncated_message(path, pos, start, end))
-            value = update(buf[:n], value)
-            pos += n
-        return value
-
-    if stream is not None:
-        return _run(stream)
-    with open(path, "rb") as f:
-        return _run(f)
-
-
-def truncated_message(path, pos: int, start: int, end: int) -> str:
-    return (f"checkpoint data file {path} is truncated: it ends at byte {pos}, an item needs bytes [{start}, {end})")
-
-
-def checksum_message(key: str, path, start: int, end: int, algorithm: str, stored: int, actual: int) -> str:
-    return (f"checkpoint item {key} in {path}, bytes [{start}, {end}), fails its checksum ({algorithm} stored "
-            f"{stored:08x}, read {actual:08x}): the file was changed or damaged after it was written")
-
-
 # ---- read ------------------------------------------------------------------------------------------------------
-def _describe_index(index: Optional[MetadataIndex]) -> str:
-    if index is None:
-        return "<unknown key>"
-    if index.offset is not None:
-        return f"{index.fqn!r} (chunk at offset {tuple(index.offset)})"
-    return repr(index.fqn)
-
-
 class ChecksummedFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that reads ``.metadata`` with ``DcpMetadataUnpickler`` and verifies each item's checksum
     (when the checkpoint has them) as it reads the item; a mismatch is a ``CheckpointingException`` naming the key,
@@ -552,7 +514,7 @@ class ChecksummedFileSystemReader(FileSystemReader):
         sinfo = self.storage_data[storage_index]
         path = self.fs.concat_path(self.path, sinfo.relative_path)
         start = int(sinfo.offset)
-        return f"checkpoint item {_describe_index(storage_index)} in {path}, bytes [{start}, {start + int(sinfo.length)})"
+        return f"checkpoint item {describe_index(storage_index)} in {path}, bytes [{start}, {start + int(sinfo.length)})"
 
     def _where_info(self, sinfo) -> str:
         index = self._index_of.get(id(sinfo))
@@ -577,7 +539,7 @@ class ChecksummedFileSystemReader(FileSystemReader):
                 raise CheckpointingException(
                     f"--ckpt-verify require: checkpoint {self.path}: {len(missing)} of {len(metadata.storage_data)} "
                     f"items have no checksum (written by an older or upstream writer), e.g. "
-                    f"{_describe_index(missing[0])}; --ckpt-verify auto loads them unverified")
+                    f"{describe_index(missing[0])}; --ckpt-verify auto loads them unverified")
         elif is_coordinator and self.verify == "auto":
             report_unverified(metadata, str(self.path))
 
@@ -591,9 +553,9 @@ class ChecksummedFileSystemReader(FileSystemReader):
 
     def _verify(self, file, sinfo, path, algorithm, value, update) -> None:
         start, end = int(sinfo.offset), int(sinfo.offset) + int(sinfo.length)
-        actual = _checksum_range(path, start, end, update, stream=file)
+        actual = checksum_range(path, start, end, update, stream=file)
         if actual != value:
-            key = _describe_index(self._index_of.get(id(sinfo)))
+            key = describe_index(self._index_of.get(id(sinfo)))
             raise CheckpointingException(checksum_message(key, path, start, end, algorithm, value, actual))
 
 

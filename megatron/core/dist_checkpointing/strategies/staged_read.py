@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ...safe_globals import SafeUnpickler
 from ..core import CheckpointingException
-from . import filesystem as fsmod
+from .item_checks import checksum_message, checksum_range, describe_index, truncated_message
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ GAP_CHUNK_BYTES = 8 * MiB  # bytes read only for the checksum are read in chunks
 
 
 # ---- CRC combine ---------------------------------------------------------------------------------------------------
-# Reflected generator polynomials of the algorithms in ``filesystem.ALGORITHMS`` (standard init/xorout 0xFFFFFFFF).
+# Reflected generator polynomials of the checksum algorithms of ``filesystem.ALGORITHMS`` (standard init/xorout 0xFFFFFFFF).
 CRC_POLYNOMIALS = {"crc32": 0xEDB88320, "crc32c": 0x82F63B78}
 _POWERS: Dict[int, List[int]] = {}
 
@@ -377,7 +377,7 @@ def _pread_into(fd: int, mv: memoryview, offset: int, path: str, item: Tuple[int
             mv[done:done + len(data)] = data
             n = len(data)
         if not n:
-            raise CheckpointingException(fsmod.truncated_message(path, offset + done, *item))
+            raise CheckpointingException(truncated_message(path, offset + done, *item))
         done += n
 
 
@@ -642,7 +642,7 @@ class _Run:
                 actual = update(memoryview(item.head), 0)
                 if actual != value:
                     raise CheckpointingException(
-                        fsmod.checksum_message(fsmod._describe_index(st.index), st.path, *st.span, algorithm, value,
+                        checksum_message(describe_index(st.index), st.path, *st.span, algorithm, value,
                                                actual))
             else:
                 st.crcs[(0, rec.data_start)] = head_crc
@@ -657,9 +657,9 @@ class _Run:
         if st.check is None:
             return
         algorithm, value, update = st.check
-        actual = fsmod._checksum_range(st.path, st.offset, st.offset + st.length, update)
+        actual = checksum_range(st.path, st.offset, st.offset + st.length, update)
         if actual != value:
-            raise CheckpointingException(fsmod.checksum_message(fsmod._describe_index(st.index), st.path, *st.span,
+            raise CheckpointingException(checksum_message(describe_index(st.index), st.path, *st.span,
                                                                 algorithm, value, actual))
 
     def _piece_task(self, st: _Stored, p: _Piece, buf: Optional[torch.Tensor]) -> torch.Tensor:
@@ -876,7 +876,7 @@ class _Run:
             actual = combined(lambda crcs: next((c for c in crcs if c != crcs[0]), crcs[0]))
         if actual == value and not differ:
             return
-        msg = fsmod.checksum_message(fsmod._describe_index(st.index), st.path, *st.span, algorithm, value, actual)
+        msg = checksum_message(describe_index(st.index), st.path, *st.span, algorithm, value, actual)
         if differ:
             a, b = differ[0]
             msg += (f" (read items overlapping at bytes [{st.offset + a}, {st.offset + b}) of the file read them "
