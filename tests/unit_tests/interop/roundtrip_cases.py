@@ -46,7 +46,7 @@ LAYOUTS = {
 GPU_LAYOUTS = ("gpu_te",)
 FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
 # Logit tolerances on the GPU: the two sides' compute paths differ there (attention kernels, TF32 in fp32 GEMMs; in
-# MoE layers where the router probabilities are applied, which moves FP8 rounding). Measured on the H200
+# MoE layers FP8 rounding, most likely through where the router probabilities are applied). Measured on the H200
 # (2026-12-03): TE without FP8 <= 9e-5; FP8 dense / GQA <= 2e-6; FP8 MoE 3e-3 .. 1e-2, against ~1.0 before the load.
 GPU_TOLERANCE = {"noquant": 2e-4, "fp8": 1e-3, "fp8_moe": 3e-2}
 
