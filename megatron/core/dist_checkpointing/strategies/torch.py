@@ -448,6 +448,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
         writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
+        writer.metadata_attrs["mcore_data"] = union  # (the planner sets it too; the writer is where it is pickled)
         return pyt_state_dict, planner, writer
 
 
@@ -460,10 +461,24 @@ def _box_intersection(o1, s1, o2, s2):
     return lo, tuple(h - l for l, h in zip(lo, hi))
 
 
-def _orig_global_shape(metadata: Metadata, key: str, md: TensorStorageMetadata) -> Tuple[int, ...]:
+def _orig_global_shape(metadata: Metadata, key: str, md: TensorStorageMetadata,
+                       requested: Optional[Tuple[int, ...]] = None) -> Tuple[int, ...]:
+    """The global shape of ``key`` before any N-D flattened reformulation: from the metadata's ``mcore_data``; where
+    that lacks the key (a checkpoint whose ``.metadata`` lost it, as this fork's writes under torch 2.11 did), a DCP
+    shape ``grid + (n,)`` is taken as the reformulation of ``requested`` when the grid has one entry per axis, each
+    divides its axis and ``prod(grid) * n`` equals the element count (one chunk per grid cell, as saved)."""
     mcore_data = getattr(metadata, "mcore_data", None) or {}
     orig = (mcore_data.get(key) or {}).get(MCORE_DATA_ORIG_SHAPE)
-    return tuple(orig) if orig is not None else tuple(md.size)
+    if orig is not None:
+        return tuple(orig)
+    size = tuple(md.size)
+    if requested is not None and len(requested) > 1 and len(size) == len(requested) + 1:
+        grid, n = size[:-1], size[-1]
+        if all(f > 0 and g % f == 0 for g, f in zip(requested, grid)) and n == math.prod(
+            g // f for g, f in zip(requested, grid)
+        ):
+            return tuple(requested)
+    return size
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -580,7 +595,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 return f"key {t.key!r} not found in checkpoint {checkpoint_dir}"
             if not isinstance(md, TensorStorageMetadata):
                 return f"key {t.key!r} is not a tensor in checkpoint {checkpoint_dir}"
-            shape = _orig_global_shape(metadata, t.key, md)
+            shape = _orig_global_shape(metadata, t.key, md, tuple(t.global_shape))
             if not t.allow_shape_mismatch and tuple(shape) != tuple(t.global_shape):
                 return (
                     f"global shape mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested "

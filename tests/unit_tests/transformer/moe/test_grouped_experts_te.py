@@ -31,12 +31,8 @@ def _cfg(grouped, **kw):
 def _build(cfg, seed):
     torch.manual_seed(seed)
     torch.cuda.manual_seed(seed)
-    with torch.device("cuda"):
-        model = GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
-    from megatron.core.transformer.utils import init_weights
-
-    init_weights(model)
-    return model
+    with torch.device("cuda"):  # GPTModel initialises its weights (init_weights) as it is built
+        return GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def _batch(b=4):
