@@ -41,7 +41,9 @@ def _worker(rank, world_size, store_path, fn, args, queue):
 
 def run_distributed(fn, world_size, *args, timeout=300):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails."""
-    method = os.environ.get("MCORE_TEST_START_METHOD", "fork")
+    # fork is fast; a process that already holds a CUDA context (TE imported, a GPU test before) cannot fork
+    # children that touch CUDA (pinned host memory included), so those start fresh
+    method = os.environ.get("MCORE_TEST_START_METHOD") or ("spawn" if torch.cuda.is_initialized() else "fork")
     ctx = mp.get_context(method)
     queue = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="gloo_store_")
