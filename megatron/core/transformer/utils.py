@@ -10,6 +10,7 @@ from typing import Callable, Dict
 import torch
 
 from megatron.core.dtensor_utils import is_dtensor  # noqa: F401 (re-exported)
+from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.tensor_parallel.sharded_tensors import (  # noqa: F401 (re-exported)
     extra_state_shape_and_offset,
     make_sharded_object_for_checkpoint,
@@ -58,6 +59,17 @@ def init_weights(model: torch.nn.Module) -> None:
             fn = getattr(m, "reset_parameters", None)
             if callable(fn):
                 fn()
+
+
+# ---- activation recompute (``--recompute-granularity``): TE's checkpoint under FP8/FP4, else tensor_parallel's
+def recompute(config, function, *args):
+    """``checkpoint(function, ...)``; with FP8/FP4 (Transformer Engine) TE's checkpoint, whose recompute sees the
+    FP8 scales of the original forward."""
+    if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
+        from megatron.core.extensions.te_layers import te_checkpoint
+
+        return te_checkpoint(function, *args)
+    return checkpoint(function, config.distribute_saved_activations, *args)
 
 
 # ---- sharded keys (the checkpoint key of each ShardedTensor / ShardedObject, not the dict key) --------------
