@@ -46,7 +46,7 @@ def _dtensor_sharded_tensor(tensor, key: str, prepend_offsets, tp_axis: Optional
     on every rank (``replica_id=0``); a TP-replicated one is written by TP rank 0 (``replica_id=(0, tp_rank, 0)``);
     under hybrid sharding (``(Replicate(), Shard(0))``) the shards of instance 0 are written (last replica entry:
     the instance)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     shard_rank, shard_count, replica = dtensor_shard_layout(tensor, key)
     tp_shape = tuple(tensor.shape)
@@ -85,7 +85,7 @@ def make_sharded_tensor_for_checkpoint(tensor, key: str, prepend_offsets=(), rep
     """A ShardedTensor of a tensor replicated over tensor- and data-parallel ranks with the prepended axes
     ``prepend_offsets`` (``replica_id=(0, tp_rank, dp_rank)`` as upstream); a DTensor (Megatron-FSDP)
     contributes its local shard (see ``_dtensor_sharded_tensor``)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if is_dtensor(tensor):
         return _dtensor_sharded_tensor(tensor, key, prepend_offsets, tp_group=tp_group, **kwargs)
@@ -102,7 +102,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key: str, tp_axis: int = 0, pr
     """A ShardedTensor of this TP rank's piece of a tensor split on ``tp_axis`` (of the local tensor): that axis
     is the fragment ``(tp_rank, tp_size)`` of the global tensor, replicated over data-parallel ranks
     (``replica_id=(0, 0, dp_rank)``), as upstream. A DTensor (Megatron-FSDP) is also sharded on its dim 0."""
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if is_dtensor(tensor):
         return _dtensor_sharded_tensor(tensor, key, prepend_offsets, tp_axis=tp_axis, tp_group=tp_group, **kwargs)
@@ -128,7 +128,7 @@ def extra_state_shape_and_offset(key: str, sharded_offsets=()) -> Tuple[Tuple[in
 def make_sharded_object_for_checkpoint(obj, key: str, sharded_offsets=(), replica_id=None, tp_group=None, **kwargs):
     """A ShardedObject (e.g. ``_extra_state``) replicated over TP and DP ranks (``(0, tp_rank, dp_rank)``), one per prepended-axis index (stored as
     ``key/shard_<offsets>_<shape>``, e.g. ``.../_extra_state/shard_1.3_2.4`` for layer 1, expert 3 of (2, 4))."""
-    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     if replica_id is None:
         replica_id = _dp_replica_id(tp_group)
