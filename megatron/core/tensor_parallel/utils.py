@@ -1,5 +1,6 @@
 """Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges, the parameter
-attributes a layer sets (``set_param_attrs``), and the ``_extra_state`` key that non-TE modules accept where upstream's checkpoints have one."""
+attributes a layer sets (``set_param_attrs``), and the ``_extra_state`` key that non-TE modules accept where
+upstream's checkpoints have one."""
 from typing import Iterable, Optional, Tuple
 
 import torch
