@@ -415,9 +415,10 @@ class FullyShardedDataParallel(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
         """The unwrapped model's own ``sharded_state_dict`` (upstream's layout: stacked layers, expert axis, gated
-        fc1 chunks, ``_extra_state`` objects): the shared builder (``tensor_parallel.sharded_tensors``) turns each DTensor
-        parameter into its local shard (dim 0 of the parameter, ``torch.chunk``-style, possibly uneven or empty,
-        placed on global axis ``prepend_axis_num``, ``replica_id=0``); buffers (``expert_bias``) stay replicated.
+        fc1 chunks, ``_extra_state`` objects): the shared builder (``tensor_parallel.sharded_tensors``) turns each
+        DTensor parameter into its local shard (dim 0 of the parameter, ``torch.chunk``-style, possibly uneven or
+        empty, placed on global axis ``prepend_axis_num``, ``replica_id=0``); buffers (``expert_bias``) stay
+        replicated.
         Keys and global shapes equal a DDP model's, so the checkpoints load into each other."""
         from megatron.core.transformer.module import sharded_state_dict_default
 
