@@ -1,8 +1,17 @@
-"""Upstream's general helpers that callers of megatron-core use: version checks and process-group rank/size."""
+"""Upstream's general helpers that callers of megatron-core use: version checks and process-group rank/size.
+
+Upstream's sharded-tensor builders are importable from here too; they live in
+``megatron/core/tensor_parallel/sharded_tensors.py``, below the layers that use them.
+"""
 from typing import Optional
 
 import torch
 from packaging.version import Version as PkgVersion
+
+from megatron.core.tensor_parallel.sharded_tensors import (  # noqa: F401 (re-exported, as upstream)
+    make_sharded_tensor_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+)
 
 _te_version: Optional[PkgVersion] = None
 _torch_version: Optional[PkgVersion] = None

@@ -380,7 +380,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
     if args.moe_router_enable_expert_bias:
-        from megatron.core.transformer.moe.moe_utils import update_expert_bias
+        from megatron.core.transformer.moe.expert_bias import update_expert_bias
 
         update_expert_bias(model, parallel_state.get_data_parallel_group())
     if per_token:  # the lm loss of the global batch: its loss sum over its tokens

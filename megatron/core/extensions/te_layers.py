@@ -22,7 +22,8 @@ import torch
 from megatron.core.dist_utils import is_distributed
 from megatron.core.extensions import te_extra_state
 from megatron.core.extensions import transformer_engine as _te
-from megatron.core.transformer.utils import set_param_attrs
+from megatron.core.tensor_parallel.sharded_tensors import make_sharded_tensors_for_checkpoint
+from megatron.core.tensor_parallel.utils import set_param_attrs
 
 HAVE_TE = _te.HAVE_TE and _te.TELinear is not None and _te.TELayerNormLinear is not None
 
@@ -165,8 +166,6 @@ class _TEWrapperMixin:
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """The state dict with the split parameters TP-sharded on their axis (``_tp_axis_map``), the rest (norms,
         a row bias, ``_extra_state``) replicated, as upstream's TE layers."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self._tp_axis_map,
                                                    sharded_offsets, tp_group=self.tp_group)
 

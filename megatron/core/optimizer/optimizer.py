@@ -10,9 +10,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_world_size, is_distributed
-
-
-from megatron.core.transformer.utils import is_dtensor as _is_dtensor  # noqa: E402  (the one DTensor check)
+from megatron.core.dtensor_utils import is_dtensor as _is_dtensor, local_chunk_range  # the one DTensor check
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -86,8 +84,6 @@ def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     ``param`` is a DTensor)."""
     if not _is_dtensor(param) or _is_dtensor(value):
         return value
-    from megatron.core.distributed.fsdp.fully_sharded_data_parallel import local_chunk_range
-
     out = torch.zeros_like(param, dtype=value.dtype)
     local = out.to_local()
     if tuple(value.shape) == tuple(local.shape):

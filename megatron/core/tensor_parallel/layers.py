@@ -36,15 +36,19 @@ from megatron.core.tensor_parallel.random import (
     _MODEL_PARALLEL_RNG_TRACKER_NAME,
     model_parallel_rng_context,
 )
+from megatron.core.tensor_parallel.sharded_tensors import (
+    make_sharded_tensors_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+)
 from megatron.core.tensor_parallel.utils import (
     IgnoresExtraState,
     check_tp_size,
     divide,
+    set_param_attrs,
     split_along_dim,
     tp_group_info,
     vocab_range,
 )
-from megatron.core.transformer.utils import set_param_attrs
 
 
 def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
@@ -149,8 +153,6 @@ class _LinearBase(IgnoresExtraState, torch.nn.Module):
     # ``_extra_state`` ShardedObject per linear (stacked per layer, per expert). It is in ``sharded_state_dict`` only:
     # ``state_dict()`` stays the parameters, and ``load_state_dict`` accepts and ignores the key (IgnoresExtraState).
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         sd = self.state_dict(keep_vars=True)
         sd[torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX] = None
         axis_map = {"weight": 0, "bias": 0} if self.partition_dim == 0 else {"weight": 1}
@@ -309,8 +311,6 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """The weight split on the vocab axis (``allow_shape_mismatch``: a padded vocab may differ, as upstream)."""
-        from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
-
         key = f"{prefix}weight"
         return {key: make_tp_sharded_tensor_for_checkpoint(self.weight, key, 0, sharded_offsets,
                                                           tp_group=self.tp_group, allow_shape_mismatch=True)}

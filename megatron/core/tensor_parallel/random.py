@@ -169,16 +169,6 @@ def should_recompute(config, module: str) -> bool:
             and torch.is_grad_enabled())
 
 
-def recompute(config, function, *args):
-    """``checkpoint(function, ...)``; with FP8/FP4 (Transformer Engine) TE's checkpoint, whose recompute sees the
-    FP8 scales of the original forward."""
-    if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
-        from megatron.core.extensions.te_layers import te_checkpoint
-
-        return te_checkpoint(function, *args)
-    return checkpoint(function, config.distribute_saved_activations, *args)
-
-
 def set_random_seed(seed: int) -> None:
     """Seed python, numpy and torch (CPU and CUDA) and the model-parallel tracker."""
     random.seed(seed)

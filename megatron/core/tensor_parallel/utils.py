@@ -1,6 +1,7 @@
-"""Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges, and the
-``_extra_state`` key that non-TE modules accept where upstream's checkpoints have one."""
-from typing import Optional, Tuple
+"""Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges, the parameter
+attributes a layer sets (``set_param_attrs``), and the ``_extra_state`` key that non-TE modules accept where
+upstream's checkpoints have one."""
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,15 @@ def tp_group_info(is_expert: bool = False, tp_group=None) -> Tuple[Optional[dist
         if tp_group is None:
             return None, 1, 0
     return tp_group, get_world_size(tp_group), get_rank(tp_group)
+
+
+def set_param_attrs(params: Iterable[Optional[torch.Tensor]], **attrs) -> None:
+    """Set ``attrs`` on every parameter of ``params`` that is not None (e.g. ``tensor_model_parallel``,
+    ``allreduce``, ``sequence_parallel``)."""
+    for p in params:
+        if p is not None:
+            for k, v in attrs.items():
+                setattr(p, k, v)
 
 
 def check_tp_size(config, size: int, what: str) -> None:

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
-from megatron.core.tensor_parallel.random import model_parallel_rng_context, recompute, should_recompute
+from megatron.core.tensor_parallel.random import model_parallel_rng_context, should_recompute
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
+from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
 
 
 def build_linear(config, kind: str, input_size: int, output_size: int, *, init_method, bias: bool, is_expert=False,

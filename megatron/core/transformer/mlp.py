@@ -98,7 +98,8 @@ def apply_activation(config, x: torch.Tensor) -> torch.Tensor:
 
 def expert_activation(config, x: torch.Tensor) -> torch.Tensor:
     """The experts' ``apply_activation``, recomputed in backward with ``--recompute-modules moe_act``."""
-    from megatron.core.tensor_parallel.random import recompute, should_recompute
+    from megatron.core.tensor_parallel.random import should_recompute
+    from megatron.core.transformer.utils import recompute
 
     if should_recompute(config, "moe_act"):
         return recompute(config, lambda t: apply_activation(config, t), x)

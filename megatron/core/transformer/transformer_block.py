@@ -165,7 +165,7 @@ class TransformerBlock(MegatronModule):
         each of the first ``recompute_num_layers`` layers and keeps the others' activations. Under Megatron-FSDP a
         one-layer chunk (``block``, or ``uniform`` with 1) recomputes with the parameters its backward gathers
         anyway; a longer uniform chunk gathers its earlier layers once more for the recompute."""
-        from megatron.core.tensor_parallel.random import recompute
+        from megatron.core.transformer.utils import recompute
 
         c, n = self.config, len(self.layers)
         k = c.recompute_num_layers

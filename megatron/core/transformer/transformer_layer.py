@@ -5,7 +5,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.random import recompute, should_recompute
+from megatron.core.tensor_parallel.random import should_recompute
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -13,7 +13,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import IdentityOp, WrappedTorchNorm, build_norm
 from megatron.core.transformer.transformer_config import pipeline_layer_counts
-from megatron.core.transformer.utils import apply_prefix_mapping
+from megatron.core.transformer.utils import apply_prefix_mapping, recompute
 
 # Upstream's local layer spec (get_gpt_layer_local_spec) stores the separate norms under the names they have in the
 # fused TE linears, so local and TE checkpoints share keys. The TE spec fuses those norms (no mapping); a TE MoE

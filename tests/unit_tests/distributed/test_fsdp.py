@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, FullyShardedDataParallel
 from megatron.core.distributed.fsdp import chunk_range
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.transformer.moe.moe_utils import update_expert_bias
+from megatron.core.transformer.moe.expert_bias import update_expert_bias
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed._common import (
     batches,

@@ -53,7 +53,7 @@ def _build(wrapper, ep, tp=1, seed=5, meta=False, instances=1):
 def _train(model, opt, steps, seed=1234):
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer.moe.moe_utils import update_expert_bias
+    from megatron.core.transformer.moe.expert_bias import update_expert_bias
 
     dp, n = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     per = GLOBAL_BATCH // n

@@ -16,7 +16,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer.moe.moe_utils import update_expert_bias
+from megatron.core.transformer.moe.expert_bias import update_expert_bias
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed._common import check_expert_bias, routers, set_expert_bias_sentinel
 from tests.unit_tests.tensor_parallel._tp_common import VOCAB, SEQ, build, make_config, position_ids

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device
+from megatron.core.dtensor_utils import local_chunk_range
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import (
     has_meta_tensors,
@@ -39,37 +40,6 @@ from megatron.core.distributed.fsdp.meta_init import (
 )
 from megatron.core.fp8_utils import is_quantized_tensor
 from megatron.core.transformer.module import MegatronModule
-
-
-def chunk_range(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
-    """``(offset, length)`` of ``rank``'s piece of ``torch.chunk(t, world_size, dim=0)`` (length may be 0)."""
-    if dim0 == 0:
-        return 0, 0
-    size = -(-dim0 // world_size)
-    start = min(rank * size, dim0)
-    return start, max(0, min(size, dim0 - start))
-
-
-def dtensor_shard_layout(t, key: str = "parameter") -> Tuple[int, int, int]:
-    """``(shard rank, shard count, replica rank)`` of a Megatron-FSDP DTensor: ``Shard(0)`` on its last mesh
-    dimension, ``Replicate()`` on the ones before it (hybrid sharding: replicas are the instances,
-    ``--num-distributed-optimizer-instances``); anything else is refused naming ``key``."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    placements, mesh = tuple(t.placements), t.device_mesh
-    if not placements or placements[-1] != Shard(0) or not all(isinstance(p, Replicate) for p in placements[:-1]):
-        raise NotImplementedError(f"{key}: only Shard(0) DTensors (after Replicate() mesh dimensions: hybrid "
-                                  f"sharding) are supported, got {placements}")
-    replica = 0
-    for d in range(mesh.ndim - 1):
-        replica = replica * mesh.size(d) + mesh.get_local_rank(d)
-    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1), replica
-
-
-def local_chunk_range(t, key: str = "parameter") -> Tuple[int, int]:
-    """``(offset, length)`` on dim 0 of the full tensor of a Megatron-FSDP DTensor's local shard."""
-    rank, count, _ = dtensor_shard_layout(t, key)
-    return chunk_range(t.shape[0], count, rank)
 
 
 def hybrid_mesh(dp_group: dist.ProcessGroup, instances: int, device_type: str, inner: dist.ProcessGroup,
@@ -445,9 +415,10 @@ class FullyShardedDataParallel(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:
         """The unwrapped model's own ``sharded_state_dict`` (upstream's layout: stacked layers, expert axis, gated
-        fc1 chunks, ``_extra_state`` objects): the shared builder (``transformer.utils``) turns each DTensor
-        parameter into its local shard (dim 0 of the parameter, ``torch.chunk``-style, possibly uneven or empty,
-        placed on global axis ``prepend_axis_num``, ``replica_id=0``); buffers (``expert_bias``) stay replicated.
+        fc1 chunks, ``_extra_state`` objects): the shared builder (``tensor_parallel.sharded_tensors``) turns each
+        DTensor parameter into its local shard (dim 0 of the parameter, ``torch.chunk``-style, possibly uneven or
+        empty, placed on global axis ``prepend_axis_num``, ``replica_id=0``); buffers (``expert_bias``) stay
+        replicated.
         Keys and global shapes equal a DDP model's, so the checkpoints load into each other."""
         from megatron.core.transformer.module import sharded_state_dict_default
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from megatron.core.dist_utils import default_device
+from megatron.core.dtensor_utils import local_chunk_range
 
 __all__ = [
     "copy_param_attributes",
@@ -231,8 +232,6 @@ def _state_like(value, new_param):
     if not isinstance(value, torch.Tensor) or value.is_meta:
         return value
     if isinstance(new_param, DTensor) and not isinstance(value, DTensor) and tuple(value.shape) == tuple(new_param.shape):
-        from megatron.core.distributed.fsdp.fully_sharded_data_parallel import local_chunk_range
-
         out = torch.zeros_like(new_param, dtype=value.dtype)
         local = out.to_local()
         start, length = local_chunk_range(new_param, "optimizer state")

@@ -2,7 +2,8 @@
 all-gather and all-to-all token dispatchers."""
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias, update_expert_bias
+from megatron.core.transformer.moe.expert_bias import update_expert_bias
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megatron.core.transformer.moe.router import TopKRouter, topk_routing_with_score_function
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 

@@ -1,11 +1,8 @@
-"""MoE helpers: expert-bias update (aux-loss-free load balancing) and the switch aux loss."""
-from typing import Iterable, Optional, Union
+"""MoE helpers: the expert-bias arithmetic (aux-loss-free load balancing) and the switch aux loss. The training
+loop's expert-bias step over a model's routers is ``moe/expert_bias.py``."""
+from typing import Optional
 
 import torch
-import torch.distributed as dist
-
-from megatron.core import parallel_state
-from megatron.core.dist_utils import get_world_size
 
 
 def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float):
@@ -13,46 +10,6 @@ def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.
     counts = tokens_per_expert.float()
     mean = counts.mean(dim=-1, keepdim=True)
     return expert_bias + update_rate * torch.sign(mean - counts)
-
-
-def _routers(model_chunks) -> list:
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    if isinstance(model_chunks, torch.nn.Module):
-        model_chunks = [model_chunks]
-    return [
-        m
-        for chunk in model_chunks
-        for m in chunk.modules()
-        if isinstance(m, TopKRouter) and m.enable_expert_bias and m.expert_bias is not None
-    ]
-
-
-@torch.no_grad()
-def update_expert_bias(
-    model_chunks: Union[torch.nn.Module, Iterable[torch.nn.Module]], group: Optional[dist.ProcessGroup] = None
-) -> None:
-    """Aux-loss-free load balancing step, called by the training loop after each optimizer step.
-
-    For every ``TopKRouter`` with ``expert_bias``: all-reduce ``local_tokens_per_expert`` (summed) over ``group``
-    (default: the data x context parallel group: every rank that routes distinct tokens, so the counts are the
-    GLOBAL ones whatever the expert parallel size; TP peers route the same tokens here, all of them with sequence
-    parallelism (MoELayer gathers the sequence), unlike upstream's tensor x data x context group; nothing without
-    torch.distributed), then
-    ``expert_bias += moe_router_bias_update_rate * sign(mean - counts)``, then zero the counts.
-    """
-    routers = _routers(model_chunks)
-    if not routers:
-        return
-    counts = torch.stack([r.local_tokens_per_expert for r in routers])  # one collective for all layers
-    if group is None:
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if group is not None and get_world_size(group) > 1:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    for r, c in zip(routers, counts):
-        bias = get_updated_expert_bias(c, r.expert_bias, r.config.moe_router_bias_update_rate)
-        r.expert_bias.copy_(bias)
-        r.local_tokens_per_expert.zero_()
 
 
 def switch_load_balancing_loss_func(

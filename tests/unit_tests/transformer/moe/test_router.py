@@ -3,7 +3,8 @@ import torch
 
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import MoELayer, TopKRouter, topk_routing_with_score_function
-from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias, update_expert_bias
+from megatron.core.transformer.moe.expert_bias import update_expert_bias
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megatron.core.transformer.utils import init_weights
 from tests.unit_tests.dist_utils import run_distributed
 
