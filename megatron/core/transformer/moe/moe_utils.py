@@ -1,11 +1,12 @@
-"""MoE helpers: expert-bias update (aux-loss-free load balancing) and the switch aux loss."""
+"""MoE helpers: expert-bias update (aux-loss-free load balancing), the switch aux loss and the router z-loss, and
+the tracker of their values for the training log (upstream's ``load_balancing_loss`` / ``z_loss``)."""
 from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.dist_utils import get_world_size
+from megatron.core.dist_utils import default_device, get_world_size
 
 
 def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float):
@@ -63,6 +64,48 @@ def switch_load_balancing_loss_func(
     f = tokens_per_expert.float() / (num_tokens * topk)
     p = scores.float().mean(dim=0)
     return coeff * num_experts * torch.sum(f * p)
+
+
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
+    """Router z-loss (ST-MoE): ``coeff * mean over tokens of logsumexp(logits)^2``; keeps the logits small."""
+    return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
+
+
+# ---- loss values for the log: {name: {layer_number: value summed over this iteration's micro-batches}} ----------
+_MOE_LOSSES = {}
+
+
+def record_moe_loss(name: str, value: torch.Tensor, layer_number: Optional[int]) -> None:
+    """Add ``value`` (a loss WITHOUT its coefficient, as upstream logs it) of one layer's forward to ``name``."""
+    layers = _MOE_LOSSES.setdefault(name, {})
+    key = layer_number or 0
+    layers[key] = layers.get(key, 0.0) + value.detach().float().reshape(())
+
+
+def reduce_moe_losses(names, num_moe_layers: int, num_microbatches: int) -> dict:
+    """``{name: value}`` for ``names`` (the same on every rank; a name this rank did not record counts 0) of this
+    iteration, as upstream's MoE metrics tracker reports them: summed over layers and micro-batches and divided by
+    ``num_moe_layers x num_microbatches``, the layers' sums added over pipeline stages and averaged over
+    data-parallel ranks. Clears the recorded values."""
+    names = list(names)
+    if not names:
+        _MOE_LOSSES.clear()
+        return {}
+    recorded = [v for n in names for v in _MOE_LOSSES.get(n, {}).values()]
+    device = recorded[0].device if recorded else default_device()
+    sums = torch.stack([torch.as_tensor(sum(_MOE_LOSSES.get(n, {}).values()), dtype=torch.float32, device=device)
+                        for n in names])
+    _MOE_LOSSES.clear()
+    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        pp = parallel_state.get_pipeline_model_parallel_group()
+        if pp is not None and get_world_size(pp) > 1:
+            dist.all_reduce(sums, group=pp)
+        dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if dp is not None and get_world_size(dp) > 1:
+            dist.all_reduce(sums, group=dp)
+            sums = sums / get_world_size(dp)
+    sums = sums.cpu() / (max(num_moe_layers, 1) * max(num_microbatches, 1))
+    return {n: float(v) for n, v in zip(names, sums)}
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
