@@ -178,7 +178,7 @@ class TransformerConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
-    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' | 'none'
+    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' | 'seq_aux_loss' (per sequence) | 'none'
     moe_aux_loss_coeff: float = 0.0
     moe_layer_freq: Union[int, List[int]] = 1  # every n-th layer is MoE (1: all), or a 0/1 list per layer
     moe_router_dtype: Optional[str] = None  # router logits are always computed in float32 here
@@ -324,9 +324,10 @@ class TransformerConfig:
                 "moe_router_score_function must be 'softmax' or 'sigmoid' (--moe-router-score-function), "
                 f"got {self.moe_router_score_function!r}"
             )
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(
-                "moe_router_load_balancing_type must be 'aux_loss' or 'none' (--moe-router-load-balancing-type), "
+                "moe_router_load_balancing_type must be 'aux_loss', 'seq_aux_loss' or 'none' "
+                "(--moe-router-load-balancing-type), "
                 f"got {self.moe_router_load_balancing_type!r}"
             )
         if self.moe_router_bias_update_rate < 0:

@@ -156,9 +156,13 @@ def _refused_cases():
     out += [
         (["--expert-tensor-parallel-size", 2], "--expert-tensor-parallel-size 2 is not supported"),
         (["--moe-shared-expert-intermediate-size", 64], "--moe-shared-expert-intermediate-size needs --num-experts"),
-        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64],
-         "shared experts (--moe-shared-expert-intermediate-size) are not supported"),
-        (["--num-experts", 4, "--moe-z-loss-coeff", 1e-3], "the router z-loss (--moe-z-loss-coeff) is not supported"),
+        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64], "have no biases: give --disable-bias-linear"),
+        (["--num-experts", 4, "--moe-shared-expert-gate"],
+         "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64, "--disable-bias-linear",
+          "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap=True) needs moe_token_dispatcher_type 'alltoall'"),
+        (["--num-experts", 4, "--moe-z-loss-coeff", -1], "moe_z_loss_coeff (--moe-z-loss-coeff=-1.0) must be >= 0"),
+        (["--moe-z-loss-coeff", 1e-3], "--moe-z-loss-coeff needs --num-experts"),
         (["--decoupled-min-lr", 1e-4], "--decoupled-min-lr needs --decoupled-lr"),
         (["--num-experts", 4, "--moe-router-num-groups", 3, "--moe-router-group-topk", 1],
          "group-limited routing needs moe_router_num_groups (--moe-router-num-groups, 3) dividing"),
@@ -217,3 +221,43 @@ def _limited_devices_body(rank, world_size):
 
 def test_moe_router_topk_limited_devices_runs_on_two_ranks():
     run_distributed(_limited_devices_body, 2)
+
+
+def _moe_losses_logged_body(rank, world_size, balancing):
+    from megatron.training import training
+
+    lines = []
+    real_log = training.training_log
+
+    def keep(*a, **kw):
+        lines.append(real_log(*a, **kw))
+        return lines[-1]
+
+    training.training_log = keep
+    try:
+        argv = TINY + NO_DROPOUT + ["--train-iters", 3, "--num-experts", 4, "--moe-router-topk", 2,
+                                    "--moe-aux-loss-coeff", 1e-2, "--moe-z-loss-coeff", 1e-3, "--disable-bias-linear",
+                                    "--swiglu", "--moe-shared-expert-intermediate-size", 32, "--moe-shared-expert-gate",
+                                    "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-overlap",
+                                    "--moe-router-load-balancing-type", balancing]
+        result = _run(argv)
+    finally:
+        training.training_log = real_log
+    model = result.model[0]
+    layer = getattr(model, "module", model).decoder.layers[0]
+    assert layer.mlp.shared_experts.gate_weight.shape == (1, 32)
+    name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}[balancing]
+    assert sorted(result.moe_losses) == [1, 2, 3]
+    for values in result.moe_losses.values():
+        assert set(values) == {name, "z_loss"}
+        # without coefficients: the switch loss is ~1 when balanced (>= 1 / topk); z_loss = mean(logsumexp^2) > 0
+        assert 0.5 <= values[name] < 4 and values["z_loss"] > 0
+    mean = {k: sum(v[k] for v in result.moe_losses.values()) / 3 for k in (name, "z_loss")}
+    (line,) = lines  # --log-interval 3: one line, the interval's means, as upstream's
+    assert f" {name}: {mean[name]:.6E} |" in line
+    assert f" z_loss: {mean['z_loss']:.6E} |" in line
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss"])
+def test_shared_experts_and_z_loss_train_and_log(balancing):
+    run_distributed(_moe_losses_logged_body, 2, balancing)

@@ -56,6 +56,10 @@ def update_expert_bias(
         r.local_tokens_per_expert.zero_()
 
 
+# --moe-router-load-balancing-type -> the name its loss is logged under (upstream's)
+LOAD_BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
 def switch_load_balancing_loss_func(
     scores: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int, num_experts: int, coeff: float
 ) -> torch.Tensor:
@@ -64,6 +68,17 @@ def switch_load_balancing_loss_func(
     f = tokens_per_expert.float() / (num_tokens * topk)
     p = scores.float().mean(dim=0)
     return coeff * num_experts * torch.sum(f * p)
+
+
+def sequence_load_balancing_loss_func(
+    scores: torch.Tensor, routing_map: torch.Tensor, seq_length: int, topk: int, num_experts: int, coeff: float
+) -> torch.Tensor:
+    """``seq_aux_loss`` (DeepSeek-V2): the switch loss of each sequence's own tokens, averaged over the sequences.
+    ``scores`` / ``routing_map`` ``[s * b, E]`` in ``[s, b]`` token order."""
+    s_scores = scores.float().reshape(seq_length, -1, num_experts)  # [s, b, E]
+    f = routing_map.reshape(seq_length, -1, num_experts).sum(dim=0).float() / (seq_length * topk)  # [b, E]
+    p = s_scores.mean(dim=0)  # [b, E]
+    return coeff * num_experts * (f * p).sum(dim=-1).mean()
 
 
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:

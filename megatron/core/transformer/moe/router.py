@@ -17,8 +17,10 @@ from megatron.core.dist_utils import default_device
 from megatron.core.tensor_parallel.random import is_recomputing
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
+    LOAD_BALANCING_LOSS_NAMES,
     MoEAuxLossAutoScaler,
     record_moe_loss,
+    sequence_load_balancing_loss_func,
     switch_load_balancing_loss_func,
     z_loss_func,
 )
@@ -147,13 +149,20 @@ class TopKRouter(MegatronModule):
         if self.enable_expert_bias and self.training and not is_recomputing():  # counted once per forward
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert)
-        coeff = self.config.moe_aux_loss_coeff
-        if coeff > 0 and self.config.moe_router_load_balancing_type == "aux_loss" and self._adds_aux_losses():
+        coeff, kind = self.config.moe_aux_loss_coeff, self.config.moe_router_load_balancing_type
+        if coeff > 0 and kind in LOAD_BALANCING_LOSS_NAMES and self._adds_aux_losses():
             if self.score_function == "sigmoid":
                 scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-            aux_loss = switch_load_balancing_loss_func(
-                scores, routing_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
-            )
+            if kind == "seq_aux_loss":  # input [s, b, h]: per sequence
+                if input.dim() != 3:
+                    raise ValueError("seq_aux_loss (--moe-router-load-balancing-type) needs the router input [s, b, h]")
+                aux_loss = sequence_load_balancing_loss_func(
+                    scores, routing_map, input.shape[0], self.topk, self.num_experts, coeff
+                )
+            else:
+                aux_loss = switch_load_balancing_loss_func(
+                    scores, routing_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
+                )
             self.last_aux_loss = aux_loss.detach()
-            probs = self._attach_aux_loss(probs, aux_loss, coeff, "load_balancing_loss")
+            probs = self._attach_aux_loss(probs, aux_loss, coeff, LOAD_BALANCING_LOSS_NAMES[kind])
         return probs, routing_map
