@@ -98,6 +98,9 @@ def _add_moe_args(parser):
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Accepted (needs --moe-token-dispatcher-type alltoall, as upstream); the shared experts run "
                         "un-overlapped here, with the same values.")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmark only: route by random normal logits (balanced on average); the router's "
+                        "gradient passes straight through them.")
     g.add_argument("--moe-router-num-groups", type=int, default=None,
                    help="Group-limited routing: the experts form this many equal groups (e.g. the EP size).")
     g.add_argument("--moe-router-group-topk", type=int, default=None,
@@ -144,8 +147,6 @@ REFUSED_FLAGS = (
      dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
     (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
     (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
-    (("--moe-router-force-load-balancing",), dict(action="store_true"),
-     "benchmark-only random routing is not implemented"),
     (("--moe-per-layer-logging",), dict(action="store_true"), "per-layer MoE loss logging is not implemented"),
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
      "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
@@ -1266,6 +1267,7 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups,

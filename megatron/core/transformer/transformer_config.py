@@ -188,6 +188,7 @@ class TransformerConfig:
     moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . gate_weight)
     moe_shared_expert_overlap: bool = False  # accepted; the shared experts run un-overlapped here (same values)
     moe_z_loss_coeff: Optional[float] = None  # router z-loss: coeff * mean(logsumexp(logits)^2)
+    moe_router_force_load_balancing: bool = False  # benchmark only: random routing logits (straight-through grad)
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
 

@@ -190,6 +190,19 @@ def test_accepted_values_select_what_the_fork_does():
     assert (args.rope_type, args.moe_router_dtype, args.expert_tensor_parallel_size) == ("rope", "fp32", 1)
 
 
+def test_moe_flags_reach_transformer_config():
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    argv = TINY + ["--train-iters", 1, "--num-experts", 2, "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+                   32, "--moe-shared-expert-gate", "--moe-token-dispatcher-type", "alltoall",
+                   "--moe-shared-expert-overlap", "--moe-z-loss-coeff", 1e-3, "--moe-router-load-balancing-type",
+                   "seq_aux_loss", "--moe-router-force-load-balancing"]
+    cfg = core_transformer_config_from_args(validate_args(parse_args(args=[str(a) for a in argv])))
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.moe_shared_expert_gate, cfg.moe_shared_expert_overlap,
+            cfg.moe_z_loss_coeff, cfg.moe_router_load_balancing_type, cfg.moe_router_force_load_balancing) == (
+        32, True, True, 1e-3, "seq_aux_loss", True)
+
+
 def test_group_limited_routing_picks_within_the_best_groups():
     from megatron.core.transformer.moe.router import topk_routing_with_score_function
 

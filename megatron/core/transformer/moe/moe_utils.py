@@ -86,6 +86,20 @@ def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
     return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
 
 
+class RandomSTE(torch.autograd.Function):
+    """``--moe-router-force-load-balancing`` (benchmark only): random normal logits in forward, from the default
+    generator (the same on the TP peers, which route the same tokens here; restored for a recompute), the gradient
+    passed through unchanged in backward, as upstream's straight-through estimator."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output
+
+
 # ---- loss values for the log: {name: {layer_number: value summed over this iteration's micro-batches}} ----------
 _MOE_LOSSES = {}
 

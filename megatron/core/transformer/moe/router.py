@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
     LOAD_BALANCING_LOSS_NAMES,
     MoEAuxLossAutoScaler,
+    RandomSTE,
     record_moe_loss,
     sequence_load_balancing_loss_func,
     switch_load_balancing_loss_func,
@@ -132,6 +133,8 @@ class TopKRouter(MegatronModule):
         """``input`` ``[..., h]`` -> ``(probs [T, E] float32, routing_map [T, E] bool)``, ``T`` = tokens."""
         x = input.reshape(-1, input.shape[-1])
         logits = self.gating(x)
+        if self.config.moe_router_force_load_balancing:
+            logits = RandomSTE.apply(logits)
         z_coeff = self.config.moe_z_loss_coeff
         if z_coeff and self._adds_aux_losses():
             z_loss = z_loss_func(logits, z_coeff)

@@ -176,3 +176,22 @@ def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss(score_function):
         assert float(r.last_aux_loss) == pytest.approx(float(plain.last_aux_loss), rel=1e-6)
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+
+def test_force_load_balancing_routes_by_random_logits_with_straight_through_grad():
+    """--moe-router-force-load-balancing (upstream's benchmark option): the logits are random normal values (the
+    weights do not matter), the gradient reaches the router weight as if they were the real logits."""
+    r = _router(moe_router_force_load_balancing=True)
+    x = torch.randn(32, 16)
+    torch.manual_seed(7)
+    probs, routing_map = r(x)
+    torch.manual_seed(7)
+    random_logits = torch.randn(32, 4).requires_grad_()
+    want_probs, want_map, _ = topk_routing_with_score_function(random_logits, 2, "softmax")
+    torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
+    assert torch.equal(routing_map, want_map)
+    g = torch.randn(32, 4)
+    (probs * g).sum().backward()
+    (want_probs * g).sum().backward()
+    torch.testing.assert_close(r.weight.grad, random_logits.grad.t() @ x, rtol=1e-5, atol=1e-6)
+    assert routing_map.sum(0).min() > 0  # every expert gets tokens
