@@ -98,6 +98,8 @@ def _add_moe_args(parser):
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Accepted (needs --moe-token-dispatcher-type alltoall, as upstream); the shared experts run "
                         "un-overlapped here, with the same values.")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="Also write each layer's MoE auxiliary losses to TensorBoard (moe/<name>_layer_<i>).")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="Benchmark only: route by random normal logits (balanced on average); the router's "
                         "gradient passes straight through them.")
@@ -147,7 +149,6 @@ REFUSED_FLAGS = (
      dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
     (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
     (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
-    (("--moe-per-layer-logging",), dict(action="store_true"), "per-layer MoE loss logging is not implemented"),
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
      "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
     (("--use-precision-aware-optimizer",), dict(action="store_true"),

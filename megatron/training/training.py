@@ -238,9 +238,10 @@ def _memory_scalars() -> Dict[str, float]:
     return {"mem-rss-bytes": float(current_rss_bytes())}
 
 
-def moe_aux_losses(args) -> Dict[str, float]:
-    """This iteration's MoE auxiliary losses as upstream logs them (``moe_utils.reduce_moe_losses``); {} without
-    any (every rank calls this: the reduction is collective)."""
+def moe_aux_losses(args, iteration: int) -> Dict[str, float]:
+    """This iteration's MoE auxiliary losses as upstream logs them (``moe_utils.reduce_moe_losses``), written to
+    TensorBoard (with ``--moe-per-layer-logging`` also each layer's, ``moe/<name>_layer_<i>``, as upstream); {}
+    without any (every rank calls this: the reduction is collective)."""
     if args.num_experts is None:
         return {}
     from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_LOSS_NAMES, reduce_moe_losses
@@ -252,8 +253,15 @@ def moe_aux_losses(args) -> Dict[str, float]:
     if args.moe_z_loss_coeff:
         names.append("z_loss")
     config = SimpleNamespace(num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq)
-    layers = sum(is_moe_layer(config, i) for i in range(1, args.num_layers + 1))
-    return reduce_moe_losses(names, layers, args.num_microbatches)
+    moe_layers = sum(is_moe_layer(config, i) for i in range(1, args.num_layers + 1))
+    scalars, per_layer = reduce_moe_losses(names, args.num_layers, moe_layers, args.num_microbatches)
+    writer = get_scalar_writer()
+    if writer is not None and iteration % args.tensorboard_log_interval == 0:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+            for i, v in enumerate(per_layer[name] if args.moe_per_layer_logging else ()):
+                writer.add_scalar(f"moe/{name}_layer_{i}", v, iteration)
+    return scalars
 
 
 def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: float, seconds: float,
@@ -499,15 +507,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             args.num_floating_point_operations_so_far += flops_per_iteration
             value = float(loss)
             result.loss_scales[iteration] = loss_scale
-            moe = moe_aux_losses(args)
+            moe = moe_aux_losses(args, iteration)
             if moe:
                 result.moe_losses[iteration] = moe
                 for k, v in moe.items():
                     interval_moe[k] = interval_moe.get(k, 0.0) + v
-                writer = get_scalar_writer()
-                if writer is not None and iteration % args.tensorboard_log_interval == 0:
-                    for k, v in moe.items():
-                        writer.add_scalar(k, v, iteration)
             if not ok:
                 skipped += 1
                 result.skipped_iterations += 1

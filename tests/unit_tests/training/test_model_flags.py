@@ -236,7 +236,7 @@ def test_moe_router_topk_limited_devices_runs_on_two_ranks():
     run_distributed(_limited_devices_body, 2)
 
 
-def _moe_losses_logged_body(rank, world_size, balancing):
+def _moe_losses_logged_body(rank, world_size, balancing, tb):
     from megatron.training import training
 
     lines = []
@@ -252,7 +252,8 @@ def _moe_losses_logged_body(rank, world_size, balancing):
                                     "--moe-aux-loss-coeff", 1e-2, "--moe-z-loss-coeff", 1e-3, "--disable-bias-linear",
                                     "--swiglu", "--moe-shared-expert-intermediate-size", 32, "--moe-shared-expert-gate",
                                     "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-overlap",
-                                    "--moe-router-load-balancing-type", balancing]
+                                    "--moe-router-load-balancing-type", balancing, "--tensorboard-dir", tb,
+                                    "--moe-per-layer-logging"]
         result = _run(argv)
     finally:
         training.training_log = real_log
@@ -269,8 +270,22 @@ def _moe_losses_logged_body(rank, world_size, balancing):
     (line,) = lines  # --log-interval 3: one line, the interval's means, as upstream's
     assert f" {name}: {mean[name]:.6E} |" in line
     assert f" z_loss: {mean['z_loss']:.6E} |" in line
+    if rank == world_size - 1:  # the TensorBoard writer's rank: the scalars and, per layer, both MoE layers' values
+        from megatron.training.global_vars import close_tensorboard_writer
+        from tests.unit_tests.training.test_launch_flags import _scalars
+
+        close_tensorboard_writer()
+        scalars = _scalars(tb)
+        for key in (name, "z_loss"):
+            logged = dict(scalars[key])
+            assert sorted(logged) == [1, 2, 3]
+            for it, v in logged.items():
+                assert v == pytest.approx(result.moe_losses[it][key], rel=1e-5)
+                layers = [dict(scalars[f"moe/{key}_layer_{i}"])[it] for i in (0, 1)]
+                assert sum(layers) / 2 == pytest.approx(v, rel=1e-5) and min(layers) > 0
 
 
 @pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss"])
-def test_shared_experts_and_z_loss_train_and_log(balancing):
-    run_distributed(_moe_losses_logged_body, 2, balancing)
+def test_shared_experts_and_z_loss_train_and_log(balancing, tmp_path):
+    pytest.importorskip("tensorboard")
+    run_distributed(_moe_losses_logged_body, 2, balancing, str(tmp_path / "tb"))

@@ -111,30 +111,31 @@ def record_moe_loss(name: str, value: torch.Tensor, layer_number: Optional[int])
     layers[key] = layers.get(key, 0.0) + value.detach().float().reshape(())
 
 
-def reduce_moe_losses(names, num_moe_layers: int, num_microbatches: int) -> dict:
-    """``{name: value}`` for ``names`` (the same on every rank; a name this rank did not record counts 0) of this
-    iteration, as upstream's MoE metrics tracker reports them: summed over layers and micro-batches and divided by
-    ``num_moe_layers x num_microbatches``, the layers' sums added over pipeline stages and averaged over
-    data-parallel ranks. Clears the recorded values."""
+def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatches: int):
+    """``({name: value}, {name: [value per layer]})`` for ``names`` (the same on every rank; what this rank did not
+    record counts 0) of this iteration, as upstream's MoE metrics tracker reports them: each layer's value summed
+    over micro-batches and divided by their number, added over pipeline stages and averaged over data-parallel
+    ranks; the scalar is the sum over layers divided by ``num_moe_layers``. ``num_layers``: the model's layers
+    (``layer_number`` 1 .. num_layers; per layer: 0 for dense ones). Clears the recorded values."""
     names = list(names)
-    if not names:
-        _MOE_LOSSES.clear()
-        return {}
     recorded = [v for n in names for v in _MOE_LOSSES.get(n, {}).values()]
     device = recorded[0].device if recorded else default_device()
-    sums = torch.stack([torch.as_tensor(sum(_MOE_LOSSES.get(n, {}).values()), dtype=torch.float32, device=device)
-                        for n in names])
+    table = torch.zeros(len(names), max(num_layers, 1), dtype=torch.float32, device=device)
+    for row, name in enumerate(names):
+        for layer, value in _MOE_LOSSES.get(name, {}).items():
+            table[row, max(layer - 1, 0)] += value
     _MOE_LOSSES.clear()
-    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+    if names and dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         pp = parallel_state.get_pipeline_model_parallel_group()
         if pp is not None and get_world_size(pp) > 1:
-            dist.all_reduce(sums, group=pp)
+            dist.all_reduce(table, group=pp)
         dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
         if dp is not None and get_world_size(dp) > 1:
-            dist.all_reduce(sums, group=dp)
-            sums = sums / get_world_size(dp)
-    sums = sums.cpu() / (max(num_moe_layers, 1) * max(num_microbatches, 1))
-    return {n: float(v) for n, v in zip(names, sums)}
+            dist.all_reduce(table, group=dp)
+            table = table / get_world_size(dp)
+    table = table.cpu() / max(num_microbatches, 1)
+    scalars = {n: float(row.sum()) / max(num_moe_layers, 1) for n, row in zip(names, table)}
+    return scalars, {n: row.tolist() for n, row in zip(names, table)}
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

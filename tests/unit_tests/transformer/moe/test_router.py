@@ -147,7 +147,7 @@ def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss(score_function):
 
     saved = MoEAuxLossAutoScaler.main_loss_backward_scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-    reduce_moe_losses(["seq_load_balancing_loss"], 1, 1)
+    reduce_moe_losses(["seq_load_balancing_loss"], 1, 1, 1)
     try:
         coeff, s, b = 0.1, 6, 3
         r = _router(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=coeff,
@@ -166,7 +166,7 @@ def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss(score_function):
                 per_seq.append(4 * (f * scores.mean(0)).sum())
         want = float(torch.stack(per_seq).mean())
         assert float(r.last_aux_loss) == pytest.approx(coeff * want, rel=1e-5)
-        assert reduce_moe_losses(["seq_load_balancing_loss"], 1, 1)["seq_load_balancing_loss"] == pytest.approx(
+        assert reduce_moe_losses(["seq_load_balancing_loss"], 1, 1, 1)[0]["seq_load_balancing_loss"] == pytest.approx(
             want, rel=1e-5)
         # one sequence: the plain switch loss
         plain = _router(moe_aux_loss_coeff=coeff, moe_router_score_function=score_function)

@@ -15,7 +15,7 @@ X = torch.tensor([[1.0, 0.5, -1.0], [0.0, 1.0, 2.0]])  # 2 tokens
 def _aux_scale_one():
     saved = MoEAuxLossAutoScaler.main_loss_backward_scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-    reduce_moe_losses(["z_loss", "load_balancing_loss"], 1, 1)  # clear what other tests recorded
+    reduce_moe_losses(["z_loss", "load_balancing_loss"], 1, 1, 1)  # clear what other tests recorded
     yield
     MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
@@ -40,9 +40,24 @@ def test_z_loss_value_and_log():
     router = _router(0.1)
     router(X)
     router(X)  # two micro-batches
-    logged = reduce_moe_losses(["z_loss"], num_moe_layers=1, num_microbatches=2)
+    logged, per_layer = reduce_moe_losses(["z_loss"], num_layers=1, num_moe_layers=1, num_microbatches=2)
     assert logged["z_loss"] == pytest.approx(float(_by_hand(W)), rel=1e-6)  # the mean, without the coefficient
-    assert reduce_moe_losses(["z_loss"], 1, 1) == {"z_loss": 0.0}  # cleared
+    assert per_layer["z_loss"] == [pytest.approx(logged["z_loss"])]
+    assert reduce_moe_losses(["z_loss"], 1, 1, 1) == ({"z_loss": 0.0}, {"z_loss": [0.0]})  # cleared
+
+
+def test_per_layer_values_and_mean_over_moe_layers():
+    """Layers 1 and 3 of 3 are MoE layers: per layer [z1, 0, z3] (--moe-per-layer-logging), scalar (z1 + z3) / 2."""
+    first, third = _router(0.1), _router(0.1)
+    third.layer_number = 3
+    with torch.no_grad():
+        third.weight.mul_(2.0)
+    first(X)
+    third(X)
+    scalars, per_layer = reduce_moe_losses(["z_loss"], num_layers=3, num_moe_layers=2, num_microbatches=1)
+    z1, z3 = float(_by_hand(W)), float(_by_hand(2 * W))
+    assert per_layer["z_loss"] == [pytest.approx(z1, rel=1e-6), 0.0, pytest.approx(z3, rel=1e-6)]
+    assert scalars["z_loss"] == pytest.approx((z1 + z3) / 2, rel=1e-6)
 
 
 @pytest.mark.parametrize("per_token", [False, True])
@@ -66,6 +81,6 @@ def test_no_z_loss_without_coeff_or_in_eval():
         if probs.requires_grad:
             torch.autograd.backward(probs, torch.zeros_like(probs))
             assert router.weight.grad is None or not router.weight.grad.any()
-    assert reduce_moe_losses(["z_loss"], 1, 1) == {"z_loss": 0.0}
+    assert reduce_moe_losses(["z_loss"], 1, 1, 1)[0] == {"z_loss": 0.0}
     with pytest.raises(ValueError, match=r"moe_z_loss_coeff \(--moe-z-loss-coeff=-1.0\) must be >= 0"):
         _router(-1.0)
