@@ -488,6 +488,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     for m in model:
         m.train()
     interval_losses, t0, iters, interval_moe = [], time.time(), 0, {}
+    if args.num_experts is not None:  # the first iteration's MoE losses are its own
+        from megatron.core.transformer.moe.moe_utils import clear_moe_losses
+
+        clear_moe_losses()
     skipped, nan_iters = 0, 0  # per log interval, as upstream
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)

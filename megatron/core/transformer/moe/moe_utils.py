@@ -111,6 +111,11 @@ def record_moe_loss(name: str, value: torch.Tensor, layer_number: Optional[int])
     layers[key] = layers.get(key, 0.0) + value.detach().float().reshape(())
 
 
+def clear_moe_losses() -> None:
+    """Forget the recorded values (e.g. of forwards before training starts)."""
+    _MOE_LOSSES.clear()
+
+
 def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatches: int):
     """``({name: value}, {name: [value per layer]})`` for ``names`` (the same on every rank; what this rank did not
     record counts 0) of this iteration, as upstream's MoE metrics tracker reports them: each layer's value summed
