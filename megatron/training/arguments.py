@@ -76,7 +76,7 @@ def _add_moe_args(parser):
                    help="Router score function.")
     g.add_argument("--moe-router-pre-softmax", action="store_true", help="Softmax before the top-k.")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="Scale of top-k probs.")
-    g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss", choices=["aux_loss", "none"],
+    g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss", choices=["aux_loss", "seq_aux_loss", "none"],
                    help="Load balancing loss.")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Aux loss coefficient.")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
@@ -87,10 +87,22 @@ def _add_moe_args(parser):
                         "--num-experts and the world size).")
     g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach the ranks of their experts under expert parallelism.")
-    for flag, kind, what in (("--moe-z-loss-coeff", float, "the router z-loss coefficient"),
-                             ("--moe-shared-expert-intermediate-size", int, "the shared experts' hidden size")):
-        g.add_argument(flag, type=kind, default=None, help=f"{what}: refused (TransformerConfig's check: not "
-                       "implemented).")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="Router z-loss coefficient: coeff x mean(logsumexp(logits)^2) trains the router (logged as "
+                        "z_loss, without the coefficient).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Shared experts' total hidden size (num shared experts x each one's): a dense MLP every "
+                        "token goes through, added to the routed experts' output (needs --disable-bias-linear).")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Scale the shared experts' output by sigmoid(x . gate_weight) per token.")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="Accepted (needs --moe-token-dispatcher-type alltoall, as upstream); the shared experts run "
+                        "un-overlapped here, with the same values.")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="Also write each layer's MoE auxiliary losses to TensorBoard (moe/<name>_layer_<i>).")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmark only: route by random normal logits (balanced on average); the router's "
+                        "gradient passes straight through them.")
     g.add_argument("--moe-router-num-groups", type=int, default=None,
                    help="Group-limited routing: the experts form this many equal groups (e.g. the EP size).")
     g.add_argument("--moe-router-group-topk", type=int, default=None,
@@ -137,9 +149,6 @@ REFUSED_FLAGS = (
      dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
     (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
     (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
-    (("--moe-router-force-load-balancing",), dict(action="store_true"),
-     "benchmark-only random routing is not implemented"),
-    (("--moe-per-layer-logging",), dict(action="store_true"), "per-layer MoE loss logging is not implemented"),
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
      "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
     (("--use-precision-aware-optimizer",), dict(action="store_true"),
@@ -1062,6 +1071,9 @@ def validate_args(args, defaults={}):
                      "moe_router_num_groups", "moe_router_group_topk"):
             if getattr(args, dest) is not None:
                 _fail(f"{flag_name(dest)} needs --num-experts")
+    for dest in ("moe_shared_expert_gate", "moe_shared_expert_overlap"):  # upstream ignores them without the size
+        if getattr(args, dest) and args.moe_shared_expert_intermediate_size is None:
+            _fail(f"{flag_name(dest)} needs --moe-shared-expert-intermediate-size (shared experts)")
 
     # ---- batch sizes ------------------------------------------------------------------------------------
     if args.micro_batch_size is None or args.micro_batch_size <= 0:
@@ -1254,6 +1266,9 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups,

@@ -11,6 +11,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -68,6 +69,9 @@ class TrainingResult:
     """--log-num-zeros-in-grad: zero gradient values at each log iteration."""
     loss_scales: Dict[int, float] = field(default_factory=dict)
     """The loss scale each iteration used (1.0 without --fp16)."""
+    moe_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    """MoE auxiliary losses of each iteration, without their coefficients (``load_balancing_loss`` with
+    --moe-aux-loss-coeff, ``z_loss`` with --moe-z-loss-coeff): means over MoE layers, micro-batches and DP ranks."""
     skipped_iterations: int = 0
     """Iterations whose optimizer step was skipped (inf/nan gradients)."""
     valid_losses: Dict[int, float] = field(default_factory=dict)
@@ -232,6 +236,32 @@ def _memory_scalars() -> Dict[str, float]:
                 "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
                 "mem-reserved-bytes": float(torch.cuda.memory_reserved())}
     return {"mem-rss-bytes": float(current_rss_bytes())}
+
+
+def moe_aux_losses(args, iteration: int) -> Dict[str, float]:
+    """This iteration's MoE auxiliary losses as upstream logs them (``moe_utils.reduce_moe_losses``), written to
+    TensorBoard (with ``--moe-per-layer-logging`` also each layer's, ``moe/<name>_layer_<i>``, as upstream); {}
+    without any (every rank calls this: the reduction is collective)."""
+    if args.num_experts is None:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import LOAD_BALANCING_LOSS_NAMES, reduce_moe_losses
+    from megatron.core.transformer.transformer_layer import is_moe_layer
+
+    names = []
+    if args.moe_aux_loss_coeff > 0 and args.moe_router_load_balancing_type != "none":
+        names.append(LOAD_BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type])
+    if args.moe_z_loss_coeff:
+        names.append("z_loss")
+    config = SimpleNamespace(num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq)
+    moe_layers = sum(is_moe_layer(config, i) for i in range(1, args.num_layers + 1))
+    scalars, per_layer = reduce_moe_losses(names, args.num_layers, moe_layers, args.num_microbatches)
+    writer = get_scalar_writer()
+    if writer is not None and iteration % args.tensorboard_log_interval == 0:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+            for i, v in enumerate(per_layer[name] if args.moe_per_layer_logging else ()):
+                writer.add_scalar(f"moe/{name}_layer_{i}", v, iteration)
+    return scalars
 
 
 def write_training_scalars(iteration: int, loss: float, lr: float, grad_norm: float, seconds: float,
@@ -421,7 +451,7 @@ def evaluate(forward_step_func, dataset, model, eval_iters: int):
 
 
 def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=1.0, skipped=0, nan_iters=0,
-                 num_zeros=None, params_norm=None) -> str:
+                 num_zeros=None, params_norm=None, moe_losses=None) -> str:
     args = get_args()
     per_iter = elapsed / max(iters, 1)
     tokens_per_s = args.global_batch_size * args.seq_length / per_iter if per_iter > 0 else 0.0
@@ -438,6 +468,7 @@ def training_log(iteration, loss_avg, lr, grad_norm, elapsed, iters, loss_scale=
         f" learning rate: {lr:.6E} |"
         f" global batch size: {args.global_batch_size:5d} |"
         f" lm loss: {loss_avg:.6E} |"
+        f"{''.join(f' {k}: {v:.6E} |' for k, v in (moe_losses or {}).items())}"
         f" loss scale: {loss_scale:.1f} |"
         f" grad norm: {grad_norm:.3f} |"
         f"{'' if num_zeros is None else f' num zeros: {num_zeros} |'}"
@@ -456,7 +487,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     iteration = args.iteration
     for m in model:
         m.train()
-    interval_losses, t0, iters = [], time.time(), 0
+    interval_losses, t0, iters, interval_moe = [], time.time(), 0, {}
+    if args.num_experts is not None:  # the first iteration's MoE losses are its own
+        from megatron.core.transformer.moe.moe_utils import clear_moe_losses
+
+        clear_moe_losses()
     skipped, nan_iters = 0, 0  # per log interval, as upstream
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
@@ -476,6 +511,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             args.num_floating_point_operations_so_far += flops_per_iteration
             value = float(loss)
             result.loss_scales[iteration] = loss_scale
+            moe = moe_aux_losses(args, iteration)
+            if moe:
+                result.moe_losses[iteration] = moe
+                for k, v in moe.items():
+                    interval_moe[k] = interval_moe.get(k, 0.0) + v
             if not ok:
                 skipped += 1
                 result.skipped_iterations += 1
@@ -504,8 +544,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                     if writer is not None and value is not None:
                         writer.add_scalar(name, value, iteration)
                 training_log(iteration, sum(interval_losses) / len(interval_losses), lr, grad_norm, time.time() - t0,
-                             iters, loss_scale, skipped, nan_iters, num_zeros=num_zeros, params_norm=params_norm)
-                interval_losses, t0, iters = [], time.time(), 0
+                             iters, loss_scale, skipped, nan_iters, num_zeros=num_zeros, params_norm=params_norm,
+                             moe_losses={k: v / len(interval_losses) for k, v in interval_moe.items()})
+                interval_losses, t0, iters, interval_moe = [], time.time(), 0, {}
                 skipped, nan_iters = 0, 0
             t_extra = time.time()  # evaluation and saving are not counted in the iteration time
             control.after_step(iteration)

@@ -55,8 +55,9 @@ def pipeline_layer_counts(config) -> List[List[int]]:
 # --recompute-modules (upstream's names) this fork recomputes: the attention core (softmax(QK^T)V), the dense MLP,
 # the whole MoE layer, the experts' activation, the layer norms
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
-# upstream's names whose module this fork does not have
-UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "no multi-latent attention", "shared_experts": "no shared experts"}
+# upstream's names this fork does not recompute (and why)
+UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "no multi-latent attention",
+                                   "shared_experts": "recomputing the shared experts is not implemented"}
 
 
 @dataclass
@@ -177,14 +178,17 @@ class TransformerConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
-    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' | 'none'
+    moe_router_load_balancing_type: str = "aux_loss"  # 'aux_loss' | 'seq_aux_loss' (per sequence) | 'none'
     moe_aux_loss_coeff: float = 0.0
     moe_layer_freq: Union[int, List[int]] = 1  # every n-th layer is MoE (1: all), or a 0/1 list per layer
     moe_router_dtype: Optional[str] = None  # router logits are always computed in float32 here
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str = "allgather"
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_z_loss_coeff: Optional[float] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None  # shared experts' total hidden size (None: none)
+    moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . gate_weight)
+    moe_shared_expert_overlap: bool = False  # accepted; the shared experts run un-overlapped here (same values)
+    moe_z_loss_coeff: Optional[float] = None  # router z-loss: coeff * mean(logsumexp(logits)^2)
+    moe_router_force_load_balancing: bool = False  # benchmark only: random routing logits (straight-through grad)
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
 
@@ -293,8 +297,17 @@ class TransformerConfig:
                     f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0/1 (--moe-layer-freq), "
                     f"got {self.moe_layer_freq}"
                 )
-            if self.moe_shared_expert_intermediate_size:
-                raise ValueError("shared experts (--moe-shared-expert-intermediate-size) are not supported")
+            shared = self.moe_shared_expert_intermediate_size
+            if shared is not None:
+                if shared <= 0:
+                    raise ValueError(f"{_named('moe_shared_expert_intermediate_size', shared)} must be positive "
+                                     "(num_shared_experts x each shared expert's hidden size)")
+                if self.add_bias_linear:
+                    raise ValueError(f"shared experts ({_named('moe_shared_expert_intermediate_size', shared)}) have "
+                                     "no biases: give --disable-bias-linear (add_bias_linear=False), as upstream")
+                if self.moe_shared_expert_overlap and self.moe_token_dispatcher_type != "alltoall":
+                    raise ValueError(f"{_named('moe_shared_expert_overlap', True)} needs moe_token_dispatcher_type "
+                                     "'alltoall' (--moe-token-dispatcher-type alltoall), as upstream")
             if self.moe_router_num_groups or self.moe_router_group_topk:
                 g, k = self.moe_router_num_groups, self.moe_router_group_topk
                 if not (g and k and self.num_moe_experts % g == 0 and 1 <= k <= g and self.moe_router_topk % k == 0):
@@ -302,8 +315,8 @@ class TransformerConfig:
                         f"group-limited routing needs moe_router_num_groups (--moe-router-num-groups, {g}) dividing "
                         f"num_moe_experts ({self.num_moe_experts}) and moe_router_group_topk (--moe-router-group-topk, "
                         f"{k}) in [1, groups] dividing moe_router_topk ({self.moe_router_topk})")
-            if self.moe_z_loss_coeff:
-                raise ValueError("the router z-loss (--moe-z-loss-coeff) is not supported")
+            if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+                raise ValueError(f"{_named('moe_z_loss_coeff', self.moe_z_loss_coeff)} must be >= 0")
         elif self.moe_router_enable_expert_bias:
             raise ValueError(f"{_named('moe_router_enable_expert_bias', True)} needs num_moe_experts (--num-experts): "
                              "it is a MoE router option")
@@ -312,9 +325,10 @@ class TransformerConfig:
                 "moe_router_score_function must be 'softmax' or 'sigmoid' (--moe-router-score-function), "
                 f"got {self.moe_router_score_function!r}"
             )
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(
-                "moe_router_load_balancing_type must be 'aux_loss' or 'none' (--moe-router-load-balancing-type), "
+                "moe_router_load_balancing_type must be 'aux_loss', 'seq_aux_loss' or 'none' "
+                "(--moe-router-load-balancing-type), "
                 f"got {self.moe_router_load_balancing_type!r}"
             )
         if self.moe_router_bias_update_rate < 0:
@@ -375,6 +389,8 @@ class TransformerConfig:
             # experts are split over the expert tensor-parallel group (the TP group by default) by their own linears;
             # with sequence parallelism MoELayer gathers the sequence over TP first (every TP rank routes all tokens)
             moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
-            if moe_ffn % tp != 0:
-                raise ValueError(f"{_named('moe_ffn_hidden_size', moe_ffn)} must be divisible by "
-                                 f"{_named('tensor_model_parallel_size', tp)}")
+            for name, value in (("moe_ffn_hidden_size", moe_ffn),
+                                ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)):
+                if value is not None and value % tp != 0:
+                    raise ValueError(f"{_named(name, value)} must be divisible by "
+                                     f"{_named('tensor_model_parallel_size', tp)}")

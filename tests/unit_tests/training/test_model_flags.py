@@ -156,9 +156,13 @@ def _refused_cases():
     out += [
         (["--expert-tensor-parallel-size", 2], "--expert-tensor-parallel-size 2 is not supported"),
         (["--moe-shared-expert-intermediate-size", 64], "--moe-shared-expert-intermediate-size needs --num-experts"),
-        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64],
-         "shared experts (--moe-shared-expert-intermediate-size) are not supported"),
-        (["--num-experts", 4, "--moe-z-loss-coeff", 1e-3], "the router z-loss (--moe-z-loss-coeff) is not supported"),
+        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64], "have no biases: give --disable-bias-linear"),
+        (["--num-experts", 4, "--moe-shared-expert-gate"],
+         "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+        (["--num-experts", 4, "--moe-shared-expert-intermediate-size", 64, "--disable-bias-linear",
+          "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap=True) needs moe_token_dispatcher_type 'alltoall'"),
+        (["--num-experts", 4, "--moe-z-loss-coeff", -1], "moe_z_loss_coeff (--moe-z-loss-coeff=-1.0) must be >= 0"),
+        (["--moe-z-loss-coeff", 1e-3], "--moe-z-loss-coeff needs --num-experts"),
         (["--decoupled-min-lr", 1e-4], "--decoupled-min-lr needs --decoupled-lr"),
         (["--num-experts", 4, "--moe-router-num-groups", 3, "--moe-router-group-topk", 1],
          "group-limited routing needs moe_router_num_groups (--moe-router-num-groups, 3) dividing"),
@@ -184,6 +188,19 @@ def test_accepted_values_select_what_the_fork_does():
                    "--moe-router-dtype", "fp32", "--expert-tensor-parallel-size", 1, "--num-experts", 2]
     args = validate_args(parse_args(args=[str(a) for a in argv]))
     assert (args.rope_type, args.moe_router_dtype, args.expert_tensor_parallel_size) == ("rope", "fp32", 1)
+
+
+def test_moe_flags_reach_transformer_config():
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    argv = TINY + ["--train-iters", 1, "--num-experts", 2, "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+                   32, "--moe-shared-expert-gate", "--moe-token-dispatcher-type", "alltoall",
+                   "--moe-shared-expert-overlap", "--moe-z-loss-coeff", 1e-3, "--moe-router-load-balancing-type",
+                   "seq_aux_loss", "--moe-router-force-load-balancing"]
+    cfg = core_transformer_config_from_args(validate_args(parse_args(args=[str(a) for a in argv])))
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.moe_shared_expert_gate, cfg.moe_shared_expert_overlap,
+            cfg.moe_z_loss_coeff, cfg.moe_router_load_balancing_type, cfg.moe_router_force_load_balancing) == (
+        32, True, True, 1e-3, "seq_aux_loss", True)
 
 
 def test_group_limited_routing_picks_within_the_best_groups():
@@ -217,3 +234,61 @@ def _limited_devices_body(rank, world_size):
 
 def test_moe_router_topk_limited_devices_runs_on_two_ranks():
     run_distributed(_limited_devices_body, 2)
+
+
+def _moe_losses_logged_body(rank, world_size, balancing, tb):
+    from megatron.training import training
+
+    lines = []
+    real_log = training.training_log
+
+    def keep(*a, **kw):
+        lines.append(real_log(*a, **kw))
+        return lines[-1]
+
+    training.training_log = keep
+    from megatron.core.transformer.moe.moe_utils import record_moe_loss
+
+    record_moe_loss("z_loss", torch.tensor(1000.0), 1)  # a forward before training: not counted in iteration 1
+    try:
+        argv = TINY + NO_DROPOUT + ["--train-iters", 3, "--num-experts", 4, "--moe-router-topk", 2,
+                                    "--moe-aux-loss-coeff", 1e-2, "--moe-z-loss-coeff", 1e-3, "--disable-bias-linear",
+                                    "--swiglu", "--moe-shared-expert-intermediate-size", 32, "--moe-shared-expert-gate",
+                                    "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-overlap",
+                                    "--moe-router-load-balancing-type", balancing, "--tensorboard-dir", tb,
+                                    "--moe-per-layer-logging"]
+        result = _run(argv)
+    finally:
+        training.training_log = real_log
+    model = result.model[0]
+    layer = getattr(model, "module", model).decoder.layers[0]
+    assert layer.mlp.shared_experts.gate_weight.shape == (1, 32)
+    name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}[balancing]
+    assert sorted(result.moe_losses) == [1, 2, 3]
+    for values in result.moe_losses.values():
+        assert set(values) == {name, "z_loss"}
+        # without coefficients: the switch loss is ~1 when balanced (>= 1 / topk); z_loss = mean(logsumexp^2) > 0
+        assert 0.5 <= values[name] < 4 and 0 < values["z_loss"] < 10  # ~log(4)^2 for small logits
+    mean = {k: sum(v[k] for v in result.moe_losses.values()) / 3 for k in (name, "z_loss")}
+    (line,) = lines  # --log-interval 3: one line, the interval's means, as upstream's
+    assert f" {name}: {mean[name]:.6E} |" in line
+    assert f" z_loss: {mean['z_loss']:.6E} |" in line
+    if rank == world_size - 1:  # the TensorBoard writer's rank: the scalars and, per layer, both MoE layers' values
+        from megatron.training.global_vars import close_tensorboard_writer
+        from tests.unit_tests.training.test_launch_flags import _scalars
+
+        close_tensorboard_writer()
+        scalars = _scalars(tb)
+        for key in (name, "z_loss"):
+            logged = dict(scalars[key])
+            assert sorted(logged) == [1, 2, 3]
+            for it, v in logged.items():
+                assert v == pytest.approx(result.moe_losses[it][key], rel=1e-5)
+                layers = [dict(scalars[f"moe/{key}_layer_{i}"])[it] for i in (0, 1)]
+                assert sum(layers) / 2 == pytest.approx(v, rel=1e-5) and min(layers) > 0
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss"])
+def test_shared_experts_and_z_loss_train_and_log(balancing, tmp_path):
+    pytest.importorskip("tensorboard")
+    run_distributed(_moe_losses_logged_body, 2, balancing, str(tmp_path / "tb"))

@@ -9,6 +9,9 @@ TP peers dispatch the same tokens to the same experts and their expert-TP all-re
 rank's slice of the gradient, which is replicated over TP) and the output split back to ``[s / tp, b, h]`` after
 (backward: all-gather), so the layer equals the TP=1 layer. Unlike upstream's dispatcher, which exchanges tokens
 over expert-TP x EP; the router then runs on the whole sequence on every TP rank (its grads need no TP reduction).
+
+Shared experts (``--moe-shared-expert-intermediate-size``, ``shared_experts.py``) take the layer's input as it is (a
+dense TP MLP: ``[s / tp, b, h]`` pieces with sequence parallelism) and their output is added to the routed output.
 """
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP, expert_parallel_layout
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import build_token_dispatcher
 
 
@@ -36,8 +40,8 @@ def build_experts(num_local_experts: int, config):
 
 @dataclass
 class MoESubmodules:
-    """Upstream's MoE submodule spec; here it records the experts class ``build_experts`` picks (no shared
-    experts in this fork)."""
+    """Upstream's MoE submodule spec; here it records the experts class ``build_experts`` picks (the shared experts
+    are a ``SharedExpertMLP`` when ``moe_shared_expert_intermediate_size`` is set)."""
 
     experts: object = None
     shared_experts: object = None
@@ -67,10 +71,13 @@ class MoELayer(MegatronModule):
         self.router = TopKRouter(config, layer_number)
         self.experts = build_experts(self.num_local_experts, config)
         self.token_dispatcher = build_token_dispatcher(local, self.local_expert_indices, config)
+        self.use_shared_expert = config.moe_shared_expert_intermediate_size is not None
+        self.shared_experts = SharedExpertMLP(config) if self.use_shared_expert else None
 
     def forward(self, hidden_states: torch.Tensor):
         """``hidden_states`` ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> ``(output shaped like
         hidden_states, None)``."""
+        shared_output = self.shared_experts(hidden_states) if self.shared_experts is not None else None
         if self.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         probs, routing_map = self.router(hidden_states)  # [T, E] over ALL experts, this rank's tokens
@@ -80,4 +87,6 @@ class MoELayer(MegatronModule):
         output = self.token_dispatcher.token_unpermutation(expert_out)
         if self.sequence_parallel:
             output = scatter_to_sequence_parallel_region(output)
+        if shared_output is not None:
+            output = output + shared_output
         return output, None

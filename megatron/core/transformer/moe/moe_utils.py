@@ -1,8 +1,13 @@
-"""MoE helpers: the expert-bias arithmetic (aux-loss-free load balancing) and the switch aux loss. The training
-loop's expert-bias step over a model's routers is ``moe/expert_bias.py``."""
+"""MoE helpers: the expert-bias arithmetic (aux-loss-free load balancing), the switch aux loss and the router
+z-loss, and the tracker of their values for the training log (upstream's ``load_balancing_loss`` / ``z_loss``). The
+training loop's expert-bias step over a model's routers is ``moe/expert_bias.py``."""
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.dist_utils import default_device, get_world_size
 
 
 def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float):
@@ -10,6 +15,10 @@ def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.
     counts = tokens_per_expert.float()
     mean = counts.mean(dim=-1, keepdim=True)
     return expert_bias + update_rate * torch.sign(mean - counts)
+
+
+# --moe-router-load-balancing-type -> the name its loss is logged under (upstream's)
+LOAD_BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
 
 def switch_load_balancing_loss_func(
@@ -20,6 +29,79 @@ def switch_load_balancing_loss_func(
     f = tokens_per_expert.float() / (num_tokens * topk)
     p = scores.float().mean(dim=0)
     return coeff * num_experts * torch.sum(f * p)
+
+
+def sequence_load_balancing_loss_func(
+    scores: torch.Tensor, routing_map: torch.Tensor, seq_length: int, topk: int, num_experts: int, coeff: float
+) -> torch.Tensor:
+    """``seq_aux_loss`` (DeepSeek-V2): the switch loss of each sequence's own tokens, averaged over the sequences.
+    ``scores`` / ``routing_map`` ``[s * b, E]`` in ``[s, b]`` token order."""
+    s_scores = scores.float().reshape(seq_length, -1, num_experts)  # [s, b, E]
+    f = routing_map.reshape(seq_length, -1, num_experts).sum(dim=0).float() / (seq_length * topk)  # [b, E]
+    p = s_scores.mean(dim=0)  # [b, E]
+    return coeff * num_experts * (f * p).sum(dim=-1).mean()
+
+
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
+    """Router z-loss (ST-MoE): ``coeff * mean over tokens of logsumexp(logits)^2``; keeps the logits small."""
+    return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
+
+
+class RandomSTE(torch.autograd.Function):
+    """``--moe-router-force-load-balancing`` (benchmark only): random normal logits in forward, from the default
+    generator (the same on the TP peers, which route the same tokens here; restored for a recompute), the gradient
+    passed through unchanged in backward, as upstream's straight-through estimator."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output
+
+
+# ---- loss values for the log: {name: {layer_number: value summed over this iteration's micro-batches}} ----------
+_MOE_LOSSES = {}
+
+
+def record_moe_loss(name: str, value: torch.Tensor, layer_number: Optional[int]) -> None:
+    """Add ``value`` (a loss WITHOUT its coefficient, as upstream logs it) of one layer's forward to ``name``."""
+    layers = _MOE_LOSSES.setdefault(name, {})
+    key = layer_number or 0
+    layers[key] = layers.get(key, 0.0) + value.detach().float().reshape(())
+
+
+def clear_moe_losses() -> None:
+    """Forget the recorded values (e.g. of forwards before training starts)."""
+    _MOE_LOSSES.clear()
+
+
+def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatches: int):
+    """``({name: value}, {name: [value per layer]})`` for ``names`` (the same on every rank; what this rank did not
+    record counts 0) of this iteration, as upstream's MoE metrics tracker reports them: each layer's value summed
+    over micro-batches and divided by their number, added over pipeline stages and averaged over data-parallel
+    ranks; the scalar is the sum over layers divided by ``num_moe_layers``. ``num_layers``: the model's layers
+    (``layer_number`` 1 .. num_layers; per layer: 0 for dense ones). Clears the recorded values."""
+    names = list(names)
+    recorded = [v for n in names for v in _MOE_LOSSES.get(n, {}).values()]
+    device = recorded[0].device if recorded else default_device()
+    table = torch.zeros(len(names), max(num_layers, 1), dtype=torch.float32, device=device)
+    for row, name in enumerate(names):
+        for layer, value in _MOE_LOSSES.get(name, {}).items():
+            table[row, max(layer - 1, 0)] += value
+    _MOE_LOSSES.clear()
+    if names and dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        pp = parallel_state.get_pipeline_model_parallel_group()
+        if pp is not None and get_world_size(pp) > 1:
+            dist.all_reduce(table, group=pp)
+        dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if dp is not None and get_world_size(dp) > 1:
+            dist.all_reduce(table, group=dp)
+            table = table / get_world_size(dp)
+    table = table.cpu() / max(num_microbatches, 1)
+    scalars = {n: float(row.sum()) / max(num_moe_layers, 1) for n, row in zip(names, table)}
+    return scalars, {n: row.tolist() for n, row in zip(names, table)}
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

@@ -4,6 +4,10 @@
 created with an EXPLICIT device (``default_device()``), so they are real tensors with real values even when the
 model is built under ``with torch.device('meta')``. The bias is added to the scores for expert SELECTION only; the
 combine weights (probs) come from the unbiased scores, as upstream. ``update_expert_bias`` (moe_utils) updates it.
+
+Auxiliary losses (training with grad only) reach the router through ``MoEAuxLossAutoScaler``, as upstream: the
+load-balancing loss (``--moe-aux-loss-coeff``) attached to the probs, the z-loss (``--moe-z-loss-coeff``) to the
+logits. Their values without the coefficient go to the log (``load_balancing_loss``, ``z_loss``; moe_utils).
 """
 from typing import Tuple
 
@@ -12,7 +16,15 @@ import torch
 from megatron.core.dist_utils import default_device
 from megatron.core.tensor_parallel.random import is_recomputing
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
+from megatron.core.transformer.moe.moe_utils import (
+    LOAD_BALANCING_LOSS_NAMES,
+    MoEAuxLossAutoScaler,
+    RandomSTE,
+    record_moe_loss,
+    sequence_load_balancing_loss_func,
+    switch_load_balancing_loss_func,
+    z_loss_func,
+)
 from megatron.core.transformer.utils import init_method_normal, set_param_attrs
 
 
@@ -103,10 +115,30 @@ class TopKRouter(MegatronModule):
         """Router logits ``[T, E]`` in float32."""
         return torch.nn.functional.linear(input.float(), self.weight.float())
 
+    def _adds_aux_losses(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _attach_aux_loss(self, tensor: torch.Tensor, loss: torch.Tensor, coeff: float, name: str) -> torch.Tensor:
+        """``tensor`` unchanged, with ``loss``'s gradient sent in backward; ``loss / coeff`` recorded for the log
+        (once per forward: not again when the layer is recomputed). With ``calculate_per_token_loss`` the
+        gradients are divided by the global batch's token count, so the loss is multiplied by this rank's tokens
+        first (upstream's rule: the aux gradient is then scaled by 1 / (micro-batches x DP), as without it)."""
+        if not is_recomputing():
+            record_moe_loss(name, loss / coeff, self.layer_number)
+        if self.config.calculate_per_token_loss:
+            loss = loss * tensor.shape[0]
+        return MoEAuxLossAutoScaler.apply(tensor, loss)
+
     def forward(self, input: torch.Tensor):
         """``input`` ``[..., h]`` -> ``(probs [T, E] float32, routing_map [T, E] bool)``, ``T`` = tokens."""
         x = input.reshape(-1, input.shape[-1])
         logits = self.gating(x)
+        if self.config.moe_router_force_load_balancing:
+            logits = RandomSTE.apply(logits)
+        z_coeff = self.config.moe_z_loss_coeff
+        if z_coeff and self._adds_aux_losses():
+            z_loss = z_loss_func(logits, z_coeff)
+            logits = self._attach_aux_loss(logits, z_loss, z_coeff, "z_loss")
         probs, routing_map, scores = topk_routing_with_score_function(
             logits,
             self.topk,
@@ -120,18 +152,20 @@ class TopKRouter(MegatronModule):
         if self.enable_expert_bias and self.training and not is_recomputing():  # counted once per forward
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert)
-        coeff = self.config.moe_aux_loss_coeff
-        if (
-            self.training
-            and torch.is_grad_enabled()
-            and coeff > 0
-            and self.config.moe_router_load_balancing_type == "aux_loss"
-        ):
+        coeff, kind = self.config.moe_aux_loss_coeff, self.config.moe_router_load_balancing_type
+        if coeff > 0 and kind in LOAD_BALANCING_LOSS_NAMES and self._adds_aux_losses():
             if self.score_function == "sigmoid":
                 scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-            aux_loss = switch_load_balancing_loss_func(
-                scores, routing_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
-            )
+            if kind == "seq_aux_loss":  # input [s, b, h]: per sequence
+                if input.dim() != 3:
+                    raise ValueError("seq_aux_loss (--moe-router-load-balancing-type) needs the router input [s, b, h]")
+                aux_loss = sequence_load_balancing_loss_func(
+                    scores, routing_map, input.shape[0], self.topk, self.num_experts, coeff
+                )
+            else:
+                aux_loss = switch_load_balancing_loss_func(
+                    scores, routing_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
+                )
             self.last_aux_loss = aux_loss.detach()
-            probs = MoEAuxLossAutoScaler.apply(probs, aux_loss)
+            probs = self._attach_aux_loss(probs, aux_loss, coeff, LOAD_BALANCING_LOSS_NAMES[kind])
         return probs, routing_map

@@ -138,3 +138,61 @@ def test_expert_bias_real_under_meta_device():
     for buf in (r.expert_bias, r.local_tokens_per_expert):
         assert not buf.is_meta and buf.device.type == "cpu"
         assert torch.equal(buf, torch.zeros(4))
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss(score_function):
+    """--moe-router-load-balancing-type seq_aux_loss (DeepSeek-V2): input [s, b, h]; the switch loss computed over
+    each sequence's tokens alone, averaged over the b sequences; logged as seq_load_balancing_loss."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, reduce_moe_losses
+
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    reduce_moe_losses(["seq_load_balancing_loss"], 1, 1, 1)
+    try:
+        coeff, s, b = 0.1, 6, 3
+        r = _router(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=coeff,
+                    moe_router_score_function=score_function)
+        x = torch.randn(s, b, 16)
+        r(x)
+        per_seq = []
+        with torch.no_grad():
+            for j in range(b):
+                logits = x[:, j] @ r.weight.t()
+                scores = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
+                chosen = torch.zeros_like(scores).scatter(1, scores.topk(2, dim=-1).indices, 1.0)
+                if score_function == "sigmoid":
+                    scores = scores / scores.sum(-1, keepdim=True)
+                f = chosen.sum(0) / (s * 2)
+                per_seq.append(4 * (f * scores.mean(0)).sum())
+        want = float(torch.stack(per_seq).mean())
+        assert float(r.last_aux_loss) == pytest.approx(coeff * want, rel=1e-5)
+        assert reduce_moe_losses(["seq_load_balancing_loss"], 1, 1, 1)[0]["seq_load_balancing_loss"] == pytest.approx(
+            want, rel=1e-5)
+        # one sequence: the plain switch loss
+        plain = _router(moe_aux_loss_coeff=coeff, moe_router_score_function=score_function)
+        plain.weight.data.copy_(r.weight.data)
+        plain(x[:, :1])
+        r(x[:, :1])
+        assert float(r.last_aux_loss) == pytest.approx(float(plain.last_aux_loss), rel=1e-6)
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+
+def test_force_load_balancing_routes_by_random_logits_with_straight_through_grad():
+    """--moe-router-force-load-balancing (upstream's benchmark option): the logits are random normal values (the
+    weights do not matter), the gradient reaches the router weight as if they were the real logits."""
+    r = _router(moe_router_force_load_balancing=True)
+    x = torch.randn(32, 16)
+    torch.manual_seed(7)
+    probs, routing_map = r(x)
+    torch.manual_seed(7)
+    random_logits = torch.randn(32, 4).requires_grad_()
+    want_probs, want_map, _ = topk_routing_with_score_function(random_logits, 2, "softmax")
+    torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
+    assert torch.equal(routing_map, want_map)
+    g = torch.randn(32, 4)
+    (probs * g).sum().backward()
+    (want_probs * g).sum().backward()
+    torch.testing.assert_close(r.weight.grad, random_logits.grad.t() @ x, rtol=1e-5, atol=1e-6)
+    assert routing_map.sum(0).min() > 0  # every expert gets tokens
