@@ -64,7 +64,8 @@ def sig(obj):
 def describe(obj):
     if inspect.isclass(obj):
         methods = {}
-        for m, f in vars(obj).items():
+        for m in dir(obj):  # inherited methods count
+            f = inspect.getattr_static(obj, m, None)
             if (not m.startswith("_") or m == "__init__") and inspect.isfunction(f):
                 methods[m] = sig(f)
         return {"kind": "class", "methods": methods}
