@@ -48,6 +48,7 @@ from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, regi
 from ...extensions.transformer_engine import HAVE_TE  # noqa: F401 (upstream's flag)
 from .nvrx import has_nvrx_async_support
 
+MSC_PREFIX = "msc://"  # upstream's Multi-Storage Client path prefix (MSC paths are not supported by this fork)
 HAVE_DTENSOR = True  # torch.distributed.tensor.DTensor: always present in the torch this fork needs
 HAVE_NVRX = has_nvrx_async_support()
 from .filesystem import (
