@@ -120,7 +120,11 @@ def safe_torch_load(f, what: str, map_location: Any = "cpu", extra: Iterable[Any
     ``CheckpointingException`` naming ``what`` as well.
     """
     try:
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS) + list(extra)):
+        # only the ones not registered process-wide: torch's context manager removes its globals on exit, which
+        # would take registrations made by register_safe_globals (megatron.core's import) away with it
+        registered = torch.serialization.get_safe_globals()
+        missing = [g for g in list(SAFE_GLOBALS) + list(extra) if not any(g is r for r in registered)]
+        with torch.serialization.safe_globals(missing):
             return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         refused = _refused_global(str(e))

@@ -64,3 +64,22 @@ def get_pg_src_rank(group=None) -> int:
     if not torch.distributed.is_initialized() or group is None:
         return 0
     return torch.distributed.get_global_rank(group, 0)
+
+
+def unwrap_model(model, module_instances=None):
+    """The model below its wrappers: while a module is an instance of ``module_instances`` (default: megatron's
+    ``DistributedDataParallel`` and torch's DDP / FSDP), take its ``.module``. A list gives a list."""
+    if module_instances is None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+        from megatron.core.distributed import DistributedDataParallel
+
+        module_instances = (DistributedDataParallel, TorchDDP, TorchFSDP)
+    models = model if isinstance(model, list) else [model]
+    unwrapped = []
+    for module in models:
+        while isinstance(module, module_instances):
+            module = module.module
+        unwrapped.append(module)
+    return unwrapped if isinstance(model, list) else unwrapped[0]

@@ -61,23 +61,23 @@ def nested_items_iter(x: Union[dict, list], prefix: Tuple = ()):
             yield prefix + (k,), v
 
 
-def dict_map(f: Callable, x: dict) -> None:
+def dict_map(f: Callable, d: dict) -> None:
     """Apply ``f`` in place to the leaves of nested dicts (lists are leaves)."""
-    for k, v in x.items():
+    for k, v in d.items():
         if isinstance(v, dict):
             dict_map(f, v)
         else:
-            x[k] = f(v)
+            d[k] = f(v)
 
 
-def dict_map_with_key(f: Callable, x: dict) -> None:
+def dict_map_with_key(f: Callable, d: dict) -> None:
     """Apply ``f(key, value)`` in place to the leaves of nested dicts (lists are leaves); ``key`` is the leaf's own
     key."""
-    for k, v in x.items():
+    for k, v in d.items():
         if isinstance(v, dict):
             dict_map_with_key(f, v)
         else:
-            x[k] = f(k, v)
+            d[k] = f(k, v)
 
 
 def inspect_types(x: Any, prefix: Tuple = (), indent: int = 4) -> None:

@@ -14,6 +14,11 @@ from .utils import extract_sharded_tensors_and_factories
 
 logger = logging.getLogger(__name__)
 
+KEEP_VARS_HINT = (  # upstream's hint, appended where a parameter is not found in the model's sharded state dict
+    " Make sure the state dict holds the original torch.nn.Parameters (not plain tensors) by passing"
+    " `keep_vars=True` to `.state_dict()`; transform parameters with a ShardedTensorFactory."
+)
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; any other tensor as it is."""
@@ -43,10 +48,8 @@ def get_param_id_to_sharded_param_map(
         if idx is not None:
             out[idx] = sh
     if not out:
-        logger.warning(
-            "get_param_id_to_sharded_param_map: no model ShardedTensor holds an optimizer parameter; build the model "
-            "sharded state dict from the parameters themselves (keep_vars=True)"
-        )
+        logger.warning("get_param_id_to_sharded_param_map: no model ShardedTensor holds an optimizer parameter."
+                       + KEEP_VARS_HINT)
     return out
 
 

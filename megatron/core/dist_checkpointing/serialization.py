@@ -38,6 +38,7 @@ from .integrity import save_integrity_manifest, verify_integrity_manifest
 from .dict_utils import extract_matching_values, map_matching_like, merge, restore_list_types
 from .mapping import ShardedObject, ShardedStateDict, StateDict, apply_factory_merges
 from .strategies.async_utils import check_async_strategy
+from .strategies.common import COMMON_STATE_FNAME  # noqa: F401 (upstream imports it from here)
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,

@@ -4,10 +4,12 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-__all__ = ["OptimizerConfig", "MegatronOptimizer", "DistributedOptimizer", "get_megatron_optimizer", "get_param_groups"]
+HAVE_EMERGING_OPTIMIZERS = False  # upstream's Muon / Lion etc. are not part of this fork
+
+__all__ = ["OptimizerConfig", "MegatronOptimizer", "ChainedOptimizer", "DistributedOptimizer", "get_megatron_optimizer", "get_param_groups"]
 
 
 

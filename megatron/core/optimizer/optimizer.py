@@ -614,3 +614,43 @@ class MegatronOptimizer:
             f"MegatronOptimizer.sharded_state_dict: no ShardedTensor for parameter {name!r} in the model's "
             f"sharded state dict (candidates: {hits[:5]})"
         )
+
+
+class ChainedOptimizer:
+    """Several MegatronOptimizers stepped as one (upstream's name; e.g. dense and expert parameters optimized
+    separately). ``step()`` steps every one and returns (all succeeded, the first grad norm, summed zeros)."""
+
+    def __init__(self, chained_optimizers: List[MegatronOptimizer]):
+        if not chained_optimizers:
+            raise ValueError("ChainedOptimizer: chained_optimizers is empty")
+        self.chained_optimizers = list(chained_optimizers)
+
+    @property
+    def param_groups(self) -> list:
+        return [g for opt in self.chained_optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.chained_optimizers:
+            opt.zero_grad(set_to_none)
+
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        results = [opt.step() for opt in self.chained_optimizers]
+        zeros = [r[2] for r in results if r[2] is not None]
+        return all(r[0] for r in results), results[0][1], (sum(zeros) if zeros else None)
+
+    def state_dict(self) -> list:
+        return [opt.state_dict() for opt in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict: list) -> None:
+        if len(state_dict) != len(self.chained_optimizers):
+            raise ValueError(f"ChainedOptimizer.load_state_dict: {len(state_dict)} states for "
+                             f"{len(self.chained_optimizers)} optimizers")
+        for opt, state in zip(self.chained_optimizers, state_dict):
+            opt.load_state_dict(state)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **kwargs) -> dict:
+        """One optimizer: its sharded state dict; several: ``{index: sharded state dict}``."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        return {i: opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+                for i, opt in enumerate(self.chained_optimizers)}

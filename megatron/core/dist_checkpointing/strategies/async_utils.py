@@ -216,6 +216,10 @@ class TemporalAsyncCaller(AsyncCaller):
             self.thread = None
         return call
 
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """As ``AsyncCaller.is_current_async_call_done``, with upstream's defaults (non-blocking, synchronized)."""
+        return super().is_current_async_call_done(blocking, no_dist)
+
     def close(self, abort: bool = False) -> None:
         if self.thread is not None and not abort:
             self.thread.join()
@@ -253,6 +257,10 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _pop_current(self) -> Optional[_Call]:
         return self.calls.popleft() if self.calls else None
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """As ``AsyncCaller.is_current_async_call_done``, with upstream's defaults (non-blocking, synchronized)."""
+        return super().is_current_async_call_done(blocking, no_dist)
 
     def close(self, abort: bool = False) -> None:
         if self.worker is not None:

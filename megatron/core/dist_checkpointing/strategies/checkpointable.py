@@ -5,8 +5,12 @@ checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``, 
 the shard's local data at its global offset, as one chunk. It supports no tensor operations. Flattened shards
 (``flattened_range``) are refused: their data is not one box of the global tensor.
 
-Not provided: upstream's ``LocalShardsContainer`` (several shards of one key on one rank).
+``LocalShardsContainer([...])`` holds several such shards of one key on one rank (DCP takes one tensor per key
+and rank): its write items and chunks are those of every shard, and a read is matched to the shard at the index's
+offset.
 """
+from typing import List
+
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -76,3 +80,53 @@ class CheckpointableShardedTensor(torch.Tensor):
 
     def __repr__(self):
         return f"{type(self).__name__}({self._sh_ten!r})"
+
+
+class LocalShardsContainer(torch.Tensor):
+    """Several ``CheckpointableShardedTensor`` shards of one global tensor held by one rank, saved as one DCP
+    tensor (DCP's checkpointable protocol, delegated to the shards)."""
+
+    @staticmethod
+    def __new__(cls, local_shards: List[CheckpointableShardedTensor]):
+        if not local_shards:
+            raise CheckpointingException("LocalShardsContainer needs at least one local shard")
+        first = local_shards[0]
+        return torch.Tensor._make_wrapper_subclass(cls, first.size(), dtype=first.dtype)
+
+    def __init__(self, local_shards: List[CheckpointableShardedTensor]):
+        for shard in local_shards:
+            if not isinstance(shard, CheckpointableShardedTensor):
+                raise CheckpointingException(
+                    f"LocalShardsContainer holds CheckpointableShardedTensors, got {type(shard).__name__}")
+            if shard._sh_ten.key != local_shards[0]._sh_ten.key:
+                raise CheckpointingException(f"LocalShardsContainer: shards of different tensors "
+                                             f"({local_shards[0]._sh_ten.key!r}, {shard._sh_ten.key!r})")
+        self._local_shards = list(local_shards)
+
+    def __create_write_items__(self, fqn: str, container: "LocalShardsContainer"):
+        return [item for i, shard in enumerate(container._local_shards)
+                for item in shard.__create_write_items__(fqn, shard, index=i)]
+
+    def __create_chunk_list__(self):
+        return [chunk for shard in self._local_shards for chunk in shard.__create_chunk_list__()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        """The data of the shard at ``index.offset`` (``index.index`` tried first)."""
+        if index.offset is None:
+            raise CheckpointingException(f"{index.fqn}: a LocalShardsContainer lookup needs an offset")
+        shards = self._local_shards
+        if index.index is not None and index.index < len(shards):
+            candidates = [shards[index.index], *shards]
+        else:
+            candidates = shards
+        for shard in candidates:
+            if torch.Size(shard._sh_ten.global_offset) == index.offset:
+                return shard.__get_tensor_shard__(index)
+        raise CheckpointingException(f"{index.fqn}: no local shard at offset {tuple(index.offset)}")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{cls.__name__} supports no tensor operations (called {func})")
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._local_shards!r})"

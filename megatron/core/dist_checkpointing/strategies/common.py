@@ -47,6 +47,17 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise CheckpointingException(f"{type(self).__name__} cannot read common backend version {loaded_version}")
 
 
+def save_common(common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
+    """Upstream's module-level form (deprecated there): ``TorchCommonSaveStrategy().save_common``."""
+    TorchCommonSaveStrategy().save_common(common_state_dict, checkpoint_dir)
+
+
+def load_common(checkpoint_dir: Union[str, Path]) -> StateDict:
+    """Upstream's module-level form (deprecated there): ``TorchCommonLoadStrategy().load_common`` (safe unpickling;
+    a missing file is a CheckpointingException naming it)."""
+    return TorchCommonLoadStrategy().load_common(checkpoint_dir)
+
+
 def register_default_common_strategies():
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))
     register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())

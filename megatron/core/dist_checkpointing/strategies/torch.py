@@ -45,6 +45,12 @@ from ..dict_utils import dict_list_map_outplace, nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .async_utils import check_async_strategy, get_async_strategy  # noqa: F401 (upstream's home of the latter)
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from ...extensions.transformer_engine import HAVE_TE  # noqa: F401 (upstream's flag)
+from .nvrx import has_nvrx_async_support
+
+MSC_PREFIX = "msc://"  # upstream's Multi-Storage Client path prefix (MSC paths are not supported by this fork)
+HAVE_DTENSOR = True  # torch.distributed.tensor.DTensor: always present in the torch this fork needs
+HAVE_NVRX = has_nvrx_async_support()
 from .filesystem import (
     ChecksummedFileSystemReader,
     ChecksummedFileSystemWriter,
