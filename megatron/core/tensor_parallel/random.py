@@ -295,6 +295,16 @@ class CheckpointWithoutOutput:
             hook_tensor.register_hook(self.recompute)
 
 
+def checkpoint_without_output(function, consumer, *args):
+    """``consumer(function(*args))`` with ``function``'s output discarded once ``consumer`` has run and recomputed when
+    the gradient of ``consumer``'s output (its first element, for an ``(output, bias)`` pair) arrives
+    (``CheckpointWithoutOutput``): ``--recompute-modules layernorm`` / ``moe_act``."""
+    ckpt = CheckpointWithoutOutput()
+    result = consumer(ckpt.checkpoint(function, *args))
+    ckpt.discard_output_and_register_recompute(result[0] if isinstance(result, tuple) else result)
+    return result
+
+
 def set_random_seed(seed: int) -> None:
     """Seed python, numpy and torch (CPU and CUDA) and the model-parallel tracker."""
     random.seed(seed)
