@@ -115,6 +115,21 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
 
 # ---- activation recompute ----------------------------------------------------------------------------------------
 _RECOMPUTING = [0]  # > 0 while a checkpointed function runs again in backward
+_IN_CHECKPOINT = [0]  # > 0 while a checkpoint()/recompute() function runs (forward or recompute)
+
+
+def _counted_as_checkpointed(function):
+    """``function`` counted in ``_IN_CHECKPOINT`` while it runs: an output-discarding checkpoint inside it runs
+    plainly (the outer checkpoint keeps none of its tensors, and its recompute rebuilds them)."""
+
+    def run(*args):
+        _IN_CHECKPOINT[0] += 1
+        try:
+            return function(*args)
+        finally:
+            _IN_CHECKPOINT[0] -= 1
+
+    return run
 
 
 def is_recomputing() -> bool:
@@ -158,7 +173,7 @@ def checkpoint(function, distribute_saved_activations: bool, *args):
                                   "whole on every tensor-parallel rank)")
     import torch.utils.checkpoint
 
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+    return torch.utils.checkpoint.checkpoint(_counted_as_checkpointed(function), *args, use_reentrant=False, preserve_rng_state=True,
                                              context_fn=_recompute_contexts)
 
 
@@ -175,7 +190,7 @@ def recompute(config, function, *args):
     if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
         from megatron.core.extensions.te_layers import te_checkpoint
 
-        return te_checkpoint(function, *args)
+        return te_checkpoint(_counted_as_checkpointed(function), *args)
     return checkpoint(function, config.distribute_saved_activations, *args)
 
 
@@ -228,7 +243,8 @@ class CheckpointWithoutOutput:
     must return new tensors (no views of its inputs) and must not run FP8/FP4 GEMMs (TE's FP8 state is not
     restored: the callers checkpoint norms and activations only, which compute the same values under FP8). With
     grad disabled, or no tensor input that requires grad (the function's own parameters would get no gradient
-    through an autograd.Function), it runs plainly and nothing is discarded."""
+    through an autograd.Function), or inside a ``checkpoint`` / ``recompute`` function (e.g. ``moe_act`` within a
+    checkpointed ``moe``), it runs plainly and nothing is discarded."""
 
     def __init__(self, fp8=None):
         if fp8:  # upstream's argument: TE's recompute contexts for a function with FP8 GEMMs
@@ -238,8 +254,9 @@ class CheckpointWithoutOutput:
 
     def checkpoint(self, run_function, *args):
         """``run_function(*args)``; its outputs stay valid until ``discard_output_and_register_recompute``."""
-        if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
-            return run_function(*args)  # no graph to the inputs: run it plainly, nothing is discarded
+        if _IN_CHECKPOINT[0] or not (torch.is_grad_enabled()
+                                     and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return run_function(*args)  # inside a checkpoint, or no graph to the inputs: plainly, nothing discarded
         self.run_function = run_function
         self.rng_states = (_get_states(), _RNG_TRACKER.get_states())
         outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)

@@ -27,12 +27,14 @@ def test_each_recompute_module_equals_no_recompute(model, module):
 
 @pytest.mark.parametrize("model", ["moe", "moe_grouped"])
 def test_discarding_modules_non_gated_gelu_and_moe_combined(model):
-    """Non-gated GeLU experts; and layernorm + moe (the whole MoE layer checkpointed, its input discarded)."""
+    """Non-gated GeLU experts; layernorm + moe (the whole MoE layer checkpointed, its input discarded); moe +
+    moe_act."""
     kw = dict(gated_linear_unit=False, activation_func=F.gelu)
     ref = _run(build("gqa_swiglu", _cfg(model, **kw), seed=3))
     _compare(ref, _run(build("gqa_swiglu", _cfg(model, ["layernorm", "moe_act"], **kw), seed=3)), f"{model} gelu")
     ref = _run(build("gqa_swiglu", _cfg(model), seed=3))
-    _compare(ref, _run(build("gqa_swiglu", _cfg(model, ["layernorm", "moe"]), seed=3)), f"{model} layernorm+moe")
+    for mods in (["layernorm", "moe"], ["moe", "moe_act"]):  # moe_act inside a checkpointed moe runs plainly
+        _compare(ref, _run(build("gqa_swiglu", _cfg(model, mods), seed=3)), f"{model} {mods}")
 
 
 def saved_bytes(model, batch=4):
