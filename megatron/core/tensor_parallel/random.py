@@ -173,8 +173,8 @@ def checkpoint(function, distribute_saved_activations: bool, *args):
                                   "whole on every tensor-parallel rank)")
     import torch.utils.checkpoint
 
-    return torch.utils.checkpoint.checkpoint(_counted_as_checkpointed(function), *args, use_reentrant=False, preserve_rng_state=True,
-                                             context_fn=_recompute_contexts)
+    return torch.utils.checkpoint.checkpoint(_counted_as_checkpointed(function), *args, use_reentrant=False,
+                                             preserve_rng_state=True, context_fn=_recompute_contexts)
 
 
 def should_recompute(config, module: str) -> bool:
