@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.tensor_parallel.random import checkpoint_without_output, should_recompute
 from megatron.core.transformer.attention import build_linear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
@@ -103,8 +104,6 @@ def activation_then_fc2(config, x: torch.Tensor, fc2, recompute_act: bool):
     ``CheckpointWithoutOutput``): it is stored once and only the activation runs twice."""
     if not recompute_act:
         return fc2(apply_activation(config, x))
-    from megatron.core.tensor_parallel.random import checkpoint_without_output
-
     return checkpoint_without_output(functools.partial(apply_activation, config), fc2, x)
 
 
@@ -156,8 +155,6 @@ class MLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor):
         """Returns ``(output, bias or None)``: the fc2 bias is returned unadded, as upstream."""
-        from megatron.core.tensor_parallel.random import should_recompute
-
         x, _ = self.linear_fc1(hidden_states)
         return activation_then_fc2(self.config, x, self.linear_fc2,
                                    self.is_expert and should_recompute(self.config, "moe_act"))
