@@ -1,29 +1,39 @@
-"""Grouped-GEMM experts vs sequential experts, and activation recompute off / selective / full, on one GPU.
+"""Grouped-GEMM experts vs sequential experts, and activation recompute off / selective / full, on one device.
 
-    python benchmarks/moe_grouped_recompute.py [--out results.json]      # H200, Transformer Engine, bf16 (~3 min)
-    python benchmarks/moe_grouped_recompute.py --smoke                   # CPU, --transformer-impl local, tiny
+    python benchmarks/moe_grouped_recompute.py [--out results.json]      # H200, Transformer Engine, bf16 (~5 min)
+    python benchmarks/moe_grouped_recompute.py --device cpu              # CPU, --transformer-impl local, tiny sizes
 
 A GPT MoE model (8 experts, top-2, SwiGLU) runs forward + backward (no optimizer step: the figures are the
-model's). Table 1: tokens/s with SequentialMLP and with --moe-grouped-gemm (TEGroupedMLP) at the same micro-batch.
-Table 2 (grouped experts): per recompute setting, tokens/s and peak activation memory (max allocated during the step
-minus allocated before it: parameters and gradients excluded) at the same micro-batch, and the largest micro-batch
-that fits (doubling, then bisection). Goals: grouped >= 1.3x sequential; selective costs <= 5 % tokens/s; full cuts
-the activation memory by >= 60 %.
+model's). Every configuration of a table is built first and warmed up (``--warmup`` steps each); then the rows are
+timed interleaved: ``--repeats`` rounds, each timing ``--iters`` steps of every configuration in turn, and a row's
+time is the median over the rounds, so no row is measured while the device warms up or the others' caches settle.
+
+Table 1: step time with SequentialMLP and with --moe-grouped-gemm at the same micro-batch. Table 2 (grouped
+experts): per recompute setting, step time, tokens/s, the bytes autograd keeps for backward after the forward
+(distinct storages; an output-discarding recompute's freed outputs count 0), on CUDA the peak activation memory (max
+allocated during a step minus allocated before it) and the largest micro-batch that fits (doubling, then bisection,
+each setting's model alone on the device); each with its ratio to recompute off. Goals: grouped >= 1.3x sequential;
+selective costs <= 5 % tokens/s; full cuts the activation memory by >= 60 %.
 """
 import argparse
 import json
+import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.utils import init_weights
 
+SELECTIVE = dict(recompute_granularity="selective")
 RECOMPUTE = {
     "off": {},
-    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act", "layernorm"]),
+    "selective layernorm,moe_act": dict(SELECTIVE, recompute_modules=["layernorm", "moe_act"]),
+    "selective core_attn": dict(SELECTIVE, recompute_modules=["core_attn"]),  # upstream's default
+    "selective core_attn,layernorm,moe_act": dict(SELECTIVE, recompute_modules=["core_attn", "layernorm", "moe_act"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 
@@ -48,10 +58,19 @@ def _build(a, cfg):
     return model
 
 
-def _step(model, a, mb):
-    ids = torch.randint(0, a.vocab, (mb, a.seq), device=a.device)
-    pos = torch.arange(a.seq, device=a.device).unsqueeze(0).expand(mb, a.seq)
-    model(ids, pos, labels=ids).mean().backward()
+def _batch(a, mb):
+    g = torch.Generator().manual_seed(mb)
+    ids = torch.randint(0, a.vocab, (mb, a.seq), generator=g).to(a.device)
+    return ids, torch.arange(a.seq, device=a.device).unsqueeze(0).expand(mb, a.seq)
+
+
+def _forward(model, batch):
+    ids, pos = batch
+    return model(ids, pos, labels=ids).mean()
+
+
+def _step(model, batch):
+    _forward(model, batch).backward()
 
 
 def _sync(a):
@@ -59,30 +78,59 @@ def _sync(a):
         torch.cuda.synchronize()
 
 
-def measure(model, a, mb):
-    """(tokens/s, activation MiB) of forward + backward at micro-batch ``mb``."""
-    for _ in range(a.warmup):
-        _step(model, a, mb)
+def step_times(models, a, mb):
+    """{name: median seconds per step}: warm-up, then ``a.repeats`` interleaved rounds of ``a.iters`` steps each."""
+    batch = _batch(a, mb)
+    for model in models.values():
+        for _ in range(a.warmup):
+            _step(model, batch)
+    times = {name: [] for name in models}
+    for _ in range(a.repeats):
+        for name, model in models.items():
+            _sync(a)
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                _step(model, batch)
+            _sync(a)
+            times[name].append((time.perf_counter() - t0) / a.iters)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def kept_bytes(model, a, mb) -> int:
+    """Bytes of the distinct storages autograd keeps for backward, counted after the forward."""
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = _forward(model, _batch(a, mb))
+    storages = {}
+    for t in kept:
+        st = t.untyped_storage()
+        storages[(st.data_ptr(), id(st) if st.size() == 0 else 0)] = st.nbytes()
+    loss.backward()
     model.zero_grad(set_to_none=False)
-    act = float("nan")
-    if a.device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        _step(model, a, mb)
-        torch.cuda.synchronize()
-        act = (torch.cuda.max_memory_allocated() - base) / 2**20
-    _sync(a)
-    t0 = time.perf_counter()
-    for _ in range(a.iters):
-        _step(model, a, mb)
-    _sync(a)
-    return a.iters * mb * a.seq / (time.perf_counter() - t0), act
+    return sum(storages.values())
+
+
+def peak_activation_mib(model, a, mb) -> float:
+    if a.device != "cuda":
+        return float("nan")
+    batch = _batch(a, mb)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _step(model, batch)
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=False)
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def fits(model, a, mb) -> bool:
     try:
-        _step(model, a, mb)
+        _step(model, _batch(a, mb))
         _sync(a)
         return True
     except torch.cuda.OutOfMemoryError:
@@ -107,52 +155,80 @@ def largest_micro_batch(model, a) -> int:
     return lo
 
 
-def main():
+# option: (default on cuda, default on cpu)
+SIZES = {"layers": (8, 2), "hidden": (2048, 64), "heads": (16, 4), "ffn": (2048, 64), "seq": (2048, 32),
+         "vocab": (32768, 128), "micro_batch": (4, 2), "warmup": (3, 1), "iters": (3, 2), "repeats": (5, 5),
+         "max_mb": (128, 0), "bisect": (3, 3)}
+
+
+def _parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny CPU run (--transformer-impl local)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=2048, help="expert (and dense) FFN hidden size")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--max-mb", type=int, default=128)
-    p.add_argument("--bisect", type=int, default=3)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: --transformer-impl local, fp32, tiny sizes unless given")
+    p.add_argument("--smoke", action="store_true", help="the same as --device cpu")
+    for name, (gpu, cpu) in SIZES.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {gpu} (cuda), {cpu} (cpu)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     a = p.parse_args()
-    a.device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     if a.smoke:
-        a.layers, a.hidden, a.heads, a.ffn, a.seq, a.vocab = 2, 64, 4, 64, 32, 128
-        a.micro_batch, a.warmup, a.iters, a.max_mb = 2, 1, 2, 4
+        a.device = "cpu"
+    for name, (gpu, cpu) in SIZES.items():
+        if getattr(a, name) is None:
+            setattr(a, name, gpu if a.device == "cuda" else cpu)
+    return a
+
+
+def _ratio(x, ref):
+    return x / ref if ref == ref and ref else float("nan")
+
+
+def main():
+    a = _parse()
     results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "args": vars(a),
                "experts": {}, "recompute": {}}
+    tokens = a.micro_batch * a.seq
     print(f"# device {results['device']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# GPT MoE: {a.layers} layers, hidden {a.hidden}, 8 experts top-2, expert ffn {a.ffn}, seq {a.seq}, "
-          f"micro-batch {a.micro_batch}")
-    print("| experts | tokens/s | activation MiB |\n| --- | ---: | ---: |")
-    for name, grouped in (("sequential", False), ("grouped", True)):
-        model = _build(a, _config(a, grouped))
-        tps, act = measure(model, a, a.micro_batch)
-        results["experts"][name] = dict(tokens_per_s=tps, activation_mib=act)
-        print(f"| {name} | {tps:.0f} | {act:.0f} |")
-        del model
-    ratio = results["experts"]["grouped"]["tokens_per_s"] / results["experts"]["sequential"]["tokens_per_s"]
-    print(f"grouped / sequential tokens/s: {ratio:.2f} (goal >= 1.3)\n")
-    print("| recompute | tokens/s | activation MiB | largest micro-batch |\n| --- | ---: | ---: | ---: |")
-    for name, kw in RECOMPUTE.items():
-        model = _build(a, _config(a, True, **kw))
-        tps, act = measure(model, a, a.micro_batch)
-        mb = largest_micro_batch(model, a)
-        results["recompute"][name] = dict(tokens_per_s=tps, activation_mib=act, largest_micro_batch=mb)
-        print(f"| {name} | {tps:.0f} | {act:.0f} | {mb} |")
-        del model
-    r = results["recompute"]
-    print(f"selective tokens/s cost: {1 - r['selective']['tokens_per_s'] / r['off']['tokens_per_s']:.1%} (goal <= 5 %); "
-          f"full activation memory cut: {1 - r['full']['activation_mib'] / r['off']['activation_mib']:.1%} "
-          "(goal >= 60 %)")
+          f"micro-batch {a.micro_batch}; median of {a.repeats} interleaved rounds of {a.iters} steps after "
+          f"{a.warmup} warm-up steps each")
+    models = {name: _build(a, _config(a, grouped)) for name, grouped in (("sequential", False), ("grouped", True))}
+    times = step_times(models, a, a.micro_batch)
+    del models
+    print("| experts | step ms | tokens/s |\n| --- | ---: | ---: |")
+    for name, t in times.items():
+        results["experts"][name] = dict(step_s=t, tokens_per_s=tokens / t)
+        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:.0f} |")
+    print(f"grouped / sequential tokens/s: {times['sequential'] / times['grouped']:.2f} (goal >= 1.3)\n")
+
+    models = {name: _build(a, _config(a, True, **kw)) for name, kw in RECOMPUTE.items()}
+    times = step_times(models, a, a.micro_batch)
+    for name, model in models.items():
+        results["recompute"][name] = dict(step_s=times[name], tokens_per_s=tokens / times[name],
+                                          kept_mib=kept_bytes(model, a, a.micro_batch) / 2**20,
+                                          peak_activation_mib=peak_activation_mib(model, a, a.micro_batch))
+    models.clear()
+    if a.max_mb > 0:
+        for name, kw in RECOMPUTE.items():  # each model alone on the device
+            model = _build(a, _config(a, True, **kw))
+            results["recompute"][name]["largest_micro_batch"] = largest_micro_batch(model, a)
+            del model
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+    off = results["recompute"]["off"]
+    print("| recompute | step ms | x off | tokens/s | kept for backward MiB | x off | peak activation MiB | x off "
+          "| largest micro-batch |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results["recompute"].items():
+        print(f"| {name} | {r['step_s'] * 1e3:.1f} | {_ratio(r['step_s'], off['step_s']):.3f} | "
+              f"{r['tokens_per_s']:.0f} | {r['kept_mib']:.1f} | {_ratio(r['kept_mib'], off['kept_mib']):.3f} | "
+              f"{r['peak_activation_mib']:.0f} | {_ratio(r['peak_activation_mib'], off['peak_activation_mib']):.3f} | "
+              f"{r.get('largest_micro_batch', '-')} |")
+    for name in RECOMPUTE:
+        if name.startswith("selective"):
+            print(f"{name}: tokens/s cost {1 - off['step_s'] / results['recompute'][name]['step_s']:.1%} "
+                  "(goal <= 5 %)")
+    full = results["recompute"]["full"]
+    mem = "peak_activation_mib" if a.device == "cuda" else "kept_mib"
+    print(f"full: activation memory cut {1 - _ratio(full[mem], off[mem]):.1%} ({mem}; goal >= 60 %)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import (
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
     get_cuda_rng_tracker,
@@ -41,6 +42,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "checkpoint",
     "get_cuda_rng_tracker",

@@ -115,6 +115,21 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
 
 # ---- activation recompute ----------------------------------------------------------------------------------------
 _RECOMPUTING = [0]  # > 0 while a checkpointed function runs again in backward
+_IN_CHECKPOINT = [0]  # > 0 while a checkpoint()/recompute() function runs (forward or recompute)
+
+
+def _counted_as_checkpointed(function):
+    """``function`` counted in ``_IN_CHECKPOINT`` while it runs: an output-discarding checkpoint inside it runs
+    plainly (the outer checkpoint keeps none of its tensors, and its recompute rebuilds them)."""
+
+    def run(*args):
+        _IN_CHECKPOINT[0] += 1
+        try:
+            return function(*args)
+        finally:
+            _IN_CHECKPOINT[0] -= 1
+
+    return run
 
 
 def is_recomputing() -> bool:
@@ -158,8 +173,8 @@ def checkpoint(function, distribute_saved_activations: bool, *args):
                                   "whole on every tensor-parallel rank)")
     import torch.utils.checkpoint
 
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                                             context_fn=_recompute_contexts)
+    return torch.utils.checkpoint.checkpoint(_counted_as_checkpointed(function), *args, use_reentrant=False,
+                                             preserve_rng_state=True, context_fn=_recompute_contexts)
 
 
 def should_recompute(config, module: str) -> bool:
@@ -167,6 +182,134 @@ def should_recompute(config, module: str) -> bool:
     ``--recompute-modules``) and a backward can follow (grad enabled)."""
     return (getattr(config, "recompute_granularity", None) == "selective" and module in (config.recompute_modules or ())
             and torch.is_grad_enabled())
+
+
+# ---- output-discarding checkpoint (upstream's CheckpointWithoutOutput) ------------------------------------------
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+class _CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """Runs ``owner``'s function without a graph and saves only its tensor inputs; the backward uses the outputs
+    ``owner`` recomputed (in the hook, or here if the hook did not run) and backpropagates through them."""
+
+    @staticmethod
+    def forward(ctx, run_function, owner, *args):
+        outputs = run_function(*args)  # autograd.Function.forward runs without grad
+        ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        ctx.owner = owner
+        owner.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        owner, ctx.owner = ctx.owner, None  # break the ctx <-> owner cycle
+        if owner.recomputed is None:
+            owner.recompute()
+        outputs, inputs = owner.recomputed
+        owner.recomputed = owner.ctx = None
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None) + tuple(a.grad if isinstance(a, torch.Tensor) else None for a in inputs)
+
+
+class CheckpointWithoutOutput:
+    """Upstream's output-discarding checkpoint, for a cheap function (a norm, an activation) whose output the next
+    op (its consumer, e.g. a linear) saves for its own backward::
+
+        ckpt = CheckpointWithoutOutput()
+        y = ckpt.checkpoint(norm, x)      # runs without a graph; only ``x`` is saved
+        out = linear(y)                   # the consumer saves ``y``
+        ckpt.discard_output_and_register_recompute(out)   # frees y's storage; out's grad recomputes it
+
+    A plain checkpoint keeps ``y`` (the consumer saved it) and runs the whole graph again; here ``y`` is stored
+    only until the consumer has run, and in backward, when the gradient of ``hook_tensor`` arrives (before any
+    consumer's backward needs ``y``), the function runs again with the forward's RNG states (the default CPU/CUDA
+    generators and the tracker's) and its values are copied back into ``y``'s storage, so every saved reference to
+    ``y`` (views included) sees them. ``hook_tensor`` must be downstream of every consumer of ``y``. The function
+    must return new tensors (no views of its inputs) and must not run FP8/FP4 GEMMs (TE's FP8 state is not
+    restored: the callers checkpoint norms and activations only, which compute the same values under FP8). With
+    grad disabled, or no tensor input that requires grad (the function's own parameters would get no gradient
+    through an autograd.Function), or inside a ``checkpoint`` / ``recompute`` function (e.g. ``moe_act`` within a
+    checkpointed ``moe``), it runs plainly and nothing is discarded."""
+
+    def __init__(self, fp8=None):
+        if fp8:  # upstream's argument: TE's recompute contexts for a function with FP8 GEMMs
+            raise NotImplementedError("CheckpointWithoutOutput(fp8=...): the function must not run FP8 GEMMs here; "
+                                      "checkpoint it with tensor_parallel.random.recompute instead")
+        self.run_function = self.ctx = self.outputs = self.recomputed = self.rng_states = None
+
+    def checkpoint(self, run_function, *args):
+        """``run_function(*args)``; its outputs stay valid until ``discard_output_and_register_recompute``."""
+        if _IN_CHECKPOINT[0] or not (torch.is_grad_enabled()
+                                     and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return run_function(*args)  # inside a checkpoint, or no graph to the inputs: plainly, nothing discarded
+        self.run_function = run_function
+        self.rng_states = (_get_states(), _RNG_TRACKER.get_states())
+        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        if any(o.untyped_storage().data_ptr() in inputs and o.numel() for o in _as_tuple(outputs)):
+            raise ValueError("CheckpointWithoutOutput: the function returned (a view of) its input; its output cannot "
+                             "be discarded")
+        self.outputs = _as_tuple(outputs)
+        return outputs
+
+    def recompute(self, *unused):
+        """Run the function again on the saved inputs (with the forward's RNG states) and refill the discarded
+        outputs; a tensor hook (its argument, the gradient, is not used)."""
+        if self.recomputed is not None:
+            return
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("CheckpointWithoutOutput is not compatible with torch.autograd.grad(); use .backward()")
+        ctx = self.ctx
+        inputs = list(ctx.other_args)
+        for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
+            inputs[i] = t.detach().requires_grad_(t.requires_grad)
+        live = (_get_states(), _RNG_TRACKER.get_states())
+        _set_states(self.rng_states[0])
+        _RNG_TRACKER.set_states(self.rng_states[1])
+        _RECOMPUTING[0] += 1
+        try:
+            with torch.enable_grad():
+                outputs = _as_tuple(self.run_function(*inputs))
+        finally:
+            _RECOMPUTING[0] -= 1
+            _set_states(live[0])
+            _RNG_TRACKER.set_states(live[1])
+        with torch.no_grad():
+            for kept, new in zip(self.outputs, outputs):
+                storage = kept.untyped_storage()
+                if storage.size() == 0 and new.untyped_storage().size() > 0:  # discarded: refill in place
+                    if (kept.shape, kept.stride(), kept.storage_offset()) != (new.shape, new.stride(),
+                                                                              new.storage_offset()):
+                        raise RuntimeError("CheckpointWithoutOutput: the recomputed output's layout differs")
+                    storage.resize_(new.untyped_storage().size())
+                    storage.copy_(new.untyped_storage())
+        self.recomputed = (outputs, inputs)
+        self.run_function = self.outputs = self.rng_states = None
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the outputs' storage (shapes and strides stay) and recompute them when ``hook_tensor``'s gradient
+        is computed. Call it after every consumer of the outputs has run its forward."""
+        if self.outputs is None:  # ran plainly (see ``checkpoint``)
+            return
+        for out in self.outputs:
+            out.untyped_storage().resize_(0)
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self.recompute)
+
+
+def checkpoint_without_output(function, consumer, *args):
+    """``consumer(function(*args))`` with ``function``'s output discarded once ``consumer`` has run and recomputed when
+    the gradient of ``consumer``'s output (its first element, for an ``(output, bias)`` pair) arrives
+    (``CheckpointWithoutOutput``): ``--recompute-modules layernorm`` / ``moe_act``."""
+    ckpt = CheckpointWithoutOutput()
+    result = consumer(ckpt.checkpoint(function, *args))
+    ckpt.discard_output_and_register_recompute(result[0] if isinstance(result, tuple) else result)
+    return result
 
 
 def set_random_seed(seed: int) -> None:

@@ -1,10 +1,12 @@
 """MLP: ``fc2(act(fc1(x)))``, or gated (``act(x W1) * (x V)``, e.g. SwiGLU) with ``gated_linear_unit``."""
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megatron.core.tensor_parallel.random import checkpoint_without_output, should_recompute
 from megatron.core.transformer.attention import build_linear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
@@ -96,14 +98,13 @@ def apply_activation(config, x: torch.Tensor) -> torch.Tensor:
     return act(x)
 
 
-def expert_activation(config, x: torch.Tensor) -> torch.Tensor:
-    """The experts' ``apply_activation``, recomputed in backward with ``--recompute-modules moe_act``."""
-    from megatron.core.tensor_parallel.random import should_recompute
-    from megatron.core.transformer.utils import recompute
-
-    if should_recompute(config, "moe_act"):
-        return recompute(config, lambda t: apply_activation(config, t), x)
-    return apply_activation(config, x)
+def activation_then_fc2(config, x: torch.Tensor, fc2, recompute_act: bool):
+    """``fc2(apply_activation(x))``; with ``recompute_act`` (the experts' ``--recompute-modules moe_act``) the
+    activation's output is discarded once ``fc2`` has saved it and recomputed in backward (upstream's
+    ``CheckpointWithoutOutput``): it is stored once and only the activation runs twice."""
+    if not recompute_act:
+        return fc2(apply_activation(config, x))
+    return checkpoint_without_output(functools.partial(apply_activation, config), fc2, x)
 
 
 @dataclass
@@ -155,4 +156,5 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor):
         """Returns ``(output, bias or None)``: the fc2 bias is returned unadded, as upstream."""
         x, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(expert_activation(self.config, x) if self.is_expert else apply_activation(self.config, x))
+        return activation_then_fc2(self.config, x, self.linear_fc2,
+                                   self.is_expert and should_recompute(self.config, "moe_act"))

@@ -5,7 +5,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.random import should_recompute
+from megatron.core.tensor_parallel.random import checkpoint_without_output, should_recompute
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -196,18 +196,25 @@ class TransformerLayer(MegatronModule):
     ):
         """``hidden_states`` ``[s, b, h]`` -> ``(hidden_states [s, b, h], context=None)`` as upstream."""
         residual = hidden_states
-        x = self._maybe_recompute("layernorm", self.input_layernorm, hidden_states)
-        out, bias = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        out, bias = self._norm_then(self.input_layernorm, hidden_states, lambda x: self.self_attention(
+            x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb))
         hidden_states = self._residual_add(out, bias, residual)
         residual = hidden_states
-        x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, hidden_states)
-        out, bias = self._maybe_recompute("moe" if self.is_moe else "mlp", self.mlp, x)
+        out, bias = self._norm_then(self.pre_mlp_layernorm, hidden_states, self._mlp)
         hidden_states = self._residual_add(out, bias, residual)
         return hidden_states, None
 
-    def _maybe_recompute(self, name: str, module, x):
-        """``module(x)``, recomputed in backward when selective recompute covers ``name`` (``--recompute-modules``);
-        an ``IdentityOp`` norm (fused into TE's linear) has nothing to recompute."""
-        if isinstance(module, IdentityOp) or not should_recompute(self.config, name):
-            return module(x)
-        return recompute(self.config, module, x)
+    def _norm_then(self, norm, x, consumer):
+        """``consumer(norm(x))``. With ``--recompute-modules layernorm`` the norm's output is discarded once the
+        consumer (attention / MLP) has saved it and recomputed when the consumer's output gradient arrives
+        (upstream's ``CheckpointWithoutOutput``); an ``IdentityOp`` norm (fused into TE's linear) has nothing to
+        recompute."""
+        if isinstance(norm, IdentityOp) or not should_recompute(self.config, "layernorm"):
+            return consumer(norm(x))
+        return checkpoint_without_output(norm, consumer, x)
+
+    def _mlp(self, x):
+        """The MLP / MoE layer, recomputed whole in backward with ``--recompute-modules mlp`` / ``moe``."""
+        if should_recompute(self.config, "moe" if self.is_moe else "mlp"):
+            return recompute(self.config, self.mlp, x)
+        return self.mlp(x)

@@ -67,8 +67,9 @@ def recompute(config, function, *args):
     FP8 scales of the original forward."""
     if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
         from megatron.core.extensions.te_layers import te_checkpoint
+        from megatron.core.tensor_parallel.random import _counted_as_checkpointed
 
-        return te_checkpoint(function, *args)
+        return te_checkpoint(_counted_as_checkpointed(function), *args)
     return checkpoint(function, config.distribute_saved_activations, *args)
 
 

@@ -20,7 +20,8 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device
-from megatron.core.transformer.mlp import MLP, expert_activation
+from megatron.core.tensor_parallel.random import should_recompute
+from megatron.core.transformer.mlp import MLP, activation_then_fc2
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     _sharded_leaves,
@@ -254,7 +255,8 @@ class GroupedMLP(_ExpertsBase):
         else:
             padded = counts
         h, _ = self.linear_fc1(x, padded)
-        out, _ = self.linear_fc2(expert_activation(self.config, h), padded)
+        out, _ = activation_then_fc2(self.config, h, lambda a: self.linear_fc2(a, padded),
+                                     should_recompute(self.config, "moe_act"))
         if quantized:
             out = torch.cat([o[:n] for o, n in zip(torch.split(out, padded, dim=0), counts)], dim=0)
         return out, None
