@@ -3,7 +3,7 @@ against PP=1 x DP=2 on 2 processes for the same model and the same global batch 
 iteration (PP=2: every stage runs all m through half the layers; DP=2: every rank m / 2 through all layers, the same
 work per rank). Printed: the step-time ratio PP=2 / (PP=1 x DP=2) (medians after ``--warmup`` iterations; goal
 <= 1.2), and the measured bubble ``1 - t(DP=2) / t(PP=2)`` (the PP step's time beyond the same work without a
-pipeline: idle stages and the point-to-point exchange) beside 1F1B's ``(p - 1) / (m + p - 1)``. CPU figures: read
+pipeline), and the bubble measured from the slope (below), beside 1F1B's ``(p - 1) / (m + p - 1)``. CPU figures: read
 the ratios only.
 
     PYTHONPATH=. python benchmarks/pipeline_cpu.py [--m 8] [--iters 8] [--layers 8] [--hidden 256]
@@ -78,15 +78,19 @@ def main():
         p.error("--m must be even (DP=2 splits the micro-batches over 2 ranks)")
     dp2 = run(a, pp=1)
     pp2 = run(a, pp=2)
+    pp2_twice = run(argparse.Namespace(**{**vars(a), "m": 2 * a.m}), pp=2)
     stages = 2
+    t_mb = (pp2_twice - pp2) / a.m
     print(f"\n{a.layers} layers, hidden {a.hidden}, seq {a.seq}, a global batch of {a.m} micro-batches of 2, 2 CPU "
           f"ranks ({a.threads} thread(s) each)")
-    print(f"| {'config':<12} | {'s/iter':>8} | {'ratio to DP=2':>13} | {'bubble, measured':>16} | "
-          f"{'(p-1)/(m+p-1)':>13} |")
-    print(f"|{'-' * 14}|{'-' * 10}|{'-' * 15}|{'-' * 18}|{'-' * 15}|")
-    print(f"| {'PP=1 x DP=2':<12} | {dp2:>8.3f} | {1.0:>13.2f} | {'':>16} | {'':>13} |")
-    print(f"| {'PP=2 x DP=1':<12} | {pp2:>8.3f} | {pp2 / dp2:>13.2f} | {1 - dp2 / pp2:>16.3f} | "
-          f"{(stages - 1) / (a.m + stages - 1):>13.3f} |")
+    print(f"| {'config':<12} | {'s/iter':>8} | {'ratio to DP=2':>13} | {'1 - t(DP)/t(PP)':>15} | "
+          f"{'bubble, measured':>16} | {'(p-1)/(m+p-1)':>13} |")
+    print(f"|{'-' * 14}|{'-' * 10}|{'-' * 15}|{'-' * 17}|{'-' * 18}|{'-' * 15}|")
+    print(f"| {'PP=1 x DP=2':<12} | {dp2:>8.3f} | {1.0:>13.2f} | {'':>15} | {'':>16} | {'':>13} |")
+    print(f"| {'PP=2 x DP=1':<12} | {pp2:>8.3f} | {pp2 / dp2:>13.2f} | {1 - dp2 / pp2:>15.3f} | "
+          f"{(stages - 1) * t_mb / pp2:>16.3f} | {(stages - 1) / (a.m + stages - 1):>13.3f} |")
+    print(f"PP=2 at {2 * a.m} micro-batches: {pp2_twice:.3f} s/iter; per micro-batch and stage {t_mb:.4f} s; fixed "
+          f"costs {pp2 - (a.m + stages - 1) * t_mb:.3f} s/iter")
 
 
 if __name__ == "__main__":
