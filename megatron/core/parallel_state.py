@@ -272,6 +272,11 @@ def update_pg_timeout(timeout: timedelta, pg: Optional[dist.ProcessGroup] = None
         set_timeout(timeout, group)
 
 
+class _NotInitializedError(AssertionError, RuntimeError):
+    """torch.distributed is not initialised: an AssertionError as upstream's ``assert
+    torch.distributed.is_initialized()`` (its unit tests expect one), and the RuntimeError this fork raised before."""
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -305,7 +310,7 @@ def initialize_model_parallel(
     """
     global _INITIALIZED, _GLOBAL_MEMORY_BUFFER
     if not dist.is_initialized():
-        raise RuntimeError("initialize_model_parallel needs torch.distributed to be initialised first")
+        raise _NotInitializedError("initialize_model_parallel needs torch.distributed to be initialised first")
     if _INITIALIZED:
         raise RuntimeError("model parallel groups are already initialized: call destroy_model_parallel() first")
     tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
@@ -841,3 +846,19 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# upstream's module globals of the main groups (read by upstream's unit tests and some callers): None until
+# initialize_model_parallel, and again after destroy_model_parallel
+_UPSTREAM_GROUP_GLOBALS = {
+    "_MODEL_PARALLEL_GROUP": "mp", "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "_EMBEDDING_GROUP": "embd", "_POSITION_EMBEDDING_GROUP": "pos_embd", "_DATA_PARALLEL_GROUP": "dp",
+    "_CONTEXT_PARALLEL_GROUP": "cp", "_EXPERT_MODEL_PARALLEL_GROUP": "ep", "_EXPERT_TENSOR_PARALLEL_GROUP": "etp",
+    "_EXPERT_DATA_PARALLEL_GROUP": "edp",
+}
+
+
+def __getattr__(name: str):
+    if name in _UPSTREAM_GROUP_GLOBALS:
+        return _GROUPS.get(_UPSTREAM_GROUP_GLOBALS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

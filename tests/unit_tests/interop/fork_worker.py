@@ -21,7 +21,7 @@ def build_model(model: str, layout: str, recipe=False):
     from megatron.core.transformer import TransformerConfig
 
     model_parallel_cuda_manual_seed(1234)
-    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32)
+    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32, pipeline_dtype=torch.float32)
     if recipe is not False:
         cfg.update(transformer_impl="transformer_engine")
     if recipe:
@@ -29,7 +29,7 @@ def build_model(model: str, layout: str, recipe=False):
     device = torch.device("cuda") if recipe is not False else torch.device("cpu")
     with device:
         return GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
-                        **rc.MODELS[model]["gpt"])
+                        **rc.MODELS[model]["gpt"], **rc.stage_kwargs())
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:

@@ -35,13 +35,16 @@ MODELS = {
                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
 }
 
-# name: (world size, TP, EP, sequence parallel)
+# name: (world size, TP, EP, sequence parallel, PP)
 LAYOUTS = {
-    "tp1": (2, 1, 1, False),
-    "tp2": (4, 2, 1, False),
-    "tp2_sp_ep2": (4, 2, 2, True),
+    "tp1": (2, 1, 1, False, 1),
+    "tp2": (4, 2, 1, False, 1),
+    "tp2_sp_ep2": (4, 2, 2, True, 1),
+    # two pipeline stages of one layer each (the first holds the embedding, the last the output layer: with tied
+    # embeddings its copy of the word embeddings)
+    "pp2": (2, 1, 1, False, 2),
     # one GPU with Transformer Engine: TE layer specs, and FP8 weights (--fp8-param-gather) per recipe
-    "gpu_te": (1, 1, 1, False),
+    "gpu_te": (1, 1, 1, False, 1),
 }
 GPU_LAYOUTS = ("gpu_te",)
 FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
@@ -63,12 +66,19 @@ EXPERT_BIAS = [0.5, -0.25, 0.125, 0.0]
 
 def model_config(model: str, layout: str) -> dict:
     """TransformerConfig kwargs of a model in a layout (expert parallelism only where there are experts)."""
-    _, tp, ep, sp = LAYOUTS[layout]
+    _, tp, ep, sp, pp = LAYOUTS[layout]
     cfg = dict(MODELS[model]["config"])
     ep = ep if "num_moe_experts" in cfg else 1
     cfg.update(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=sp,
-               hidden_dropout=0.0, attention_dropout=0.0)
+               pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
     return cfg
+
+
+def stage_kwargs() -> dict:
+    """GPTModel's ``pre_process`` / ``post_process`` of this rank's pipeline stage (both True without PP)."""
+    from megatron.core import parallel_state as ps
+
+    return dict(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
 
 
 def cases(layout: str):
@@ -93,8 +103,20 @@ def results_path(workdir: str, side: str, phase: str, layout: str) -> str:
     return os.path.join(workdir, f"results_{side}_{phase}_{layout}.jsonl")
 
 
-# A loader also reads the other side's checkpoints of these layouts (resharding: TP2 + SP + EP2 -> TP1 x DP2)
-RESHARD = {"tp1": ("tp2_sp_ep2",)}
+# A loader also reads the other side's checkpoints of these layouts (resharding: TP2 + SP + EP2 -> TP1 x DP2,
+# PP2 -> PP1 x DP2 and back)
+RESHARD = {"tp1": ("tp2_sp_ep2", "pp2"), "pp2": ("tp1",)}
+
+
+def compares_weights(layout: str, src_layout: str) -> bool:
+    """Whether a load is checked on the weights (exactly, by global name) rather than on logits: where either side
+    is pipelined (a stage alone has no logits of the input)."""
+    return LAYOUTS[layout][4] > 1 or LAYOUTS[src_layout][4] > 1
+
+
+def has_full_weights(layout: str) -> bool:
+    """Whether gathering over the pipeline stages gives every tensor whole (no TP or EP split)."""
+    return LAYOUTS[layout][1] == LAYOUTS[layout][2] == 1
 
 
 def jobs(phase: str, layout: str):
@@ -118,9 +140,10 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
     from megatron.core import parallel_state as ps
 
     for layout in layouts.split(","):
-        world, tp, ep, _ = LAYOUTS[layout]
+        world, tp, ep, _, pp = LAYOUTS[layout]
         assert dist.get_world_size() == world, (dist.get_world_size(), world)
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     pipeline_model_parallel_size=pp)
         results = []
         for model_name, fully_parallel, async_save, recipe, src_layout, record_name in jobs(phase, layout):
             name = case_name(model_name, fully_parallel, async_save, recipe)
@@ -132,21 +155,33 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                 if phase == "save":
                     for r in routers:
                         r.expert_bias.copy_(torch.tensor(EXPERT_BIAS, device=r.expert_bias.device))
-                    _save(model, os.path.join(workdir, side, layout, name), fully_parallel, async_save,
-                          save_kwargs or {})
-                    logits = _full_logits(model)  # collective over TP: on every rank
+                    out = os.path.join(workdir, side, layout, name)
+                    _save(model, out, fully_parallel, async_save, save_kwargs or {})
+                    reference = {}
+                    if pp == 1:
+                        reference["logits"] = _full_logits(model)  # collective over TP: on every rank
+                    if has_full_weights(layout):
+                        reference["weights"] = _full_weights(model)  # collective over PP
                     if dist.get_rank() == 0:
-                        torch.save({"logits": logits}, os.path.join(workdir, side, layout, name + ".logits.pt"))
+                        torch.save(reference, out + ".reference.pt")
+                elif compares_weights(layout, src_layout):
+                    src = os.path.join(workdir, other, src_layout, name)
+                    ref = torch.load(src + ".reference.pt", weights_only=True)["weights"]
+                    before = _weights_diff(_full_weights(model), ref)
+                    _load(model, src, fully_parallel, load_wrapper_kwargs or {})
+                    diff = _weights_diff(_full_weights(model), ref)
+                    record.update(compare="weights", max_abs_diff=diff, max_abs_diff_before_load=before,
+                                  ok=diff == 0.0 < 1e-3 < before)
                 else:
                     src = os.path.join(workdir, other, src_layout, name)
-                    ref = torch.load(src + ".logits.pt", weights_only=True)
+                    ref = torch.load(src + ".reference.pt", weights_only=True)
                     before = float((_full_logits(model) - ref["logits"]).abs().max())
                     _load(model, src, fully_parallel, load_wrapper_kwargs or {})
                     diff = float((_full_logits(model) - ref["logits"]).abs().max())
                     bias_ok = all(torch.equal(r.expert_bias.cpu(), torch.tensor(EXPERT_BIAS)) for r in routers)
                     tol = tolerance(model_name, recipe)
-                    record.update(max_abs_diff=diff, max_abs_diff_before_load=before, expert_bias_ok=bias_ok,
-                                  tolerance=tol, ok=diff <= tol < 0.1 < before and bias_ok)
+                    record.update(compare="logits", max_abs_diff=diff, max_abs_diff_before_load=before,
+                                  expert_bias_ok=bias_ok, tolerance=tol, ok=diff <= tol < 0.1 < before and bias_ok)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
@@ -221,3 +256,46 @@ def _full_logits(model):
         dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)
     return logits.float().cpu()
+
+
+TIED_COPY = "output_layer.weight"  # the last stage's copy of tied word embeddings (absent at PP=1)
+
+
+def _full_weights(model) -> dict:
+    """Every parameter and expert bias of the model, gathered over the pipeline stages, by global name (layer
+    numbers with the stage's offset); a last stage's copy of tied word embeddings is checked equal to them and left
+    out (PP=1 has none)."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    layers = model.decoder.layers
+
+    def global_name(name: str) -> str:
+        return re.sub(r"^decoder\.layers\.(\d+)\.",
+                      lambda m: f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.", name)
+
+    local = {global_name(n): t.detach().cpu().clone() for n, t in model.named_parameters()}
+    local.update({global_name(n): b.detach().cpu().clone() for n, b in model.named_buffers()
+                  if n.endswith("expert_bias")})
+    parts = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
+    full = {}
+    for part in parts:
+        assert not set(full) & set(part), sorted(set(full) & set(part))
+        full.update(part)
+    if model.share_embeddings_and_output_weights and TIED_COPY in full:
+        copy = full.pop(TIED_COPY)
+        word = full["embedding.word_embeddings.weight"]
+        assert copy.shape == word.shape and torch.equal(copy, word), (
+            "the last stage's tied output weight differs from the word embeddings")
+    return full
+
+
+def _weights_diff(mine: dict, ref: dict) -> float:
+    """The largest |mine - ref| over all tensors; inf where the names or shapes differ."""
+    if set(mine) != set(ref) or any(mine[k].shape != ref[k].shape for k in ref):
+        return float("inf")
+    return max(float((mine[k] - ref[k]).abs().max()) for k in ref)

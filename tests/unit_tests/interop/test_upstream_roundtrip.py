@@ -1,10 +1,11 @@
 """Checkpoints interchange with the REAL upstream megatron-core 0.19.2, both ways, on CPU with gloo (issue 23).
 
 Upstream (installed once into a cache beside this environment, ``upstream_env.py``) and this fork each save every
-case of ``roundtrip_cases`` (dense, MoE with expert bias, GQA) x (TP1 on 2 ranks, TP2, TP2 + SP + EP2 on 4 ranks) x
-(fully parallel save on, off), plus one async save; the other side loads each with its own ``dist_checkpointing``
-and must reproduce the saver's logits (<= 1e-5) and expert bias. Both sides also load the other's TP2 + SP + EP2
-checkpoints at TP1 x DP2. Six ``torch.distributed.run`` launches, in the order the checkpoints need:
+case of ``roundtrip_cases`` (dense, MoE with expert bias, GQA) x (TP1 on 2 ranks, PP2 on 2 ranks, TP2, TP2 + SP +
+EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other side loads each with its own
+``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
+pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
+checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. Six ``torch.distributed.run`` launches, in the order the checkpoints need:
 upstream saves -> the fork loads and saves -> upstream loads."""
 import json
 import os
@@ -74,9 +75,18 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
 def test_roundtrip_with_upstream_both_ways(upstream_site, tmp_path):
     loaded = _roundtrip(upstream_site, tmp_path, [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS])
     assert any(r["case"].endswith("_async") for r in loaded) and any("<-" in r["case"] for r in loaded)
-    # every load really changed the model (its logits were far from the saver's before) and then matched them
+    # every load really changed the model (its logits / weights were far from the saver's before) and then matched
+    # them: logits within the tolerance, weights (a pipelined saver or loader) exactly
     for r in loaded:
-        assert r["max_abs_diff"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
+        if r["compare"] == "weights":
+            assert r["max_abs_diff"] == 0.0 < 1e-3 < r["max_abs_diff_before_load"], r
+        else:
+            assert r["max_abs_diff"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
+    # pipelined checkpoints, both ways: PP2 -> PP2, PP2 -> PP1 x DP2, PP1 x DP2 -> PP2, every model
+    pipelined = {(r["side"], r["layout"], r["case"].partition("<-")[2]) for r in loaded if r["compare"] == "weights"}
+    assert pipelined == {(side, dst, src) for side in ("upstream", "fork")
+                         for dst, src in (("pp2", ""), ("tp1", "pp2"), ("pp2", "tp1"))}, pipelined
+    assert {r["case"].split("_")[0] for r in loaded if r["layout"] == "pp2"} == set(rc.MODELS)
 
 
 @pytest.mark.gpu

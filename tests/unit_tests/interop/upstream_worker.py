@@ -8,7 +8,8 @@ with upstream's ``dist_checkpointing.load`` (see ``roundtrip_cases.drive``).
 
 Small shims for CUDA-only calls (this runs on CPU): ``torch.cuda.current_device`` is "cpu" (new buffers such as the
 router's expert bias are made there), upstream's CUDA RNG tracker is given CPU generator states,
-``torch.cuda.synchronize`` does nothing, and upstream's torch norm is built with sequence parallelism (it refuses
+``torch.cuda.synchronize`` does nothing, ``Tensor.cuda()`` (its tied embeddings' all-reduce over the
+pipeline stages) keeps a tensor where it is, and upstream's torch norm is built with sequence parallelism (it refuses
 it, wanting TE's or Apex's norm; the forward is the same, and a round trip runs no backward). Its fully parallel load
 exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA."""
 import sys
@@ -27,6 +28,7 @@ def _shim_cuda():
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # tied embeddings over PP stages: summed "on CUDA"
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
     tpr._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
@@ -58,7 +60,7 @@ def build_model(model: str, layout: str, recipe=False):
 
     get_cuda_rng_tracker().reset()
     model_parallel_cuda_manual_seed(1234)
-    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32)
+    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32, pipeline_dtype=torch.float32)
     experts = cfg.get("num_moe_experts")
     if recipe is False:
         cfg["use_cpu_initialization"] = True
@@ -76,7 +78,8 @@ def build_model(model: str, layout: str, recipe=False):
 
         init = te.quantized_model_init(enabled=True, recipe=get_fp8_recipe(config))
     with init:
-        built = GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"])
+        built = GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"],
+                         **rc.stage_kwargs())
     return built.cuda() if recipe is not False else built
 
 
