@@ -41,9 +41,10 @@ def _worker(rank, world_size, store_path, fn, args, queue):
 
 def run_distributed(fn, world_size, *args, timeout=300):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails."""
-    # fork is fast; a process that already holds a CUDA context (TE imported, a GPU test before) cannot fork
-    # children that touch CUDA (pinned host memory included), so those start fresh
-    method = os.environ.get("MCORE_TEST_START_METHOD") or ("spawn" if torch.cuda.is_initialized() else "fork")
+    # fork is fast (CPU machines); with a GPU the ranks start fresh: a forked child of a process whose CUDA state
+    # was touched (TE imported, an earlier test, pinned host memory) fails on its first CUDA call, and
+    # torch.cuda.is_initialized() in the parent did not tell (seen on the H200)
+    method = os.environ.get("MCORE_TEST_START_METHOD") or ("spawn" if torch.cuda.is_available() else "fork")
     ctx = mp.get_context(method)
     queue = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="gloo_store_")
