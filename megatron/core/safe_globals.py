@@ -150,6 +150,25 @@ def _torch_attr_is_plain(name: str) -> bool:
     return isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
 
 
+# The plain containers and scalars (and ``torch.Size``) that every ``SafeUnpickler`` allowlist admits.
+_PLAIN_CLASSES: FrozenSet[Tuple[str, str]] = frozenset(
+    {
+        ("builtins", "dict"),
+        ("builtins", "list"),
+        ("builtins", "tuple"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "int"),
+        ("builtins", "float"),
+        ("builtins", "bool"),
+        ("builtins", "str"),
+        ("builtins", "bytes"),
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+    }
+)
+
+
 class SafeUnpickler(pickle.Unpickler):
     """A ``pickle.Unpickler`` that admits only ``_SAFE_CLASSES`` (plus ``torch.<dtype/layout/memory format>``);
     anything else raises ``pickle.UnpicklingError`` naming ``what`` and the refused global, before it is called.
@@ -158,22 +177,10 @@ class SafeUnpickler(pickle.Unpickler):
     -> ``safe_load_from_bytes``). Subclasses set their own ``_SAFE_CLASSES``. Persistent ids are refused.
     """
 
-    _SAFE_CLASSES: FrozenSet[Tuple[str, str]] = frozenset(
+    _SAFE_CLASSES: FrozenSet[Tuple[str, str]] = _PLAIN_CLASSES | frozenset(
         {
-            ("builtins", "dict"),
-            ("builtins", "list"),
-            ("builtins", "tuple"),
-            ("builtins", "set"),
-            ("builtins", "frozenset"),
-            ("builtins", "int"),
-            ("builtins", "float"),
             ("builtins", "complex"),
-            ("builtins", "bool"),
-            ("builtins", "bytes"),
             ("builtins", "bytearray"),
-            ("builtins", "str"),
-            ("collections", "OrderedDict"),
-            ("torch", "Size"),
             ("torch._utils", "_rebuild_tensor_v2"),
             ("torch._utils", "_rebuild_parameter"),
             ("torch._tensor", "_rebuild_from_type_v2"),

@@ -89,6 +89,18 @@ def _unwrapped(checkpoint_dir: Path):
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
+def _check_sharded_strategy_arg(fn: str, sharded_strategy, strategy_cls: type, later_params: str) -> None:
+    """Refuse a ``sharded_strategy`` (the third argument of ``fn``) that is neither a ``strategy_cls`` nor a
+    (backend, version) tuple, naming upstream 0.19's order of ``fn``'s parameters (``later_params``: after the
+    fourth)."""
+    if sharded_strategy is not None and not isinstance(sharded_strategy, (strategy_cls, tuple)):
+        raise CheckpointingException(
+            f"{fn}: sharded_strategy must be a {strategy_cls.__name__} or a (backend, version) tuple, got "
+            f"{type(sharded_strategy).__name__} (upstream 0.19 order: {fn}(sharded_state_dict, checkpoint_dir, "
+            f"sharded_strategy, validate_access_integrity, {later_params}))"
+        )
+
+
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
     return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
 
@@ -133,12 +145,7 @@ def save(
     (default WORLD) is the group of the validation collectives (the DCP write itself always spans WORLD).
     """
     check_async_strategy(async_strategy or "nvrx", "save")
-    if sharded_strategy is not None and not isinstance(sharded_strategy, (SaveShardedStrategy, tuple)):
-        raise CheckpointingException(
-            f"save: sharded_strategy must be a SaveShardedStrategy or a (backend, version) tuple, got "
-            f"{type(sharded_strategy).__name__} (upstream 0.19 order: save(sharded_state_dict, checkpoint_dir, "
-            f"sharded_strategy, validate_access_integrity, async_sharded_save, ...))"
-        )
+    _check_sharded_strategy_arg("save", sharded_strategy, SaveShardedStrategy, "async_sharded_save, ...")
     checkpoint_dir = Path(checkpoint_dir)
     error = None
     if dist_utils.get_rank() == 0:
@@ -317,12 +324,9 @@ def load(
     ``process_group`` (default WORLD) is the group of the validation and strict-check collectives; the DCP read
     itself always spans WORLD, so every rank calls ``load``.
     """
-    if sharded_strategy is not None and not isinstance(sharded_strategy, (LoadShardedStrategy, tuple)):
-        raise CheckpointingException(
-            f"load: sharded_strategy must be a LoadShardedStrategy or a (backend, version) tuple, got "
-            f"{type(sharded_strategy).__name__} (upstream 0.19 order: load(sharded_state_dict, checkpoint_dir, "
-            f"sharded_strategy, validate_access_integrity, strict, verify_integrity, process_group))"
-        )
+    _check_sharded_strategy_arg(
+        "load", sharded_strategy, LoadShardedStrategy, "strict, verify_integrity, process_group"
+    )
     checkpoint_dir = Path(checkpoint_dir)
     if verify_integrity:
         verify_integrity_manifest(checkpoint_dir)

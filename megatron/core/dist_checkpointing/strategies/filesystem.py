@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from ... import dist_utils
-from ...safe_globals import SafeUnpickler, safe_pickle_load, safe_torch_load
+from ...safe_globals import _PLAIN_CLASSES, SafeUnpickler, safe_pickle_load, safe_torch_load
 from ..core import CheckpointingException
 from .item_checks import checksum_message, checksum_range, describe_index, truncated_message  # noqa: F401
 
@@ -129,20 +129,8 @@ class DcpMetadataUnpickler(SafeUnpickler):
     Size/dtype/layout, the memory-format encoding, paths (``StorageMeta.checkpoint_id``), MCore's ``MCoreMetadata`` and plain containers; no tensors, no
     storages, nothing else (a planted payload is refused before it is called)."""
 
-    _SAFE_CLASSES = frozenset(
+    _SAFE_CLASSES = _PLAIN_CLASSES | frozenset(
         {
-            ("builtins", "dict"),
-            ("builtins", "list"),
-            ("builtins", "tuple"),
-            ("builtins", "set"),
-            ("builtins", "frozenset"),
-            ("builtins", "int"),
-            ("builtins", "float"),
-            ("builtins", "bool"),
-            ("builtins", "str"),
-            ("builtins", "bytes"),
-            ("collections", "OrderedDict"),
-            ("torch", "Size"),
             ("torch.serialization", "_get_layout"),
             # StorageMeta.checkpoint_id: the writer's path (a Path when torch's writer made it one)
             ("pathlib", "PosixPath"),
