@@ -304,7 +304,7 @@ def _weights_diff(mine: dict, ref: dict) -> float:
 # ---- the optimizer: model + non-distributed Adam state, saved together and loaded together ------------------------
 # (model, precision) per layout: bf16 (fp32 main params beside bf16 weights; upstream's
 # Float16OptimizerWithFloat16Params) and fp32 (upstream's FP32Optimizer). Two Adam steps with known gradients.
-OPTIM_CASES = {"tp1": (("dense", "bf16"), ("gqa", "fp32")), "pp2": (("dense", "bf16"),)}
+OPTIM_CASES = {"tp1": (("dense", "bf16"), ("gqa", "fp32")), "tp2": (("gqa", "bf16"),), "pp2": (("dense", "bf16"),)}
 OPTIM_STEPS = 2
 OPTIM_KW = dict(optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                 adam_eps=1e-8, clip_grad=1.0)
@@ -338,19 +338,6 @@ def _global_name_fn(model):
                       lambda m: f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.", name)
 
     return global_name
-
-
-def _gather_pp(local: dict, tied_ok=True) -> dict:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    parts = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
-    full = {}
-    for part in parts:
-        for k, v in part.items():
-            full.setdefault(k, v)  # a last stage's tied output layer: its own name, kept apart
-    return full
 
 
 def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: str, build_model, build_optimizer,
@@ -398,19 +385,25 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                     model_sd = inner.sharded_state_dict()
                     dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, out,
                                             **(save_kwargs or {}))
-                    ref = _gather_pp({gname(n): v for n, v in optimizer_state(inner, opt).items()})
-                    if dist.get_rank() == 0:
-                        torch.save(ref, out + ".reference.pt")
+                    # every rank its own shards (the loader has the same layout), by global name
+                    ref = {gname(n): v for n, v in optimizer_state(inner, opt).items()}
+                    torch.save(ref, out + f".reference.{dist.get_rank()}.pt")
                 else:
                     src = os.path.join(workdir, other, layout, name)
-                    ref = torch.load(src + ".reference.pt", weights_only=True)
+                    ref = torch.load(src + f".reference.{dist.get_rank()}.pt", weights_only=True)
                     model_sd = inner.sharded_state_dict()
                     state = dist_checkpointing.load(
                         {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, src)
                     inner.load_state_dict(state["model"])
                     opt.load_state_dict(state["optimizer"])
-                    mine = _gather_pp({gname(n): v for n, v in optimizer_state(inner, opt).items()})
-                    record.update(_compare_optim(mine, ref))
+                    mine = {gname(n): v for n, v in optimizer_state(inner, opt).items()}
+                    parts = [None] * dist.get_world_size()  # every rank's comparison, reported by rank 0
+                    dist.all_gather_object(parts, _compare_optim(mine, ref))
+                    record.update(ok=all(c["ok"] for c in parts), compared=parts[0].get("compared"),
+                                  params=sum(c.get("params", 0) for c in parts), ranks=len(parts),
+                                  steps=sorted({s for c in parts for s in c.get("steps", [])}),
+                                  diffs={k: v for c in parts for k, v in c.get("diffs", {}).items()},
+                                  error="; ".join(c["error"] for c in parts if c.get("error")) or None)
                 record.setdefault("ok", True)
             except Exception as e:
                 record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])

@@ -5,8 +5,9 @@ case of ``roundtrip_cases`` (dense, MoE with expert bias, GQA) x (TP1 on 2 ranks
 EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other side loads each with its own
 ``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
 pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
-checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. Six ``torch.distributed.run`` launches, in the order the checkpoints need:
-upstream saves -> the fork loads and saves -> upstream loads."""
+checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. The same launches also round-trip the
+non-distributed optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``). Six ``torch.distributed.run``
+launches, in the order the checkpoints need: upstream saves -> the fork loads and saves -> upstream loads."""
 import json
 import os
 import subprocess
@@ -102,7 +103,8 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     (``get_megatron_optimizer``: Float16OptimizerWithFloat16Params under bf16, FP32Optimizer under fp32) and ours,
     two steps with known gradients, ``{model, optimizer}`` saved with ``optimizer.sharded_state_dict``; the other
     side loads both and every exp_avg, exp_avg_sq, fp32 main param (bf16) and step equals the saver's exactly, by
-    parameter name, at TP1 x DP2 and at PP2 (tied embeddings: the last stage's copy too)."""
+    parameter name on every rank, at TP1 x DP2 (bf16 dense, fp32 GQA), TP2 x DP2 (bf16 GQA) and PP2 (bf16 dense,
+    tied embeddings: the last stage's copy too)."""
     workdir = roundtrip_cpu[0]
     records = []
     for side in ("upstream", "fork"):
@@ -119,6 +121,7 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
         bf16 = r["case"].endswith("_bf16")
         assert r["compared"] == sorted(["exp_avg", "exp_avg_sq", "step"] + ["fp32_param"] * bf16), r
         assert r["steps"] == [float(rc.OPTIM_STEPS)] and r["params"] > 20 and r["diffs"] == {}, r
+        assert r["ranks"] == rc.LAYOUTS[r["layout"]][0], r  # every rank compared its own shards
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
         (side, layout, name) for side in ("upstream", "fork") for layout in rc.OPTIM_CASES
         for _, _, name in rc.optim_jobs(layout)}
