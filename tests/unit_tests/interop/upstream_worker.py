@@ -11,7 +11,11 @@ router's expert bias are made there), upstream's CUDA RNG tracker is given CPU g
 ``torch.cuda.synchronize`` does nothing, ``Tensor.cuda()`` (its tied embeddings' all-reduce over the
 pipeline stages) keeps a tensor where it is, and upstream's torch norm is built with sequence parallelism (it refuses
 it, wanting TE's or Apex's norm; the forward is the same, and a round trip runs no backward). Its fully parallel load
-exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA."""
+exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA.
+For its optimizer (``build_optimizer``; without TE / Apex it falls back to torch's AdamW and to its local
+multi-tensor helpers): tensors made with ``device="cuda"`` (its loss scale of one, the grad norm) are made on CPU,
+and a CPU tensor's ``type()`` names the CUDA type (its parameter / gradient type checks: "torch.cuda.BFloat16Tensor").
+Nothing else stops it on CPU."""
 import sys
 import warnings
 
