@@ -30,6 +30,12 @@ fp32_param>.<param key>``, the model's prepended/stacked axes and offsets) with 
 and the DP replica coordinate 0 (each rank's slices are distinct). A load on another DP size asks for its own
 slices of the same keys, so the state reshards. Plain values: ``optimizer.param_groups`` (hyper-parameters and
 ``step``), ``param_state_sharding_type``, and ``grad_scaler`` with fp16.
+
+Upstream megatron-core 0.19.2 writes this format from ``DistributedOptimizer.sharded_state_dict`` called without
+metadata (its default there, marked deprecated), but its training loop passes ``distrib_optim_sharding_type``:
+``dp_reshardable`` by default (bucket-space tensors, keyed by its own buffer layout) and ``fully_reshardable`` with
+``--dist-ckpt-optim-fully-reshardable``. Neither of those loads here: ``load_state_dict`` refuses them, naming
+``param_state_sharding_type``.
 """
 import dataclasses
 import math

@@ -505,7 +505,7 @@ class MegatronOptimizer:
         else:
             inner, mains = state_dict, None
         inner = dict(inner)
-        inner["state"] = {k: dict(v) for k, v in inner.get("state", {}).items()}
+        inner["state"] = {k: v if k == "common_step" else dict(v) for k, v in inner.get("state", {}).items()}
         self._local_param_groups(inner)
         self.optimizer.load_state_dict(inner)
         for p in self.get_parameters():
@@ -528,9 +528,16 @@ class MegatronOptimizer:
     def _local_param_groups(self, inner: dict) -> None:
         """In place: the param groups' ``params`` become this optimizer's own (the saving layout may have held other
         parameters, e.g. another expert-parallel size), states of indices it does not have are dropped, and a
-        common Adam ``step`` stored in the groups (see ``sharded_state_dict``) replaces each state's ``step``."""
+        common Adam step (``state["common_step"]``, see ``sharded_state_dict``; in our older checkpoints each
+        group's ``step``) replaces each state's ``step``."""
         live = self.optimizer.state_dict()["param_groups"]
         groups = inner.get("param_groups", [])
+        # upstream's (and ours since) common Adam step: ``state["common_step"]``, one value for every parameter
+        common_step = inner["state"].pop("common_step", None)
+        if common_step is not None and not (isinstance(common_step, (int, float)) or (
+                isinstance(common_step, torch.Tensor) and common_step.numel() == 1)):
+            raise ValueError(f"optimizer checkpoint: optimizer.state.common_step must be one number, got "
+                             f"{type(common_step).__name__} {getattr(common_step, 'shape', '')}")
         if len(groups) != len(live):
             raise ValueError(f"optimizer checkpoint has {len(groups)} param groups, this optimizer {len(live)} "
                              "(weight-decay / lr-mult / expert groups differ)")
@@ -538,7 +545,8 @@ class MegatronOptimizer:
         ids = set()
         for g, lg in zip(groups, live):
             g = dict(g)
-            step = g.pop("step", None)
+            step = g.pop("step", None)  # where our older checkpoints kept the common step
+            step = common_step if common_step is not None else step
             g["params"] = list(lg["params"])
             inner["param_groups"].append(g)
             ids.update(g["params"])
@@ -570,15 +578,20 @@ class MegatronOptimizer:
                     continue
                 st[k] = make_sharded_optimizer_tensor(sh, v, f"optimizer.state.{k}")
         # The saving and loading layouts may hold different parameters (expert parallelism): as upstream, the param
-        # lists stay local, and the common Adam step is also kept in the groups (loading prefers it to the
-        # per-index steps, whose indices belong to the saving layout).
+        # lists stay local, and the Adam step, the same for every parameter, is saved once as upstream's
+        # ``optimizer.state.common_step`` (the per-index steps' indices belong to the saving layout). Steps that
+        # differ per parameter stay per index. (Older checkpoints of ours kept the common step in each param group
+        # as ``step``: ``_local_param_groups`` still reads it.)
         from megatron.core.dist_checkpointing import LocalNonpersistentObject
 
         steps = {float(st["step"]) for st in sd["state"].values() if "step" in st}
         for g in sd["param_groups"]:
             g["params"] = LocalNonpersistentObject(list(g["params"]))
-            if len(steps) == 1:
-                g["step"] = next(iter(steps))
+        if len(steps) == 1:
+            common = next(st["step"] for st in sd["state"].values() if "step" in st)
+            for st in sd["state"].values():
+                st.pop("step", None)
+            sd["state"]["common_step"] = common.detach().clone() if isinstance(common, torch.Tensor) else common
         if self.main_params is None:
             return sd
         mains = [

@@ -13,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 import roundtrip_cases as rc  # noqa: E402
 
 
-def build_model(model: str, layout: str, recipe=False):
+def build_model(model: str, layout: str, recipe=False, dtype=None):
     """Our GPTModel: local layers on CPU; on the GPU TE layers (``recipe``: None, or the FP8 recipe with FP8
     weights, ``--fp8-param-gather``)."""
     from megatron.core.models.gpt import GPTModel
@@ -21,15 +21,42 @@ def build_model(model: str, layout: str, recipe=False):
     from megatron.core.transformer import TransformerConfig
 
     model_parallel_cuda_manual_seed(1234)
-    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    dtype = dtype or torch.float32
+    cfg = dict(rc.model_config(model, layout), params_dtype=dtype, pipeline_dtype=dtype,
+               bf16=dtype == torch.bfloat16)
     if recipe is not False:
         cfg.update(transformer_impl="transformer_engine")
     if recipe:
         cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
     device = torch.device("cuda") if recipe is not False else torch.device("cpu")
     with device:
-        return GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
-                        **rc.MODELS[model]["gpt"], **rc.stage_kwargs())
+        built = GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
+                         **rc.MODELS[model]["gpt"], **rc.stage_kwargs())
+    return built.bfloat16() if dtype == torch.bfloat16 else built  # every parameter bf16, as upstream's
+
+
+def build_optimizer(model, precision: str):
+    """Our non-distributed optimizer (bf16: fp32 main params beside the bf16 weights)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", **rc.OPTIM_KW), [model])
+
+
+def set_grad(param, grad) -> None:
+    param.grad = grad
+
+
+def optimizer_state(model, opt) -> dict:
+    """{param name: exp_avg, exp_avg_sq, fp32_param (bf16), step} of our optimizer."""
+    names = {p: n for n, p in model.named_parameters()}
+    mains = opt.main_params if opt.main_params is not None else opt.model_params
+    out = {}
+    for mp, main in zip(opt.model_params, mains):
+        st = opt.optimizer.state[main]
+        out[names[mp]] = dict(exp_avg=st["exp_avg"].clone(), exp_avg_sq=st["exp_avg_sq"].clone(),
+                              step=float(st["step"]), **({"fp32_param": main.detach().clone()} if main is not mp
+                                                         else {}))
+    return out
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:
@@ -41,6 +68,8 @@ def main(phases: str, workdir: str, layouts: str) -> int:
     dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
     for phase in phases.split(","):
         rc.drive("fork", "upstream", phase, workdir, layouts, build_model)
+        rc.drive_optimizer("fork", "upstream", phase, workdir, layouts, build_model, build_optimizer,
+                           optimizer_state, set_grad)
     dist.destroy_process_group()
     return 0
 

@@ -299,3 +299,148 @@ def _weights_diff(mine: dict, ref: dict) -> float:
     if set(mine) != set(ref) or any(mine[k].shape != ref[k].shape for k in ref):
         return float("inf")
     return max(float((mine[k] - ref[k]).abs().max()) for k in ref)
+
+
+# ---- the optimizer: model + non-distributed Adam state, saved together and loaded together ------------------------
+# (model, precision) per layout: bf16 (fp32 main params beside bf16 weights; upstream's
+# Float16OptimizerWithFloat16Params) and fp32 (upstream's FP32Optimizer). Two Adam steps with known gradients.
+OPTIM_CASES = {"tp1": (("dense", "bf16"), ("gqa", "fp32")), "tp2": (("gqa", "bf16"),), "pp2": (("dense", "bf16"),)}
+OPTIM_STEPS = 2
+OPTIM_KW = dict(optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                adam_eps=1e-8, clip_grad=1.0)
+
+
+def optim_results_path(workdir: str, side: str, phase: str, layout: str) -> str:
+    return os.path.join(workdir, f"optim_results_{side}_{phase}_{layout}.jsonl")
+
+
+def optim_jobs(layout: str):
+    return [(m, prec, f"optim_{m}_{prec}") for m, prec in OPTIM_CASES.get(layout, ())]
+
+
+def known_grad(name: str, shape, step: int):
+    """The gradient of the parameter of global name ``name`` at ``step``: the same on both sides and every rank."""
+    import zlib
+
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{step}".encode()))
+    return torch.randn(tuple(shape), generator=g)
+
+
+def _global_name_fn(model):
+    import re
+
+    layers = model.decoder.layers
+
+    def global_name(name: str) -> str:
+        return re.sub(r"^decoder\.layers\.(\d+)\.",
+                      lambda m: f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.", name)
+
+    return global_name
+
+
+def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: str, build_model, build_optimizer,
+                    optimizer_state, set_grad, save_kwargs=None) -> None:
+    """The optimizer round trip for each layout of ``OPTIM_CASES``: save: ``OPTIM_STEPS`` steps with
+    ``known_grad``s, then ``{"model", "optimizer"}`` saved with ``dist_checkpointing.save`` (the optimizer's
+    ``sharded_state_dict(model_sharded_state_dict)``) and the state by global parameter name beside it; load:
+    a fresh model and optimizer load the other side's checkpoint and every exp_avg / exp_avg_sq / fp32 main param /
+    step must equal the saver's exactly. ``optimizer_state(model, opt)`` -> {local name: {key: tensor or float}}."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    for layout in layouts.split(","):
+        if layout not in OPTIM_CASES:
+            continue
+        world, tp, ep, _, pp = LAYOUTS[layout]
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     pipeline_model_parallel_size=pp)
+        results = []
+        for model_name, precision, name in optim_jobs(layout):
+            torch.manual_seed(1000 if phase == "save" else 2000)
+            record = {"side": side, "case": name, "phase": phase, "layout": layout}
+            try:
+                dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+                model = build_model(model_name, layout, False, dtype)
+                opt = build_optimizer(model, precision)
+                inner = getattr(model, "module", model)
+                gname = _global_name_fn(inner)
+                if phase == "save":
+                    for step in range(OPTIM_STEPS):
+                        for n, p in inner.named_parameters():
+                            # a last stage's tied output layer: the word embeddings' gradient (as the embedding
+                            # group's all-reduce makes it), so the two copies stay equal
+                            n = n if not (inner.share_embeddings_and_output_weights and n == TIED_COPY) else (
+                                "embedding.word_embeddings.weight")
+                            set_grad(p, known_grad(gname(n), p.shape, step).to(p.dtype))
+                        ok = opt.step()[0]
+                        assert ok, f"step {step} was skipped"
+                    out = os.path.join(workdir, side, layout, name)
+                    if dist.get_rank() == 0:
+                        os.makedirs(out, exist_ok=True)
+                    dist.barrier()
+                    model_sd = inner.sharded_state_dict()
+                    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, out,
+                                            **(save_kwargs or {}))
+                    # every rank its own shards (the loader has the same layout), by global name
+                    ref = {gname(n): v for n, v in optimizer_state(inner, opt).items()}
+                    torch.save(ref, out + f".reference.{dist.get_rank()}.pt")
+                else:
+                    src = os.path.join(workdir, other, layout, name)
+                    ref = torch.load(src + f".reference.{dist.get_rank()}.pt", weights_only=True)
+                    model_sd = inner.sharded_state_dict()
+                    state = dist_checkpointing.load(
+                        {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, src)
+                    inner.load_state_dict(state["model"])
+                    opt.load_state_dict(state["optimizer"])
+                    mine = {gname(n): v for n, v in optimizer_state(inner, opt).items()}
+                    parts = [None] * dist.get_world_size()  # every rank's comparison, reported by rank 0
+                    dist.all_gather_object(parts, _compare_optim(mine, ref))
+                    record.update(ok=all(c["ok"] for c in parts), compared=parts[0].get("compared"),
+                                  params=sum(c.get("params", 0) for c in parts), ranks=len(parts),
+                                  steps=sorted({s for c in parts for s in c.get("steps", [])}),
+                                  diffs={k: v for c in parts for k, v in c.get("diffs", {}).items()},
+                                  error="; ".join(c["error"] for c in parts if c.get("error")) or None)
+                record.setdefault("ok", True)
+            except Exception as e:
+                record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
+                if dist.get_rank() == 0:
+                    traceback.print_exc()
+            results.append(record)
+            dist.barrier()
+        if dist.get_rank() == 0:
+            with open(optim_results_path(workdir, side, phase, layout), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
+        dist.barrier()
+        ps.destroy_model_parallel()
+
+
+OPTIM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "fp32_param", "step")
+
+
+def _compare_optim(mine: dict, ref: dict) -> dict:
+    """Exact comparison by global parameter name of every OPTIM_STATE_KEYS entry present in the reference."""
+    import torch
+
+    if set(mine) != set(ref):
+        return dict(ok=False, error=f"names differ: {sorted(set(mine) ^ set(ref))[:8]}")
+    diffs, compared = {}, set()
+    for n, st in ref.items():
+        for k, v in st.items():
+            compared.add(k)
+            got = mine[n].get(k)
+            if got is None:
+                diffs[f"{n}.{k}"] = "missing"
+            elif isinstance(v, torch.Tensor):
+                if got.shape != v.shape or got.dtype != v.dtype or not torch.equal(got, v):
+                    diffs[f"{n}.{k}"] = (float((got.float() - v.float()).abs().max())
+                                         if got.shape == v.shape else f"shape {tuple(got.shape)} != {tuple(v.shape)}")
+            elif got != v:
+                diffs[f"{n}.{k}"] = f"{got} != {v}"
+    steps = {float(st["step"]) for st in ref.values() if "step" in st}
+    nonzero = all(float(st["exp_avg_sq"].abs().max()) > 0 for st in ref.values())
+    return dict(ok=not diffs and nonzero and steps == {float(OPTIM_STEPS)}, compared=sorted(compared),
+                params=len(ref), steps=sorted(steps), diffs=dict(list(diffs.items())[:8]))

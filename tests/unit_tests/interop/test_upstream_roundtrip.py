@@ -5,8 +5,9 @@ case of ``roundtrip_cases`` (dense, MoE with expert bias, GQA) x (TP1 on 2 ranks
 EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other side loads each with its own
 ``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
 pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
-checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. Six ``torch.distributed.run`` launches, in the order the checkpoints need:
-upstream saves -> the fork loads and saves -> upstream loads."""
+checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. The same launches also round-trip the
+non-distributed optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``). Six ``torch.distributed.run``
+launches, in the order the checkpoints need: upstream saves -> the fork loads and saves -> upstream loads."""
 import json
 import os
 import subprocess
@@ -72,8 +73,16 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
     return [r for r in records if r["phase"] == "load"]
 
 
-def test_roundtrip_with_upstream_both_ways(upstream_site, tmp_path):
-    loaded = _roundtrip(upstream_site, tmp_path, [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS])
+@pytest.fixture(scope="module")
+def roundtrip_cpu(upstream_site, tmp_path_factory):
+    """The CPU round trip's work directory, after the launches (the model and the optimizer cases run in them)."""
+    workdir = tmp_path_factory.mktemp("roundtrip")
+    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS]
+    return workdir, _roundtrip(upstream_site, workdir, layouts)
+
+
+def test_roundtrip_with_upstream_both_ways(roundtrip_cpu):
+    loaded = roundtrip_cpu[1]
     assert any(r["case"].endswith("_async") for r in loaded) and any("<-" in r["case"] for r in loaded)
     # every load really changed the model (its logits / weights were far from the saver's before) and then matched
     # them: logits within the tolerance, weights (a pipelined saver or loader) exactly
@@ -87,6 +96,35 @@ def test_roundtrip_with_upstream_both_ways(upstream_site, tmp_path):
     assert pipelined == {(side, dst, src) for side in ("upstream", "fork")
                          for dst, src in (("pp2", ""), ("tp1", "pp2"), ("pp2", "tp1"))}, pipelined
     assert {r["case"].split("_")[0] for r in loaded if r["layout"] == "pp2"} == set(rc.MODELS)
+
+
+def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
+    """The optimizer too (saved with the model by the same launches): upstream's non-distributed Adam
+    (``get_megatron_optimizer``: Float16OptimizerWithFloat16Params under bf16, FP32Optimizer under fp32) and ours,
+    two steps with known gradients, ``{model, optimizer}`` saved with ``optimizer.sharded_state_dict``; the other
+    side loads both and every exp_avg, exp_avg_sq, fp32 main param (bf16) and step equals the saver's exactly, by
+    parameter name on every rank, at TP1 x DP2 (bf16 dense, fp32 GQA), TP2 x DP2 (bf16 GQA) and PP2 (bf16 dense,
+    tied embeddings: the last stage's copy too)."""
+    workdir = roundtrip_cpu[0]
+    records = []
+    for side in ("upstream", "fork"):
+        for phase in ("save", "load"):
+            for layout in rc.OPTIM_CASES:
+                path = Path(rc.optim_results_path(str(workdir), side, phase, layout))
+                assert path.is_file(), f"{side} wrote no optimizer results for {phase} {layout}"
+                records += [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 2 * 2 * sum(len(rc.optim_jobs(layout)) for layout in rc.OPTIM_CASES)
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, bad
+    loaded = [r for r in records if r["phase"] == "load"]
+    for r in loaded:
+        bf16 = r["case"].endswith("_bf16")
+        assert r["compared"] == sorted(["exp_avg", "exp_avg_sq", "step"] + ["fp32_param"] * bf16), r
+        assert r["steps"] == [float(rc.OPTIM_STEPS)] and r["params"] > 20 and r["diffs"] == {}, r
+        assert r["ranks"] == rc.LAYOUTS[r["layout"]][0], r  # every rank compared its own shards
+    assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
+        (side, layout, name) for side in ("upstream", "fork") for layout in rc.OPTIM_CASES
+        for _, _, name in rc.optim_jobs(layout)}
 
 
 @pytest.mark.gpu

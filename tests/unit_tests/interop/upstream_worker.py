@@ -11,7 +11,11 @@ router's expert bias are made there), upstream's CUDA RNG tracker is given CPU g
 ``torch.cuda.synchronize`` does nothing, ``Tensor.cuda()`` (its tied embeddings' all-reduce over the
 pipeline stages) keeps a tensor where it is, and upstream's torch norm is built with sequence parallelism (it refuses
 it, wanting TE's or Apex's norm; the forward is the same, and a round trip runs no backward). Its fully parallel load
-exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA."""
+exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA.
+For its optimizer (``build_optimizer``; without TE / Apex it falls back to torch's AdamW and to its local
+multi-tensor helpers): tensors made with ``device="cuda"`` (its loss scale of one, the grad norm) are made on CPU,
+and a CPU tensor's ``type()`` names the CUDA type (its parameter / gradient type checks: "torch.cuda.BFloat16Tensor").
+Nothing else stops it on CPU."""
 import sys
 import warnings
 
@@ -44,8 +48,30 @@ def _shim_cuda():
 
     torch_norm.WrappedTorchNorm.__new__ = _new
 
+    # the optimizer's scalars and norms made with device="cuda" (its loss scale of 1, the grad norm): made on CPU
+    def _on_cpu(make):
+        def made(*args, device=None, **kwargs):
+            if device is not None and torch.device(device).type == "cuda":
+                device = "cpu"
+            return make(*args, device=device, **kwargs)
 
-def build_model(model: str, layout: str, recipe=False):
+        return made
+
+    for fn in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, fn, _on_cpu(getattr(torch, fn)))
+    # its type checks of parameters and gradients ("torch.cuda.BFloat16Tensor"): a CPU tensor's type() names CUDA
+    tensor_type = torch.Tensor.type
+
+    def _type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = tensor_type(self)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return tensor_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = _type
+
+
+def build_model(model: str, layout: str, recipe=False, dtype=None):
     """Upstream's GPTModel: the local layer spec on CPU; on the GPU its TE layer spec (``recipe``: None, or the FP8
     recipe with FP8 weights built under TE's ``quantized_model_init``, as upstream's ``--fp8-param-gather``)."""
     import contextlib
@@ -60,7 +86,9 @@ def build_model(model: str, layout: str, recipe=False):
 
     get_cuda_rng_tracker().reset()
     model_parallel_cuda_manual_seed(1234)
-    cfg = dict(rc.model_config(model, layout), params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    dtype = dtype or torch.float32
+    cfg = dict(rc.model_config(model, layout), params_dtype=dtype, pipeline_dtype=dtype,
+               bf16=dtype == torch.bfloat16)
     experts = cfg.get("num_moe_experts")
     if recipe is False:
         cfg["use_cpu_initialization"] = True
@@ -80,7 +108,44 @@ def build_model(model: str, layout: str, recipe=False):
     with init:
         built = GPTModel(config, spec, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ, **rc.MODELS[model]["gpt"],
                          **rc.stage_kwargs())
+    if dtype == torch.bfloat16:
+        built.bfloat16()  # every parameter (norms, position embeddings too), as upstream's Float16Module does
     return built.cuda() if recipe is not False else built
+
+
+def build_optimizer(model, precision: str):
+    """Upstream's non-distributed optimizer: ``get_megatron_optimizer`` over the model wrapped in its
+    DistributedDataParallel (bf16: Float16OptimizerWithFloat16Params, fp32: FP32Optimizer; torch's AdamW without TE /
+    Apex), in a ChainedOptimizer of one."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    return get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", **rc.OPTIM_KW), [ddp])
+
+
+def set_grad(param, grad) -> None:
+    param.main_grad.copy_(grad)  # the DDP grad buffer (the optimizer reads main_grad)
+
+
+def optimizer_state(model, opt) -> dict:
+    """{param name: exp_avg, exp_avg_sq, fp32_param (bf16), step} of upstream's optimizer."""
+    from itertools import chain
+
+    (inner,) = opt.chained_optimizers
+    names = {p: n for n, p in model.named_parameters()}
+    if hasattr(inner, "float16_groups"):
+        pairs = list(zip(chain(*inner.float16_groups), chain(*inner.fp32_from_float16_groups)))
+        pairs += [(p, p) for p in chain(*inner.fp32_from_fp32_groups)]
+    else:
+        pairs = [(p, p) for g in inner.optimizer.param_groups for p in g["params"]]
+    out = {}
+    for mp, main in pairs:
+        st = inner.optimizer.state[main]
+        out[names[mp]] = dict(exp_avg=st["exp_avg"].clone(), exp_avg_sq=st["exp_avg_sq"].clone(),
+                              step=float(st["step"]), **({"fp32_param": main.detach().clone()} if main is not mp
+                                                         else {}))
+    return out
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:
@@ -95,6 +160,8 @@ def main(phases: str, workdir: str, layouts: str) -> int:
     for phase in phases.split(","):
         rc.drive("upstream", "fork", phase, workdir, layouts, build_model, save_kwargs={"async_strategy": "mcore"},
                  load_wrapper_kwargs={"exchange_algo": "gather_object"})
+        rc.drive_optimizer("upstream", "fork", phase, workdir, layouts, build_model, build_optimizer,
+                           optimizer_state, set_grad, save_kwargs={"async_strategy": "mcore"})
     dist.destroy_process_group()
     return 0
 

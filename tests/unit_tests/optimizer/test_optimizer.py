@@ -111,11 +111,12 @@ def test_sharded_state_dict_keys_and_shapes():
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), model)
     model_sd = model.sharded_state_dict()
     sd = opt.sharded_state_dict(model_sd, is_loading=True)  # state initialised to describe the shapes
+    assert isinstance(sd["state"]["common_step"], torch.Tensor) and float(sd["state"]["common_step"]) == 0.0
     keys = set()
     names = {p: n for n, p in model.named_parameters()}
     for idx, p in enumerate(opt.get_parameters()):
         st = sd["state"][idx]
-        assert isinstance(st["step"], torch.Tensor) and float(st["step"]) == 0.0
+        assert "step" not in st  # one common step, upstream's optimizer.state.common_step
         for k in ("exp_avg", "exp_avg_sq"):
             sh = st[k]
             assert isinstance(sh, ShardedTensor)
