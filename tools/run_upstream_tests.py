@@ -17,6 +17,7 @@ writes the node ids that passed; ``--compare FILE`` counts this run against such
 import argparse
 import collections
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -211,6 +212,54 @@ def parse_junit(path: Path):
     return results
 
 
+def per_file(results):
+    """{test file: (passed, collected)}."""
+    out = collections.defaultdict(lambda: [0, 0])
+    for node, (outcome, _) in results.items():
+        entry = out[node.split("::", 1)[0]]
+        entry[0] += outcome == "passed"
+        entry[1] += 1
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def targets(files):
+    """pytest targets: the whole test directory, or the given files / node ids inside it."""
+    if not files:
+        return [TEST_DIR]
+    return [f if f.startswith(TEST_DIR) else f"{TEST_DIR}/{f}" for f in files]
+
+
+def run_group(cmd, *, cwd, env, timeout):
+    """Run ``cmd`` in a session (process group) of its own; past ``timeout`` kill the whole group, so that
+    torchrun's rank processes die with the launcher. Returns the CompletedProcess, or None on timeout."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    except BaseException:  # KeyboardInterrupt: leave no rank behind
+        kill_group(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        kill_group(proc.pid, signal.SIGKILL)  # stragglers of a finished launcher
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_group(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mirror", default=os.environ.get("MEGATRON_LM_MIRROR", DEFAULT_MIRROR),
@@ -224,6 +273,10 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=1,
                     help="ranks (torchrun, gloo); upstream's CI runs its unit tests on 8")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for the whole pytest run")
+    ap.add_argument("--files", nargs="+", metavar="FILE",
+                    help="only these test files / node ids, relative to the dist_checkpointing test directory "
+                         "(e.g. test_mapping.py 'test_serialization.py::TestSerialization::test_single_process_save_load')")
+    ap.add_argument("-k", dest="keyword", help="pytest -k expression selecting tests by name")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
 
@@ -250,11 +303,13 @@ def main(argv=None) -> int:
             launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                       f"--nproc-per-node={args.nproc}"]
         cmd = [*launch, "rank_main.py", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp),
-               "--continue-on-collection-errors", "-W", "ignore", TEST_DIR, *args.pytest_args]
-        try:
-            done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"pytest ran past {args.timeout} s", file=sys.stderr)
+               "--continue-on-collection-errors", "-W", "ignore", *targets(args.files), *args.pytest_args]
+        if args.keyword:
+            cmd += ["-k", args.keyword]
+        done = run_group(cmd, cwd=tmp, env=env, timeout=args.timeout)
+        if done is None:
+            print(f"pytest ran past {args.timeout} s (its process group, every rank included, was killed)",
+                  file=sys.stderr)
             return 2
         junits = [tmp / f"junit{r}.xml" for r in range(args.nproc)]
         if not all(j.is_file() for j in junits):
@@ -270,6 +325,8 @@ def main(argv=None) -> int:
     counts = collections.Counter(outcome for outcome, _ in results.values())
     print(f"against {package_root} on {args.nproc} rank(s): {counts['passed']} passed, {counts['failed']} failed, "
           f"{counts['skipped']} skipped ({len(results)} collected)")
+    for file, (ok, total) in sorted(per_file(results).items()):
+        print(f"    {file}: {ok}/{total} passed")
     passed = sorted(n for n, (o, _) in results.items() if o == "passed")
     if args.baseline:
         Path(args.baseline).write_text("".join(n + "\n" for n in passed))
