@@ -201,6 +201,8 @@ def parse_junit(path: Path):
         mod_parts = [p for p in parts if p[:1].islower() or p.startswith("test_")]
         klass = [p for p in parts if p not in mod_parts]
         node = "/".join(mod_parts) + ".py" + "".join(f"::{k}" for k in klass) + f"::{name}"
+        if not cls and name.startswith("tests."):  # a collection error: name is the module
+            node = name.replace(".", "/") + ".py::(collection)"
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
