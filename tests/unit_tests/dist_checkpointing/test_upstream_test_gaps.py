@@ -54,3 +54,26 @@ def test_empty_tensor_for_exchange_unneeded_is_not_recorded():
     assert orig is None and loaded == {}
     assert tuple(buf.shape) == (4,) and buf.dtype == torch.bfloat16
     assert buf.data_ptr() != meta.data.data_ptr()
+
+
+def test_determine_global_metadata_gathers_over_the_given_group(monkeypatch):
+    from unittest import mock
+
+    from megatron.core import dist_utils
+    from megatron.core.dist_checkpointing import validation
+
+    group = object()
+    seen = {}
+
+    def fake_gather(out, obj, group=None):
+        seen["group"] = group
+        out[:] = [obj, ["other"]]
+
+    monkeypatch.setattr(dist_utils, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", mock.Mock(return_value=2))
+    monkeypatch.setattr(torch.distributed, "all_gather_object", fake_gather)
+    sh = _sh("k", torch.arange(4.0))
+    local, gathered = validation.determine_global_metadata({"a": sh, "b": {"c": sh}}, process_group=group)
+    assert len(local) == 2 and all(m.key == "k" and m.data is None for m in local)
+    assert gathered == [local, ["other"]] and seen["group"] is group
+    torch.distributed.get_world_size.assert_called_once_with(group=group)
