@@ -259,34 +259,63 @@ def targets(files):
 
 
 def run_group(cmd, *, cwd, env, timeout):
-    """Run ``cmd`` in a session (process group) of its own; past ``timeout`` kill the whole group, so that
-    torchrun's rank processes die with the launcher. Returns the CompletedProcess, or None on timeout."""
+    """Run ``cmd`` in a session (process group) of its own; past ``timeout`` kill it and every process below it.
+    torchrun starts each rank in a session of its own, so killing the launcher's group alone would leave the ranks
+    running: the whole process tree is collected (``/proc``) and killed. Returns the CompletedProcess, or None on
+    timeout."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_group(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.communicate()
         return None
     except BaseException:  # KeyboardInterrupt: leave no rank behind
-        kill_group(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         raise
-    finally:
-        kill_group(proc.pid, signal.SIGKILL)  # stragglers of a finished launcher
+    kill_tree(proc.pid)  # stragglers of a finished launcher
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def kill_group(pgid, sig):
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def descendants(pid):
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    children = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children[int(fields[1])].append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL ``pid``'s process group, every process below it and each of their process groups."""
+    pids = [pid, *descendants(pid)]
+    groups = set()
+    for p in pids:
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            pass
+    groups.add(pid)  # the launcher's own group (start_new_session), even once the launcher is gone
+    for g in groups:
+        if g != os.getpgid(0):
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def main(argv=None) -> int:
