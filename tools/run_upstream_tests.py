@@ -175,7 +175,7 @@ class Progress:
     """One 'outcome<TAB>node id<TAB>reason' line per finished test, flushed at once (read back after a timeout)."""
 
     def __init__(self):
-        self.out = open(f"progress{rank}.txt", "w")
+        self.out = open(f"progress{rank}.txt", "a")
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
@@ -185,8 +185,9 @@ class Progress:
             self.out.flush()
 
 
-sys.exit(pytest.main([f"--junitxml=junit{rank}.xml", f"--basetemp=basetemp{rank}", *sys.argv[1:]],
-                     plugins=[Progress()]))
+if __name__ == "__main__":  # not in a multiprocessing spawn child (upstream's async writer starts a Manager)
+    sys.exit(pytest.main([f"--junitxml=junit{rank}.xml", f"--basetemp=basetemp{rank}", *sys.argv[1:]],
+                         plugins=[Progress()]))
 '''
 
 
