@@ -8,7 +8,17 @@ naming the temporary directory first and the package under test second: this rep
 default) or an unpacked upstream megatron-core (``--against upstream=<site>``, for the reference count).
 
 Prints passed / failed / skipped counts and the failures grouped by their first error line. ``--baseline FILE``
-writes the node ids that passed; ``--compare FILE`` counts this run against such a list ("N of M").
+writes the node ids that passed; ``--compare FILE`` counts this run against such a list ("N of M"); per-file
+counts are printed too. ``--files`` (paths / node ids inside the test directory) and ``-k`` run a subset.
+
+With ``--nproc N`` the ranks run under torchrun; past ``--timeout`` the whole process tree (launcher, every rank,
+their multiprocessing children) is killed, and the tests that finished before are still counted (each rank writes
+a progress line per test).
+
+Most of upstream's tests need 2 or more ranks and several need 8 (``world_size ... is not divisible``); on a busy
+CPU a 2-rank run of the whole directory takes longer than 10 minutes, so measure file groups:
+
+    python tools/run_upstream_tests.py --nproc 2 --timeout 560 --files test_fully_parallel.py test_optimizer.py
 
     python tools/run_upstream_tests.py --against upstream=$HOME/.cache/megatron-core-fork/upstream-mcore-0.19.2/site \
         --baseline /tmp/upstream_passed.txt
