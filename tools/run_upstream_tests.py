@@ -8,7 +8,17 @@ naming the temporary directory first and the package under test second: this rep
 default) or an unpacked upstream megatron-core (``--against upstream=<site>``, for the reference count).
 
 Prints passed / failed / skipped counts and the failures grouped by their first error line. ``--baseline FILE``
-writes the node ids that passed; ``--compare FILE`` counts this run against such a list ("N of M").
+writes the node ids that passed; ``--compare FILE`` counts this run against such a list ("N of M"); per-file
+counts are printed too. ``--files`` (paths / node ids inside the test directory) and ``-k`` run a subset.
+
+With ``--nproc N`` the ranks run under torchrun; past ``--timeout`` the whole process tree (launcher, every rank,
+their multiprocessing children) is killed, and the tests that finished before are still counted (each rank writes
+a progress line per test).
+
+Most of upstream's tests need 2 or more ranks and several need 8 (``world_size ... is not divisible``); on a busy
+CPU a 2-rank run of the whole directory takes longer than 10 minutes, so measure file groups:
+
+    python tools/run_upstream_tests.py --nproc 2 --timeout 560 --files test_fully_parallel.py test_optimizer.py
 
     python tools/run_upstream_tests.py --against upstream=$HOME/.cache/megatron-core-fork/upstream-mcore-0.19.2/site \
         --baseline /tmp/upstream_passed.txt
@@ -17,6 +27,7 @@ writes the node ids that passed; ``--compare FILE`` counts this run against such
 import argparse
 import collections
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -168,7 +179,25 @@ import sys
 import pytest
 
 rank = os.environ.get("RANK", "0")
-sys.exit(pytest.main([f"--junitxml=junit{rank}.xml", f"--basetemp=basetemp{rank}", *sys.argv[1:]]))
+
+
+class Progress:
+    """One 'outcome<TAB>node id<TAB>reason' line per finished test, flushed at once (read back after a timeout)."""
+
+    def __init__(self):
+        self.out = open(f"progress{rank}.txt", "a")
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            reason = str(report.longrepr).strip().splitlines()[-1:] if report.longrepr else [""]
+            outcome = "failed" if report.outcome == "failed" else report.outcome
+            self.out.write(f"{outcome}\\t{report.nodeid}\\t{reason[0][:200]}\\n")
+            self.out.flush()
+
+
+if __name__ == "__main__":  # not in a multiprocessing spawn child (upstream's async writer starts a Manager)
+    sys.exit(pytest.main([f"--junitxml=junit{rank}.xml", f"--basetemp=basetemp{rank}", *sys.argv[1:]],
+                         plugins=[Progress()]))
 '''
 
 
@@ -190,6 +219,16 @@ def merge_ranks(per_rank):
     return merged
 
 
+def parse_progress(path: Path):
+    """{node id: (outcome, reason)} from a rank's progress file (tests that finished before a timeout)."""
+    results = {}
+    for line in path.read_text().splitlines():
+        outcome, node, reason = (line.split("\t", 2) + ["", ""])[:3]
+        if results.get(node, ("",))[0] != "failed":
+            results[node] = (outcome, reason)
+    return results
+
+
 def parse_junit(path: Path):
     """{node id: (outcome, reason)} from pytest's junit xml."""
     results = {}
@@ -200,6 +239,8 @@ def parse_junit(path: Path):
         mod_parts = [p for p in parts if p[:1].islower() or p.startswith("test_")]
         klass = [p for p in parts if p not in mod_parts]
         node = "/".join(mod_parts) + ".py" + "".join(f"::{k}" for k in klass) + f"::{name}"
+        if not cls and name.startswith("tests."):  # a collection error: name is the module
+            node = name.replace(".", "/") + ".py::(collection)"
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
@@ -209,6 +250,83 @@ def parse_junit(path: Path):
                 outcome, reason = "skipped", first_line(child.get("message"))
         results[node] = (outcome, reason)
     return results
+
+
+def per_file(results):
+    """{test file: (passed, collected)}."""
+    out = collections.defaultdict(lambda: [0, 0])
+    for node, (outcome, _) in results.items():
+        entry = out[node.split("::", 1)[0]]
+        entry[0] += outcome == "passed"
+        entry[1] += 1
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def targets(files):
+    """pytest targets: the whole test directory, or the given files / node ids inside it."""
+    if not files:
+        return [TEST_DIR]
+    return [f if f.startswith(TEST_DIR) else f"{TEST_DIR}/{f}" for f in files]
+
+
+def run_group(cmd, *, cwd, env, timeout):
+    """Run ``cmd`` in a session (process group) of its own; past ``timeout`` kill it and every process below it.
+    torchrun starts each rank in a session of its own, so killing the launcher's group alone would leave the ranks
+    running: the whole process tree is collected (``/proc``) and killed. Returns the CompletedProcess, or None on
+    timeout."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        return None
+    except BaseException:  # KeyboardInterrupt: leave no rank behind
+        kill_tree(proc.pid)
+        raise
+    kill_tree(proc.pid)  # stragglers of a finished launcher
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid):
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    children = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children[int(fields[1])].append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL ``pid``'s process group, every process below it and each of their process groups."""
+    pids = [pid, *descendants(pid)]
+    groups = set()
+    for p in pids:
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            pass
+    groups.add(pid)  # the launcher's own group (start_new_session), even once the launcher is gone
+    for g in groups:
+        if g != os.getpgid(0):
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def main(argv=None) -> int:
@@ -224,6 +342,10 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=1,
                     help="ranks (torchrun, gloo); upstream's CI runs its unit tests on 8")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for the whole pytest run")
+    ap.add_argument("--files", nargs="+", metavar="FILE",
+                    help="only these test files / node ids, relative to the dist_checkpointing test directory "
+                         "(e.g. test_mapping.py 'test_serialization.py::TestSerialization::test_single_process_save_load')")
+    ap.add_argument("-k", dest="keyword", help="pytest -k expression selecting tests by name")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
 
@@ -250,17 +372,25 @@ def main(argv=None) -> int:
             launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                       f"--nproc-per-node={args.nproc}"]
         cmd = [*launch, "rank_main.py", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp),
-               "--continue-on-collection-errors", "-W", "ignore", TEST_DIR, *args.pytest_args]
-        try:
-            done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"pytest ran past {args.timeout} s", file=sys.stderr)
-            return 2
+               "--continue-on-collection-errors", "-W", "ignore", *targets(args.files), *args.pytest_args]
+        if args.keyword:
+            cmd += ["-k", args.keyword]
+        done = run_group(cmd, cwd=tmp, env=env, timeout=args.timeout)
         junits = [tmp / f"junit{r}.xml" for r in range(args.nproc)]
-        if not all(j.is_file() for j in junits):
+        if done is None:
+            print(f"pytest ran past {args.timeout} s (its process group, every rank included, was killed); "
+                  "counting the tests that finished before", file=sys.stderr)
+            progress = [tmp / f"progress{r}.txt" for r in range(args.nproc)]
+            if not all(p.is_file() for p in progress):
+                return 2
+            results = merge_ranks([parse_progress(p) for p in progress])
+            status = 2
+        elif not all(j.is_file() for j in junits):
             print(done.stdout[-4000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
             return 2
-        results = merge_ranks([parse_junit(j) for j in junits])
+        else:
+            results = merge_ranks([parse_junit(j) for j in junits])
+            status = 0
     finally:
         if args.keep:
             print(f"kept {tmp}")
@@ -270,6 +400,8 @@ def main(argv=None) -> int:
     counts = collections.Counter(outcome for outcome, _ in results.values())
     print(f"against {package_root} on {args.nproc} rank(s): {counts['passed']} passed, {counts['failed']} failed, "
           f"{counts['skipped']} skipped ({len(results)} collected)")
+    for file, (ok, total) in sorted(per_file(results).items()):
+        print(f"    {file}: {ok}/{total} passed")
     passed = sorted(n for n, (o, _) in results.items() if o == "passed")
     if args.baseline:
         Path(args.baseline).write_text("".join(n + "\n" for n in passed))
@@ -287,7 +419,7 @@ def main(argv=None) -> int:
         print(f"\n[{len(nodes)}] {reason}")
         for node in sorted(nodes):
             print(f"    {node}")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

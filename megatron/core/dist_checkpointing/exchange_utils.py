@@ -4,7 +4,7 @@
 A ``ShardDistribution`` is valid for one process group (implicit): ranks in it are ranks *of that group*.
 """
 import logging
-from typing import Callable, Dict, List, NamedTuple, Optional, Set, TypeVar
+from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -143,6 +143,34 @@ def _receives_in_place(dest: Optional[ShardedTensor], meta: ShardedTensor, devic
     )
 
 
+def _get_empty_tensor_for_exchange(
+    shard_id: _ShardId,
+    needed_shards: Dict[_ShardId, ShardedTensor],
+    unneeded_shards: Dict[_ShardId, ShardedTensor],
+    loaded_tensors: Dict[_ShardId, torch.Tensor],
+    device: Optional[torch.device] = None,
+) -> Tuple[torch.Tensor, Optional[torch.device]]:
+    """The buffer that receives shard ``shard_id`` in an exchange (upstream's name and arguments), and the device of
+    this rank's own tensor for it (None when this rank does not need the shard).
+
+    A shard this rank needs (in ``needed_shards``) is received in place into its ``data`` when that is a plain
+    contiguous tensor of the exchanged dtype/shape on ``device`` (the collective device by default), else into a new
+    buffer; either way the buffer is recorded in ``loaded_tensors``. A shard it does not need gets a new buffer
+    shaped from its metadata in ``unneeded_shards`` (dropped after the exchange)."""
+    if device is None:
+        device = collective_device()
+    dest = needed_shards.get(shard_id)
+    meta = dest if dest is not None else unneeded_shards[shard_id]
+    if _receives_in_place(dest, meta, device):
+        buf = dest.data.detach()
+    else:
+        buf = torch.empty(_exchange_shape(meta), dtype=meta.dtype, device=device)
+    if dest is None:
+        return buf, None
+    loaded_tensors[shard_id] = buf
+    return buf, (dest.data.device if isinstance(dest.data, torch.Tensor) else None)
+
+
 @torch.no_grad()
 def exchange_loaded_tensors_broadcast(
     loaded_tensors: Dict[_ShardId, torch.Tensor],
@@ -173,11 +201,7 @@ def exchange_loaded_tensors_broadcast(
                 raise CheckpointingException(f"exchange: rank {my_rank} should send shard {sid} but did not load it")
             buf = loaded_tensors[sid].to(device=device, dtype=meta.dtype).contiguous()
         else:
-            dest = unloaded_shards.get(sid)
-            if _receives_in_place(dest, meta, device):
-                buf = dest.data.detach()
-            else:
-                buf = torch.empty(_exchange_shape(meta), dtype=meta.dtype, device=device)
+            buf, _ = _get_empty_tensor_for_exchange(sid, unloaded_shards, metadata, {}, device=device)
         dist.broadcast(buf, src=_global_rank(parallelization_group, src), group=parallelization_group)
         if src != my_rank and sid in unloaded_shards:
             if on_received is not None:

@@ -86,7 +86,8 @@ def _group_src(process_group=None) -> int:
 
 
 def local_sharded_metadata(sharded_state_dict: ShardedStateDict) -> List[ShardedBase]:
-    return [v.without_data() for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
+    """Data-less copies of the sharded entries (anything with ``without_data``, as upstream: duck-typed)."""
+    return [v.without_data() for v in nested_values(sharded_state_dict) if hasattr(v, "without_data")]
 
 
 def determine_global_metadata(
@@ -95,7 +96,7 @@ def determine_global_metadata(
     """(this rank's metadata, every rank's metadata): data-less ShardedTensors/ShardedObjects, gathered over
     ``process_group`` (default: WORLD; collective over it)."""
     local = local_sharded_metadata(sharded_state_dict)
-    ws = dist_utils.get_world_size(process_group)
+    ws = dist.get_world_size(group=process_group) if dist_utils.is_distributed() else 1
     if ws == 1:
         return local, [local]
     gathered: List[Optional[List[ShardedBase]]] = [None] * ws

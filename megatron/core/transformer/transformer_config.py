@@ -394,3 +394,29 @@ class TransformerConfig:
                 if value is not None and value % tp != 0:
                     raise ValueError(f"{_named(name, value)} must be divisible by "
                                      f"{_named('tensor_model_parallel_size', tp)}")
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Upstream's config for multi-latent attention (DeepSeek-style MLA): ``TransformerConfig`` plus the MLA fields
+    and defaults (``--multi-latent-attention``, ``--q-lora-rank``, ``--kv-lora-rank``, ``--qk-head-dim``,
+    ``--qk-pos-emb-head-dim``, ``--v-head-dim``, yarn rope scaling). This fork has no MLA layers: the config can be
+    built, compared and checkpointed (e.g. as run metadata), but building attention from it raises
+    NotImplementedError naming multi-latent attention."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False
+    mla_down_proj_fusion: bool = False
