@@ -178,6 +178,7 @@ _KILLED = textwrap.dedent(
         w.add_(2)
         save(2)
         queue.close()
+        dist.destroy_process_group()  # (left to interpreter exit, gloo's threads sometimes aborted it: exit -6)
         print("SAVED", flush=True)
     """
 )
