@@ -184,16 +184,30 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                                   expert_bias_ok=bias_ok, tolerance=tol, ok=diff <= tol < 0.1 < before and bias_ok)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
-                record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
-                if dist.get_rank() == 0:
-                    traceback.print_exc()
+                _record_failure(record, e)
             results.append(record)
             dist.barrier()
-        if dist.get_rank() == 0:
-            with open(results_path(workdir, side, phase, layout), "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in results)
-        dist.barrier()
-        ps.destroy_model_parallel()
+        _finish_layout(results, results_path(workdir, side, phase, layout), ps)
+
+
+def _record_failure(record: dict, e: Exception) -> None:
+    """A job's exception into its record (the test names it); the traceback printed once, by rank 0."""
+    import torch.distributed as dist
+
+    record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
+    if dist.get_rank() == 0:
+        traceback.print_exc()
+
+
+def _finish_layout(results: list, path: str, ps) -> None:
+    """Rank 0 writes one layout's job records (a JSON line each) to ``path``; then the layout's groups go."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in results)
+    dist.barrier()
+    ps.destroy_model_parallel()
 
 
 def _save(model, out: str, fully_parallel: bool, async_save: bool, save_kwargs: dict) -> None:
@@ -406,16 +420,10 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                                   error="; ".join(c["error"] for c in parts if c.get("error")) or None)
                 record.setdefault("ok", True)
             except Exception as e:
-                record.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
-                if dist.get_rank() == 0:
-                    traceback.print_exc()
+                _record_failure(record, e)
             results.append(record)
             dist.barrier()
-        if dist.get_rank() == 0:
-            with open(optim_results_path(workdir, side, phase, layout), "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in results)
-        dist.barrier()
-        ps.destroy_model_parallel()
+        _finish_layout(results, optim_results_path(workdir, side, phase, layout), ps)
 
 
 OPTIM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "fp32_param", "step")
