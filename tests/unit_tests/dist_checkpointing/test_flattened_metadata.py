@@ -1,18 +1,15 @@
 """N-D flattened tensors (the distributed optimizer's state) keep their original global shape in the DCP metadata's
-``mcore_data``: written by the writer right where ``.metadata`` is pickled (whatever the DCP version did with the
-planner's metadata object), and a checkpoint whose ``.metadata`` lacks it (written by this fork under torch 2.11)
-still loads: the shape ``grid + (n,)`` is recognised as the reformulation of the requested shape."""
+``mcore_data`` (set by the save planner), and a checkpoint whose ``.metadata`` lacks it (written by this fork under
+torch 2.11) still loads: the shape ``grid + (n,)`` is recognised as the reformulation of the requested shape."""
 import math
 import os
 import pickle
 
 import pytest
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies import planners
 from tests.unit_tests.dist_utils import run_distributed
 
 FULL = torch.arange(48.0).reshape(8, 6)
@@ -24,9 +21,7 @@ def _flat(value, lo, hi, key="opt.w"):
                                                 flattened_range=slice(lo, hi))
 
 
-def _save(rank, world, d, plain_planner):
-    if plain_planner:  # a planner that leaves the metadata alone: the writer still records mcore_data
-        planners.MCoreSavePlanner.create_global_plan = DefaultSavePlanner.create_global_plan
+def _save(rank, world, d):
     n = FULL.numel() // world
     dist_checkpointing.save({"w": _flat(FULL, rank * n, (rank + 1) * n)}, d)
 
@@ -52,14 +47,13 @@ _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @pytest.mark.skipif(_TORCH < (2, 13), reason="under torch 2.11 (H200, 2026-12-04) the attribute does not reach the "
-                    "file even from the writer; those checkpoints load through the layout recognition below")
-@pytest.mark.parametrize("plain_planner", [False, True])
-def test_writer_records_the_original_shape(tmp_path, plain_planner):
+                    "file; those checkpoints load through the layout recognition below")
+def test_planner_records_the_original_shape(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     d = str(tmp_path / "ck")
     os.makedirs(d)
-    run_distributed(_save, 2, d, plain_planner)
+    run_distributed(_save, 2, d)
     md = FileSystemReader(d).read_metadata()
     assert tuple(md.state_dict_metadata["opt.w"].size) == (1, 1, 48)
     assert md.mcore_data["opt.w"]["nd_reformulated_orig_global_shape"] == (8, 6)
@@ -68,7 +62,7 @@ def test_writer_records_the_original_shape(tmp_path, plain_planner):
 def test_checkpoint_without_mcore_data_still_loads(tmp_path):
     d = str(tmp_path / "ck")
     os.makedirs(d)
-    run_distributed(_save, 2, d, False)
+    run_distributed(_save, 2, d)
     _strip_mcore_data(d)
     run_distributed(_load, 2, d, (8, 6))  # the same layout
     run_distributed(_load, 1, d, (8, 6))  # another DP size
@@ -77,7 +71,7 @@ def test_checkpoint_without_mcore_data_still_loads(tmp_path):
 def test_without_mcore_data_a_different_size_is_still_refused(tmp_path):
     d = str(tmp_path / "ck")
     os.makedirs(d)
-    run_distributed(_save, 1, d, False)
+    run_distributed(_save, 1, d)
     _strip_mcore_data(d)
     with pytest.raises(AssertionError, match="CheckpointingException: global shape mismatch for key 'opt.w'.*"
                                              "requested \\(10, 6\\), checkpoint has \\(1, 1, 48\\)"):

@@ -365,14 +365,6 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
                 f"available: {sorted(ALGORITHMS)}"
             )
         self.fs = _ChecksummingFileSystem(ALGORITHMS[self.algorithm])
-        self.metadata_attrs: Dict[str, Any] = {}  # set on the DCP Metadata right before it is written (mcore_data)
-
-    def finish(self, metadata, results) -> None:
-        """Write the metadata file, with ``metadata_attrs`` set on it here, where it is pickled, so they are in the
-        file whatever route the DCP version took from the planner's global plan to this call."""
-        for name, value in getattr(self, "metadata_attrs", {}).items():
-            setattr(metadata, name, value)
-        super().finish(metadata, results)
 
     def __getstate__(self):
         """Picklable (DCP's process-based async save sends the writer to its checkpoint process): the checksumming

@@ -454,7 +454,6 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
         writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
-        writer.metadata_attrs["mcore_data"] = union  # (the planner sets it too; the writer is where it is pickled)
         return pyt_state_dict, planner, writer
 
 
