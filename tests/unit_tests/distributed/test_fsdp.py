@@ -119,9 +119,10 @@ def test_meta_init_equals_eager_attributes_maps_sharded_state_dict(ws, tied):
 
 
 # ---- training: FSDP on a slice of the batch per rank == one process on the whole batch --------------------
-def _train_body(rank, ws, moe, meta, accum=False, steps=3):
+def _train_body(rank, ws, moe, meta, accum=False, steps=3, strategy="optim_grads_params"):
     cfg = tiny_config(moe=moe)
-    fsdp = _fsdp(cfg, 11, meta=meta)
+    fsdp = _fsdp(cfg, 11, meta=meta, data_parallel_sharding_strategy=strategy)
+    kept = strategy == "optim_grads" or ws == 1  # parameters stay gathered across accumulated micro-batches
     opt = _opt(fsdp)
     ref = build_gpt(cfg, 11)
     ref_opt = _opt(ref)
@@ -135,8 +136,11 @@ def _train_body(rank, ws, moe, meta, accum=False, steps=3):
             with fsdp.no_sync():
                 l1 = fsdp(tok[sl][:half], position_ids(half), labels=lab[sl][:half]).mean() / 2
                 l1.backward()
+            layer_w = fsdp.module.decoder.layers[0].self_attention.linear_qkv.weight
+            assert isinstance(layer_w, DTensor) != kept  # gathered (plain tensor) only where kept
             l2 = fsdp(tok[sl][half:], position_ids(per - half), labels=lab[sl][half:]).mean() / 2
             l2.backward()
+            assert isinstance(fsdp.module.decoder.layers[0].self_attention.linear_qkv.weight, DTensor)
             loss = l1 + l2
         else:
             loss = fsdp(tok[sl], position_ids(per), labels=lab[sl]).mean()
@@ -167,9 +171,14 @@ def _train_body(rank, ws, moe, meta, accum=False, steps=3):
             assert r_f.expert_bias.abs().sum() > 0  # it was updated
 
 
-@pytest.mark.parametrize("ws,moe,meta,accum", [(2, True, True, False), (4, True, True, False), (2, False, False, True)])
-def test_fsdp_training_equals_single_process(ws, moe, meta, accum):
-    run_distributed(_train_body, ws, moe, meta, accum)
+@pytest.mark.parametrize("ws,moe,meta,accum,strategy", [
+    (2, True, True, False, "optim_grads_params"), (4, True, True, False, "optim_grads_params"),
+    (2, False, False, True, "optim_grads_params"), (2, True, True, True, "optim_grads"),
+    (1, True, True, True, "optim_grads_params")])
+def test_fsdp_training_equals_single_process(ws, moe, meta, accum, strategy):
+    """ZeRO-3 and ZeRO-2, with two accumulated micro-batches (``no_sync``) where ``accum``: the parameters are
+    regathered for the second micro-batch under ZeRO-3 on several ranks, kept gathered otherwise."""
+    run_distributed(_train_body, ws, moe, meta, accum, 3, strategy)
 
 
 # ---- peak memory of meta init: at most one FSDP unit at full size besides the root's own modules ---------

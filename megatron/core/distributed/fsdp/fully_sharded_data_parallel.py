@@ -230,6 +230,9 @@ class FullyShardedDataParallel(MegatronModule):
             unit_size = default_unit_size(dist.get_world_size(self.process_group), reshard_after_forward)
         groups = group_units(units, self.fsdp_unit_modules, unit_size)
         names = module_names(module)
+        # parameters kept gathered from forward to backward (one data-parallel rank, or ZeRO-2): ``no_sync`` keeps
+        # them gathered across the accumulated micro-batches too (see there)
+        self.reshard_after_forward = reshard_after_forward
         self._materialize_and_shard_units(module, groups, reshard_after_forward, names)
         self._finish_root(module, reshard_after_forward)
         self.old_to_new_params = rebind_params(originals, param_keyed_maps)
@@ -376,12 +379,23 @@ class FullyShardedDataParallel(MegatronModule):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate unsharded gradients without reduce-scatter (the last micro-batch, outside, syncs)."""
+        """Accumulate unsharded gradients without reduce-scatter (the last micro-batch, outside, syncs).
+
+        Where parameters are not resharded after forward (one data-parallel rank, or ZeRO-2: parameters whole
+        between forward and backward), they are not resharded after this micro-batch's backward either: the next
+        micro-batch reuses the gathered (FP8: quantized) parameters instead of gathering the same values again.
+        The syncing micro-batch reshards after its backward, so the optimizer step's new values are gathered at
+        the next step. ZeRO-3 on several ranks keeps resharding (its memory bound)."""
+        keep_gathered = not self.reshard_after_forward
         self.module.set_requires_gradient_sync(False)
+        if keep_gathered:
+            self.module.set_reshard_after_backward(False)
         try:
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+            if keep_gathered:
+                self.module.set_reshard_after_backward(True)
 
     def start_grad_sync(self, *unused) -> None:
         pass
