@@ -8,7 +8,9 @@ model's). Every configuration of a table is built first and warmed up (``--warmu
 timed interleaved: ``--repeats`` rounds, each timing ``--iters`` steps of every configuration in turn, and a row's
 time is the median over the rounds, so no row is measured while the device warms up or the others' caches settle.
 
-Table 1: step time with SequentialMLP and with --moe-grouped-gemm at the same micro-batch. Table 2 (grouped
+Table 1: step time with SequentialMLP and with --moe-grouped-gemm at the same micro-batch, each with the torch
+ops' token permutation and (on CUDA with Transformer Engine) with ``--moe-permute-fusion`` (TE's fused kernels, what
+upstream's MoE launch scripts pass). Table 2 (grouped
 experts): per recompute setting, step time, tokens/s, the bytes autograd keeps for backward after the forward
 (distinct storages; an output-discarding recompute's freed outputs count 0), on CUDA the peak activation memory (max
 allocated during a step minus allocated before it) and the largest micro-batch that fits (doubling, then bisection,
@@ -26,6 +28,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import use_fused_permutation
 from megatron.core.transformer.utils import init_weights
 
 SELECTIVE = dict(recompute_granularity="selective")
@@ -169,6 +172,7 @@ def _parse():
     for name, (gpu, cpu) in SIZES.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {gpu} (cuda), {cpu} (cpu)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--no-recompute", action="store_true", help="table 1 only")
     a = p.parse_args()
     if a.smoke:
         a.device = "cpu"
@@ -191,14 +195,24 @@ def main():
     print(f"# GPT MoE: {a.layers} layers, hidden {a.hidden}, 8 experts top-2, expert ffn {a.ffn}, seq {a.seq}, "
           f"micro-batch {a.micro_batch}; median of {a.repeats} interleaved rounds of {a.iters} steps after "
           f"{a.warmup} warm-up steps each")
-    models = {name: _build(a, _config(a, grouped)) for name, grouped in (("sequential", False), ("grouped", True))}
+    rows = {"sequential": (False, False), "grouped": (True, False)}
+    fusion = a.device == "cuda" and use_fused_permutation(_config(a, False, moe_permute_fusion=True),
+                                                          torch.ones(1, device=a.device))
+    if fusion:
+        rows.update({"sequential, permute fusion": (False, True), "grouped, permute fusion": (True, True)})
+    models = {name: _build(a, _config(a, grouped, moe_permute_fusion=fused)) for name, (grouped, fused) in rows.items()}
     times = step_times(models, a, a.micro_batch)
     del models
     print("| experts | step ms | tokens/s |\n| --- | ---: | ---: |")
     for name, t in times.items():
         results["experts"][name] = dict(step_s=t, tokens_per_s=tokens / t)
         print(f"| {name} | {t * 1e3:.1f} | {tokens / t:.0f} |")
-    print(f"grouped / sequential tokens/s: {times['sequential'] / times['grouped']:.2f} (goal >= 1.3)\n")
+    for suffix in ("", ", permute fusion") if fusion else ("",):
+        print(f"grouped / sequential tokens/s{suffix}: "
+              f"{times['sequential' + suffix] / times['grouped' + suffix]:.2f} (goal >= 1.3)")
+    print()
+    if a.no_recompute:
+        return _write(a, results)
 
     models = {name: _build(a, _config(a, True, **kw)) for name, kw in RECOMPUTE.items()}
     times = step_times(models, a, a.micro_batch)
@@ -229,6 +243,10 @@ def main():
     full = results["recompute"]["full"]
     mem = "peak_activation_mib" if a.device == "cuda" else "kept_mib"
     print(f"full: activation memory cut {1 - _ratio(full[mem], off[mem]):.1%} ({mem}; goal >= 60 %)")
+    _write(a, results)
+
+
+def _write(a, results) -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -115,6 +115,9 @@ def _add_moe_args(parser):
                    help="All local experts in one grouped GEMM per projection (Transformer Engine's GroupedLinear "
                         "with --transformer-impl transformer_engine, else torch's grouped matmul or a loop); "
                         "checkpoints interchange with the sequential experts.")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Permute tokens to their experts and back with Transformer Engine's fused kernels where TE "
+                        "is installed and the model runs on CUDA (torch ops otherwise: the same rows, same order).")
 
 
 # Upstream flags that select a kernel for the same math, which this fork does not have: accepted, and what they do
@@ -134,8 +137,6 @@ KERNEL_FLAGS = (
      "with --cross-entropy-loss-fusion (no fused kernel here)"),
     ("--no-gradient-accumulation-fusion", dict(action="store_false", dest="gradient_accumulation_fusion"),
      "weight gradients are accumulated by autograd here (no fused wgrad kernel)"),
-    ("--moe-permute-fusion", dict(action="store_true"),
-     "tokens are permuted to their experts by torch ops here (no fused kernel)"),
     ("--use-mcore-models", dict(action="store_true"),
      "deprecated upstream (megatron-core models are the only ones)"),
     ("--attention-softmax-in-fp32", dict(action="store_true"), "SDPA's kernels accumulate the softmax in fp32"),
@@ -1265,6 +1266,7 @@ def core_transformer_config_from_args(args, config_class=None):
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_permute_fusion=args.moe_permute_fusion,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,

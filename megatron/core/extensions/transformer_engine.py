@@ -88,3 +88,8 @@ te_quantized_model_init = _optional("transformer_engine.pytorch", "quantized_mod
     "transformer_engine.pytorch", "fp8_model_init"
 )
 te_recipe = _optional("transformer_engine.common", "recipe")
+
+# ---- MoE token permutation kernels (--moe-permute-fusion; used by megatron/core/transformer/moe/moe_utils.py) -----
+te_moe_permute = _optional("transformer_engine.pytorch", "moe_permute")
+te_moe_permute_with_probs = _optional("transformer_engine.pytorch", "moe_permute_with_probs")
+te_moe_unpermute = _optional("transformer_engine.pytorch", "moe_unpermute")

@@ -184,6 +184,7 @@ class TransformerConfig:
     moe_router_dtype: Optional[str] = None  # router logits are always computed in float32 here
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str = "allgather"
+    moe_permute_fusion: bool = False  # TE's fused token permutation where TE and CUDA are present (torch ops else)
     moe_shared_expert_intermediate_size: Optional[int] = None  # shared experts' total hidden size (None: none)
     moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . gate_weight)
     moe_shared_expert_overlap: bool = False  # accepted; the shared experts run un-overlapped here (same values)

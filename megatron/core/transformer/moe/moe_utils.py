@@ -129,23 +129,52 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
 
 # ---- token permutation ------------------------------------------------------------------------------------
-def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None):
+def use_fused_permutation(config, tokens: torch.Tensor) -> bool:
+    """``--moe-permute-fusion`` where its kernels can run: Transformer Engine's permutation present and ``tokens``
+    (non-empty) on CUDA. Decide once per dispatch and pass the answer to both :func:`permute` and
+    :func:`unpermute` (their row maps differ between the two paths)."""
+    from megatron.core.extensions.transformer_engine import te_moe_permute, te_moe_permute_with_probs, te_moe_unpermute
+
+    return (bool(getattr(config, "moe_permute_fusion", False)) and tokens.is_cuda and tokens.shape[0] > 0
+            and None not in (te_moe_permute, te_moe_permute_with_probs, te_moe_unpermute))
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
+            num_out_tokens: Optional[int] = None, fused: bool = False):
     """Sort ``tokens`` ``[T, h]`` by expert: row-major order of ``routing_map.T`` (``[E, T]``), i.e. by expert,
-    then by token index. Returns ``(permuted [N, h], permuted_probs [N] or None, sorted_indices [N])``,
-    ``N = routing_map.sum()``; ``sorted_indices[i]`` is the token of row ``i``."""
+    then by token index. Returns ``(permuted [N, h], permuted_probs [N] or None, row_map)``,
+    ``N = routing_map.sum()`` (``num_out_tokens`` when the caller knows it: no device sync for it). ``row_map`` is
+    for :func:`unpermute`: ``sorted_indices [N]`` (the token of each row) with torch ops, Transformer Engine's
+    row-id map with ``fused`` (see :func:`use_fused_permutation`; the same rows in the same order)."""
+    if fused:
+        from megatron.core.extensions.transformer_engine import te_moe_permute, te_moe_permute_with_probs
+
+        n = -1 if num_out_tokens is None else int(num_out_tokens)
+        int_map = routing_map.to(torch.int32)  # TE's dtype for a mask map (also makes a column slice contiguous)
+        if probs is None:
+            out, row_map = te_moe_permute(tokens, int_map, num_out_tokens=n, map_type="mask")
+            return out, None, row_map
+        out, permuted_probs, row_map = te_moe_permute_with_probs(tokens, probs.contiguous(), int_map, n)
+        return out, permuted_probs, row_map
     mask = routing_map.t()
     sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(0).expand_as(mask)[mask]
     permuted_probs = None if probs is None else probs.t()[mask]
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
 
 
-def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, restore_shape, probs=None) -> torch.Tensor:
-    """Inverse of :func:`permute`: each row, weighted by its prob (in float32) when ``probs`` is given, is summed
-    into its token's row of a zero ``restore_shape`` tensor."""
+def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, probs=None,
+              fused: bool = False) -> torch.Tensor:
+    """Inverse of :func:`permute` (``row_map`` and ``fused`` as it took/returned): each row, weighted by its prob
+    (in float32) when ``probs`` (the permuted probs ``[N]``) is given, is summed into its token's row of a zero
+    ``restore_shape`` tensor."""
     if probs is not None:
         permuted = (permuted.float() * probs.unsqueeze(-1)).to(permuted.dtype)
+    if fused:
+        from megatron.core.extensions.transformer_engine import te_moe_unpermute
+
+        return te_moe_unpermute(permuted, row_map, restore_shape=torch.Size(restore_shape), map_type="mask")
     out = permuted.new_zeros(restore_shape)
-    return out.index_add_(0, sorted_indices, permuted)
+    return out.index_add_(0, row_map, permuted)
 
 
 def sort_chunks_by_idxs(x: torch.Tensor, split_sizes, sorted_idxs) -> torch.Tensor:

@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.moe_utils import (
     permute,
     sort_chunks_by_idxs,
     unpermute,
+    use_fused_permutation,
 )
 
 DISPATCHER_TYPES = ("allgather", "alltoall")
@@ -87,11 +88,13 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.gathered_shape = hidden_states.shape
         local_map = self.routing_map[:, lo:hi]
         tokens_per_expert = local_map.sum(dim=0).long().cpu()
-        permuted, self.local_probs, self.sorted_indices = permute(hidden_states, local_map, probs[:, lo:hi])
+        self.fused = use_fused_permutation(self.config, hidden_states)
+        permuted, self.local_probs, self.row_map = permute(hidden_states, local_map, probs[:, lo:hi],
+                                                           int(tokens_per_expert.sum()), self.fused)
         return permuted, tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states):
-        return unpermute(hidden_states, self.sorted_indices, self.gathered_shape, self.local_probs)
+        return unpermute(hidden_states, self.row_map, self.gathered_shape, self.local_probs, self.fused)
 
     def token_combine(self, hidden_states):
         return reduce_scatter_along_first_dim(self.ep_group, hidden_states, self.sizes)
@@ -115,7 +118,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
                 per_local = counts.reshape(1, local).cpu()
             self.per_rank_per_local = per_local
             self.tokens_per_expert = per_local.sum(dim=0)
-        permuted, self.local_probs, self.sorted_indices = permute(hidden_states, routing_map, probs)
+            routed = sum(self.input_splits) if ep > 1 else int(per_local.sum())  # this rank's (token, expert) rows
+        self.fused = use_fused_permutation(self.config, hidden_states)
+        permuted, self.local_probs, self.row_map = permute(hidden_states, routing_map, probs, routed, self.fused)
         return permuted, self.local_probs
 
     def token_dispatch(self, hidden_states, probs):
@@ -140,8 +145,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states):
         if self.ep_size > 1:
             hidden_states = all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
-        return unpermute(hidden_states, self.sorted_indices, (self.hidden_shape.numel() // self.hidden_shape[-1],
-                                                              self.hidden_shape[-1]), self.local_probs)
+        return unpermute(hidden_states, self.row_map, (self.hidden_shape.numel() // self.hidden_shape[-1],
+                                                       self.hidden_shape[-1]), self.local_probs, self.fused)
 
 
 def build_token_dispatcher(num_local_experts: int, local_expert_indices: List[int], config) -> MoETokenDispatcher:

@@ -1,0 +1,94 @@
+"""--moe-permute-fusion: Transformer Engine's fused token permutation gives the rows, probs, combined outputs and
+gradients of the torch ops (GPU with TE); without CUDA/TE the flag keeps the torch ops (CPU)."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core.extensions.transformer_engine import te_moe_permute_with_probs
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import permute, unpermute, use_fused_permutation
+
+HAVE_FUSED = te_moe_permute_with_probs is not None and torch.cuda.is_available()
+needs_fused = pytest.mark.skipif(not HAVE_FUSED, reason="needs CUDA and Transformer Engine's moe_permute")
+
+
+def _routing(tokens, experts, topk, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g)
+    top = logits.topk(topk, dim=-1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.softmax(logits, dim=-1) * routing_map
+    return routing_map.to(device), probs.to(device)
+
+
+def _cfg(**kw):
+    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4, **kw)
+
+
+def test_flag_reaches_config_and_cpu_keeps_torch_ops():
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    args = validate_args(parse_args(args=["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                                          "--num-experts", "4", "--moe-permute-fusion", "--micro-batch-size", "1",
+                                          "--seq-length", "8", "--vocab-size", "64", "--mock-data",
+                                          "--train-iters", "1", "--lr", "1e-3"]))
+    assert core_transformer_config_from_args(args).moe_permute_fusion is True
+    assert _cfg().moe_permute_fusion is False
+    x = torch.randn(5, 16)
+    assert not use_fused_permutation(_cfg(moe_permute_fusion=True), x)  # CPU tensors: torch ops
+    routing_map, probs = _routing(5, 4, 2, "cpu")
+    out, pprobs, rows = permute(x, routing_map, probs, fused=False)
+    assert out.shape == (10, 16) and torch.equal(out, x[rows])
+    back = unpermute(out, rows, x.shape, pprobs)
+    torch.testing.assert_close(back, x * probs.sum(dim=-1, keepdim=True))
+
+
+@pytest.mark.gpu
+@needs_fused
+@pytest.mark.parametrize("cols", [slice(0, 8), slice(2, 6)])  # all experts (alltoall), a local slice (allgather)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_equals_torch_ops(cols, dtype):
+    T, H = 300, 64
+    full_map, full_probs = _routing(T, 8, 2, "cuda", seed=1)
+    routing_map, probs0 = full_map[:, cols], full_probs[:, cols]
+    x0 = torch.randn(T, H, device="cuda", dtype=dtype)
+    results = []
+    for fused in (False, True):
+        x = x0.clone().requires_grad_(True)
+        probs = probs0.clone().requires_grad_(True)
+        n = int(routing_map.sum())
+        out, pprobs, rows = permute(x, routing_map, probs, n, fused=fused)
+        y = out * 2.0 + 1.0  # an "expert"
+        back = unpermute(y, rows, x.shape, pprobs, fused=fused)
+        (back.float() * torch.linspace(-1, 1, H, device="cuda")).sum().backward()
+        results.append((out.detach(), pprobs.detach(), back.detach(), x.grad, probs.grad))
+    ref, got = results
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])  # same rows, same order, same probs
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(("combined", "tokens' grad", "probs' grad"), got[2:], ref[2:]):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{name}: {m}")
+    assert ref[4].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@needs_fused
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_moe_layer_with_fused_permutation_equals_torch_ops(dispatcher):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    cfg = _cfg(moe_router_topk=2, moe_ffn_hidden_size=32, moe_token_dispatcher_type=dispatcher,
+               params_dtype=torch.float32)
+    x0 = torch.randn(12, 3, 16, device="cuda")
+    grads, outs = [], []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        layer = MoELayer(dataclasses.replace(cfg, moe_permute_fusion=fused)).cuda()
+        x = x0.clone().requires_grad_(True)
+        out, _ = layer(x)
+        out.sum().backward()
+        outs.append(out.detach())
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
