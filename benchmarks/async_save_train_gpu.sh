@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Step time around a checkpoint save while pretrain_gpt.py trains, synchronous save vs --async-save (DCP's PROCESS
 # checkpointer, the default; ASYNC_KINDS="process thread" adds the THREAD one), same model, same flags otherwise.
-# Each run trains ITERS iterations with --log-interval 1, saves at SAVE_AT and (pretrain_gpt's final save) at ITERS.
-# Prints one table: how long training was blocked by the save at SAVE_AT (sync: the save; async: "training blocked"
-# as logged when it was scheduled), the median iteration time before it (iterations 3..SAVE_AT), the median of the
+# Each run trains ITERS iterations with --log-interval 1, saves every SAVE_AT iterations and (pretrain_gpt's final
+# save) at ITERS. Prints one table: how long training was blocked by the save at SAVE_AT (sync: the save; async:
+# "training blocked" as logged when it was scheduled; the run's first save, which allocates the async host buffers)
+# and by the later saves (median: buffers reused), the median iteration time before it (iterations 3..SAVE_AT), the median of the
 # iterations after it (SAVE_AT+1..ITERS: the background write runs then) and their ratio (goal: <= 1.1), the first
 # iterations after the save one by one, and the iteration before which the async save was finalized.
 #
@@ -50,29 +51,32 @@ rows, out = [], []
 for name in names:
     text = open(f"{logdir}/{name}.log").read()
     ms = {int(i): float(t) for i, t in re.findall(r"iteration +(\d+)/ *\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)", text)}
-    blocked = re.search(r"training blocked ([0-9.]+) s", text)
-    saved = re.search(rf"saved checkpoint iteration {save_at} .*? in ([0-9.]+) s", text)
+    blocked = [float(b) for b in re.findall(r"training blocked ([0-9.]+) s", text)]
+    saved = [float(b) for b in re.findall(r"saved checkpoint iteration +\d+ .*? in ([0-9.]+) s", text)]
     fin = re.search(rf"successfully saved checkpoint from iteration +{save_at}", text)
     before = [ms[i] for i in range(3, save_at + 1) if i in ms]  # iterations 1-2: warm-up
     after = [ms.get(i) for i in range(save_at + 1, min(save_at + 7, iters + 1))]
     rest = [ms[i] for i in range(save_at + 1, iters + 1) if i in ms]
     med = statistics.median(before) if before else float("nan")
     med_after = statistics.median(rest) if rest else float("nan")
-    block = float(blocked.group(1)) if blocked else (float(saved.group(1)) if saved else float("nan"))
+    blocks = blocked or saved or [float("nan")]
+    block = blocks[0]  # the save at SAVE_AT
+    later = statistics.median(blocks[1:]) if len(blocks) > 1 else float("nan")
     # the iteration in which the async save was finalized: the first "iteration" line after the finalize message
     fin_it = None
     if fin and name != "sync":
-        later = re.findall(r"iteration +(\d+)/", text[fin.end():])
-        fin_it = int(later[0]) if later else None
-    rows.append((name, block, med, med_after, after, fin_it))
-sync_block = rows[0][1]
-out.append(f"save at iteration {save_at}; iteration ms from the log (save time excluded by pretrain_gpt)")
-out.append(f"{'mode':<14} {'blocked s':>9} {'vs sync':>8} {'ms before':>9} {'ms after':>9} {'after/before':>12}  "
-           f"iterations {save_at + 1}.. one by one: ms (x median before); async finalized before iteration")
-for name, block, med, med_after, after, fin_it in rows:
+        nxt = re.findall(r"iteration +(\d+)/", text[fin.end():])
+        fin_it = int(nxt[0]) if nxt else None
+    rows.append((name, block, later, len(blocks), med, med_after, after, fin_it))
+sync_block, sync_later = rows[0][1], rows[0][2]
+out.append(f"saves every {save_at} iterations; iteration ms from the log (save time excluded by pretrain_gpt)")
+out.append(f"{'mode':<14} {'blocked s':>9} {'vs sync':>8} {'later s':>8} {'vs sync':>8} {'saves':>5} {'ms before':>9} "
+           f"{'ms after':>9} {'after/before':>12}  iterations {save_at + 1}.. one by one: ms (x median before); "
+           "async finalized before iteration")
+for name, block, later, n, med, med_after, after, fin_it in rows:
     cells = " ".join(f"{a:.0f}({a / med:.2f}x)" if a else "-" for a in after)
-    out.append(f"{name:<14} {block:9.3f} {block / sync_block:8.3f} {med:9.1f} {med_after:9.1f} {med_after / med:12.3f}  "
-               f"{cells}  {fin_it if fin_it else ''}")
+    out.append(f"{name:<14} {block:9.3f} {block / sync_block:8.3f} {later:8.3f} {later / sync_later:8.3f} {n:5d} "
+               f"{med:9.1f} {med_after:9.1f} {med_after / med:12.3f}  {cells}  {fin_it if fin_it else ''}")
 print("\n".join(out))
 open(f"{logdir}/async_save_train.txt", "w").write("\n".join(out) + "\n")
 PY
