@@ -76,6 +76,7 @@ def test_fused_equals_torch_ops(cols, dtype):
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_moe_layer_with_fused_permutation_equals_torch_ops(dispatcher):
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.utils import init_weights
 
     cfg = _cfg(moe_router_topk=2, moe_ffn_hidden_size=32, moe_token_dispatcher_type=dispatcher,
                params_dtype=torch.float32)
@@ -84,6 +85,7 @@ def test_moe_layer_with_fused_permutation_equals_torch_ops(dispatcher):
     for fused in (False, True):
         torch.manual_seed(0)
         layer = MoELayer(dataclasses.replace(cfg, moe_permute_fusion=fused)).cuda()
+        init_weights(layer)  # modules initialise in reset_parameters (the meta-init contract), not when built
         x = x0.clone().requires_grad_(True)
         out, _ = layer(x)
         out.sum().backward()
