@@ -99,6 +99,27 @@ def step_times(models, a, mb):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def profile_steps(model, a, mb, rows: int, steps: int = 2):
+    """(top-``rows`` ops table, host/device summary) of ``steps`` steps under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron.training.profiling import device_time_attr, host_summary
+
+    cuda = a.device == "cuda"
+    batch = _batch(a, mb)
+    _step(model, batch)
+    _sync(a)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _step(model, batch)
+        _sync(a)
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    table = ka.table(sort_by=device_time_attr(ka) if cuda else "self_cpu_time_total", row_limit=rows)
+    return table, host_summary(prof.events(), ka, wall, steps, cuda=cuda)
+
+
 def kept_bytes(model, a, mb) -> int:
     """Bytes of the distinct storages autograd keeps for backward, counted after the forward."""
     kept = []
@@ -173,6 +194,9 @@ def _parse():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {gpu} (cuda), {cpu} (cpu)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--no-recompute", action="store_true", help="table 1 only")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="after table 1: each of its models' top ROWS ops (device time on CUDA) over 2 steps, and "
+                        "the host/device summary")
     a = p.parse_args()
     if a.smoke:
         a.device = "cpu"
@@ -202,7 +226,6 @@ def main():
         rows.update({"sequential, permute fusion": (False, True), "grouped, permute fusion": (True, True)})
     models = {name: _build(a, _config(a, grouped, moe_permute_fusion=fused)) for name, (grouped, fused) in rows.items()}
     times = step_times(models, a, a.micro_batch)
-    del models
     print("| experts | step ms | tokens/s |\n| --- | ---: | ---: |")
     for name, t in times.items():
         results["experts"][name] = dict(step_s=t, tokens_per_s=tokens / t)
@@ -211,6 +234,11 @@ def main():
         print(f"grouped / sequential tokens/s{suffix}: "
               f"{times['sequential' + suffix] / times['grouped' + suffix]:.2f} (goal >= 1.3)")
     print()
+    if a.profile:
+        for name, model in models.items():
+            table, summary = profile_steps(model, a, a.micro_batch, a.profile)
+            print(f"## profile: {name}\n{summary}\n{table}")
+    del models
     if a.no_recompute:
         return _write(a, results)
 
