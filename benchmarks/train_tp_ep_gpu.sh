@@ -23,7 +23,9 @@
 # or /tmp/train_tp_ep), DISPATCHER (alltoall | allgather, default alltoall), IMPL (--transformer-impl, default
 # transformer_engine), CLIP (--clip-grad, default 1.0), ENGINES (default ddp), FP8_RECIPE (delayed | tensorwise |
 # blockwise | mxfp8; default empty: bf16), size: LAYERS HIDDEN HEADS FFN EXPERTS TOPK SEQ MBS GBS; EXTRA_FLAGS
-# (appended).
+# (appended); REPEATS (default 1): run the engines of each (TP, EP) that many times, in ENGINES order and then
+# reversed, alternating (the runs are sequential processes: a machine's drift hits the engines alike); the table then
+# shows the median over the repeats with [min-max], the "x ddp" ratio taken within each repeat.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,38 +37,53 @@ logdir, warmup = sys.argv[1], int(sys.argv[2])
 ITER = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?tokens/s: ([0-9.]+)"
                   r".*?lm loss: ([0-9.E+-]+)")
 MEM = re.compile(r"mem max allocated \(MiB\): ([0-9.]+)")  # training_log's memory_report() on CUDA
-NAME = re.compile(r"tp(\d+)_ep(\d+)_sp(\d)_np(\d+)(?:_(\w+))?\.log$")
+NAME = re.compile(r"tp(\d+)_ep(\d+)_sp(\d)_np(\d+)(?:_([a-z]+))?(?:_r(\d+))?\.log$")
 
-rows = []
+
+def spread(values, fmt):
+    """The median, with [min-max] when there are several values."""
+    med = fmt.format(statistics.median(values))
+    return med if len(values) < 2 else f"{med} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+runs = {}  # (tp, ep, sp, nproc, engine) -> {repeat: (tokens/s, ms, last loss, peak) or (None, why, peak)}
 for path in glob.glob(os.path.join(logdir, "*.log")):
     m = NAME.search(os.path.basename(path))
     if not m:
         continue
     tp, ep, sp, nproc = map(int, m.groups()[:4])
-    engine = m.group(5) or "ddp"
+    key, rep = (tp, ep, sp, nproc, m.group(5) or "ddp"), int(m.group(6) or 1)
     text = open(path, errors="replace").read()
     its = [(int(i), float(ms), float(tps), float(loss)) for i, ms, tps, loss in ITER.findall(text)]
     timed = [r for r in its if r[0] > warmup]
     mem = MEM.findall(text)
-    peak = f"{max(float(v) for v in mem):.0f}" if mem else "-"
+    peak = max(float(v) for v in mem) if mem else None
     if timed:
-        tps = statistics.median(r[2] for r in timed)
-        ms = statistics.median(r[1] for r in timed)
-        rows.append([tp, ep, sp, nproc // tp, engine, tps, f"{tps / nproc:.0f}", "", f"{ms:.1f}",
-                     f"{its[-1][3]:.4f}", peak, ""])
+        runs.setdefault(key, {})[rep] = (statistics.median(r[2] for r in timed),
+                                         statistics.median(r[1] for r in timed), its[-1][3], peak)
     else:
         err = [l.strip() for l in text.splitlines() if re.search(r"Error|error:|OutOfMemory|exit code", l)]
-        why = (err[-1][:60] if err else f"only {len(its)} iterations logged (warmup {warmup})")
-        rows.append([tp, ep, sp, nproc // tp, engine, None, "-", "-", "-", "-", peak, why])
-if not rows:
+        runs.setdefault(key, {})[rep] = (None, err[-1][:60] if err else
+                                         f"only {len(its)} iterations logged (warmup {warmup})", peak)
+if not runs:
     sys.exit(f"no tp*_ep*_sp*_np*.log in {logdir}")
 order = {"ddp": 0, "distopt": 1, "fsdp": 2}
-rows.sort(key=lambda r: (r[0], r[1], r[2], order.get(r[4], 9), r[4]))
-base = {tuple(r[:3]): r[5] for r in rows if r[4] == "ddp" and r[5]}
-for r in rows:
-    b = base.get(tuple(r[:3]))
-    r[7] = f"{r[5] / b:.3f}" if r[5] and b else "-"
-    r[5] = f"{r[5]:.0f}" if r[5] else "-"
+rows = []
+for key in sorted(runs, key=lambda k: (k[0], k[1], k[2], order.get(k[4], 9), k[4])):
+    tp, ep, sp, nproc, engine = key
+    ok = {r: v for r, v in runs[key].items() if v[0] is not None}
+    peaks = [v[-1] for v in runs[key].values() if v[-1] is not None]
+    peak = f"{max(peaks):.0f}" if peaks else "-"
+    if not ok:
+        rows.append([tp, ep, sp, nproc // tp, engine, "-", "-", "-", "-", "-", peak,
+                     next(iter(runs[key].values()))[1]])
+        continue
+    ddp = runs.get((tp, ep, sp, nproc, "ddp"), {})
+    ratios = [v[0] / ddp[r][0] for r, v in ok.items() if r in ddp and ddp[r][0]]
+    tps = [v[0] for v in ok.values()]
+    rows.append([tp, ep, sp, nproc // tp, engine, spread(tps, "{:.0f}"), f"{statistics.median(tps) / nproc:.0f}",
+                 spread(ratios, "{:.3f}") if ratios else "-", spread([v[1] for v in ok.values()], "{:.1f}"),
+                 f"{ok[max(ok)][2]:.4f}", peak, "" if len(ok) == len(runs[key]) else "a repeat failed"])
 head = ("TP", "EP", "SP", "DP", "engine", "tokens/s", "tokens/s/GPU", "x ddp", "ms/iter", "last loss", "peak MiB",
         "note")
 widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
@@ -91,7 +108,7 @@ LOGDIR=${LOGDIR:-${OUT:-/tmp/train_tp_ep}}; mkdir -p "$LOGDIR"
 DISPATCHER=${DISPATCHER:-alltoall}; IMPL=${IMPL:-transformer_engine}
 LAYERS=${LAYERS:-8}; HIDDEN=${HIDDEN:-2048}; HEADS=${HEADS:-16}; FFN=${FFN:-5632}; EXPERTS=${EXPERTS:-8}
 CLIP=${CLIP:-1.0}; TOPK=${TOPK:-2}; SEQ=${SEQ:-2048}; MBS=${MBS:-2}; GBS=${GBS:-$((MBS * NPROC * 2))}
-ENGINES=${ENGINES:-ddp}; FP8_RECIPE=${FP8_RECIPE:-}
+ENGINES=${ENGINES:-ddp}; FP8_RECIPE=${FP8_RECIPE:-}; REPEATS=${REPEATS:-1}
 
 engine_flags() {  # $1 = engine: its data-parallel flags (+ FP8 weights where the engine gathers them)
   local gather=(); [ -n "$FP8_RECIPE" ] && gather=(--fp8-param-gather)
@@ -111,12 +128,16 @@ for tp in $TPS; do
     if [ $((NPROC % (tp * ep))) -ne 0 ] || [ $((EXPERTS % ep)) -ne 0 ] || [ $((HEADS % tp)) -ne 0 ]; then
       continue
     fi
-    for engine in $ENGINES; do
+    for rep in $(seq 1 "$REPEATS"); do
+    engines=$ENGINES; suffix=""
+    if [ $((rep % 2)) -eq 0 ]; then engines=$(echo "$ENGINES" | tr ' ' '\n' | tac | tr '\n' ' '); fi
+    if [ "$rep" -gt 1 ]; then suffix="_r$rep"; fi
+    for engine in $engines; do
     sp=0; flags=(--tensor-model-parallel-size "$tp" --expert-model-parallel-size "$ep")
     if [ "$SP" = 1 ] && [ "$tp" -gt 1 ]; then sp=1; flags+=(--sequence-parallel); fi
     read -r -a eflags <<< "$(engine_flags "$engine")"
     flags+=("${FP8_FLAGS[@]}" "${eflags[@]}")
-    log="$LOGDIR/tp${tp}_ep${ep}_sp${sp}_np${NPROC}_${engine}.log"
+    log="$LOGDIR/tp${tp}_ep${ep}_sp${sp}_np${NPROC}_${engine}${suffix}.log"
     echo "=== TP=$tp EP=$ep SP=$sp $engine ${FP8_RECIPE:+FP8 $FP8_RECIPE }on $NPROC GPUs -> $log"
     # shellcheck disable=SC2086  # EXTRA_FLAGS is a flag list
     python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
@@ -129,6 +150,7 @@ for tp in $TPS; do
       --mock-data --tokenizer-type NullTokenizer --log-interval 1 --eval-iters 0 --eval-interval 100000 \
       "${flags[@]}" ${EXTRA_FLAGS:-} >"$log" 2>&1 || echo "    failed (exit $?): see $log"
     grep -E "iteration +$ITERS/" "$log" | tail -1 || true
+    done
     done
   done
 done
