@@ -19,6 +19,7 @@ selective costs <= 5 % tokens/s; full cuts the activation memory by >= 60 %.
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -42,13 +43,14 @@ RECOMPUTE = {
 
 
 def _config(a, grouped, **kw):
-    te = a.device == "cuda"
+    te = a.device == "cuda" and a.impl != "local"
+    cuda = a.device == "cuda"
     base = dict(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, ffn_hidden_size=a.ffn,
                 num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=a.ffn, gated_linear_unit=True,
                 activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped,
                 transformer_impl="transformer_engine" if te else "local",
-                params_dtype=torch.bfloat16 if te else torch.float32, bf16=te)
+                params_dtype=torch.bfloat16 if cuda else torch.float32, bf16=cuda)
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -194,6 +196,8 @@ def _parse():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {gpu} (cuda), {cpu} (cpu)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--no-recompute", action="store_true", help="table 1 only")
+    p.add_argument("--impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                   help="--transformer-impl on CUDA (local: torch layers, bf16; grouped experts on torch._grouped_mm)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after table 1: each of its models' top ROWS ops (device time on CUDA) over 2 steps, and "
                         "the host/device summary")
@@ -218,7 +222,8 @@ def main():
     print(f"# device {results['device']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# GPT MoE: {a.layers} layers, hidden {a.hidden}, 8 experts top-2, expert ffn {a.ffn}, seq {a.seq}, "
           f"micro-batch {a.micro_batch}; median of {a.repeats} interleaved rounds of {a.iters} steps after "
-          f"{a.warmup} warm-up steps each")
+          f"{a.warmup} warm-up steps each; --transformer-impl {a.impl if a.device == 'cuda' else 'local'}"
+          f"{', NVTE_USE_CUTLASS_GROUPED_GEMM=' + os.environ['NVTE_USE_CUTLASS_GROUPED_GEMM'] if 'NVTE_USE_CUTLASS_GROUPED_GEMM' in os.environ else ''}")
     rows = {"sequential": (False, False), "grouped": (True, False)}
     fusion = a.device == "cuda" and use_fused_permutation(_config(a, False, moe_permute_fusion=True),
                                                           torch.ones(1, device=a.device))
