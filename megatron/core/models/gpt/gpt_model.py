@@ -1,5 +1,5 @@
 """GPT: embedding -> pre-norm TransformerBlock -> final norm -> output layer (optionally tied) -> loss."""
-from typing import Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.utils import init_method_normal, init_weights
+
+
+def _refuse_forward_options(**options) -> None:
+    """GPTModel.forward's upstream options this fork does not implement: an error naming those given."""
+    given = [name for name, value in options.items() if value is not None and value != {}]
+    if given:
+        raise ValueError(f"GPTModel.forward: {', '.join(given)} not supported by this fork")
 
 
 def _rope_setting(config, name: str, value, default):
@@ -200,13 +207,34 @@ class GPTModel(MegatronModule):
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
-        **unused,
+        inference_context=None,
+        packed_seq_params=None,
+        extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params=None,
+        loss_mask: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        output_processor: Optional[Callable[..., torch.Tensor]] = None,
+        output_processor_context: Optional[Any] = None,
     ) -> torch.Tensor:
-        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None  # [s, b, h]
+        """Upstream's parameters and order. ``decoder_input`` ``[s, b, h]``: used instead of the embedding of
+        ``input_ids``; ``runtime_gather_output``: gather the vocab-parallel logits (None: ``not parallel_output``);
+        ``loss_mask`` is not used (as upstream's without multi-token prediction: the caller masks the loss). Inference
+        contexts, packed sequences, extra block arguments, MoE padding masks and output processors are refused."""
+        _refuse_forward_options(inference_context=inference_context, inference_params=inference_params,
+                                packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
+                                padding_mask=padding_mask, output_processor=output_processor,
+                                output_processor_context=output_processor_context)
+        hidden = decoder_input
+        if hidden is None and self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            rotary = self.rotary_pos_emb(self._sequence_length(input_ids), device=self._decoder_input_device(hidden))
+            rotary = self.rotary_pos_emb(self._sequence_length(input_ids, hidden),
+                                         device=self._decoder_input_device(hidden))
         hidden = self.decoder(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden
@@ -215,17 +243,18 @@ class GPTModel(MegatronModule):
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
         logits = logits.transpose(0, 1)  # [b, s, v / tp]
         if labels is None:
-            if not self.parallel_output:
+            gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+            if gather:
                 logits = gather_from_tensor_model_parallel_region(logits)
             return logits.contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def _sequence_length(self, input_ids: Optional[torch.Tensor]) -> int:
-        """The full sequence length: from the tokens, or (a later stage without them) the received hidden states
-        ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism)."""
+    def _sequence_length(self, input_ids: Optional[torch.Tensor], hidden: Optional[torch.Tensor]) -> int:
+        """The full sequence length: from the tokens, or (a later stage without them, or a given ``decoder_input``)
+        the hidden states ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism)."""
         if input_ids is not None:
             return input_ids.shape[1]
-        s = self.decoder.input_tensor.shape[0]
+        s = (hidden if hidden is not None else self.decoder.input_tensor).shape[0]
         return s * tp_group_info()[1] if self.config.sequence_parallel else s
 
     def _decoder_input_device(self, hidden: Optional[torch.Tensor]) -> torch.device:
