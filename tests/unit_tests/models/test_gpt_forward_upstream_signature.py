@@ -77,3 +77,17 @@ def test_unknown_keyword_is_an_error(model):
     with pytest.raises(TypeError, match="unexpected keyword argument 'lables'"):
         model(ids, pos, None, lables=ids)
     assert model(ids, pos, None, extra_block_kwargs={}).shape == (2, SEQ, VOCAB)
+
+
+def test_compute_language_model_loss_takes_the_output_layers_logits(model):
+    ids, pos = _batch()
+    logits_sbv = torch.randn(SEQ, 2, VOCAB, generator=torch.Generator().manual_seed(2))
+    loss = model.compute_language_model_loss(ids, logits_sbv)
+    expected = torch.nn.functional.cross_entropy(logits_sbv.transpose(0, 1).reshape(-1, VOCAB), ids.reshape(-1),
+                                                 reduction="none").view(2, SEQ)
+    assert loss.shape == (2, SEQ)
+    torch.testing.assert_close(loss, expected)
+    with torch.no_grad():
+        direct = model(ids, pos, None, labels=ids)
+        via_logits = model.compute_language_model_loss(ids, model(ids, pos, None).transpose(0, 1))
+    torch.testing.assert_close(direct, via_logits)

@@ -241,13 +241,12 @@ class GPTModel(MegatronModule):
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights and self.pre_process else None)
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
-        logits = logits.transpose(0, 1)  # [b, s, v / tp]
-        if labels is None:
-            gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
-            if gather:
-                logits = gather_from_tensor_model_parallel_region(logits)
-            return logits.contiguous()
-        return self.compute_language_model_loss(labels, logits)
+        if labels is not None:
+            return self.compute_language_model_loss(labels, logits)
+        gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return logits.transpose(0, 1).contiguous()  # [b, s, v (/ tp)]
 
     def _sequence_length(self, input_ids: Optional[torch.Tensor], hidden: Optional[torch.Tensor]) -> int:
         """The full sequence length: from the tokens, or (a later stage without them, or a given ``decoder_input``)
@@ -260,12 +259,13 @@ class GPTModel(MegatronModule):
     def _decoder_input_device(self, hidden: Optional[torch.Tensor]) -> torch.device:
         return hidden.device if hidden is not None else self.decoder.input_tensor.device
 
-    @staticmethod
-    def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy ``[b, s]`` in float32; ``logits`` ``[b, s, v / tp]`` (vocab-parallel; plain
-        ``F.cross_entropy`` without tensor parallelism)."""
-        b, s, v = logits.shape
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` in float32 (upstream's method): ``labels`` ``[b, s]``, ``logits``
+        ``[s, b, v / tp]`` as the output layer returns them (vocab-parallel; plain ``F.cross_entropy`` without
+        tensor parallelism)."""
+        labels = labels.transpose(0, 1)  # [s, b]
         if tp_group_info()[1] > 1:
-            return vocab_parallel_cross_entropy(logits, labels)
-        loss = F.cross_entropy(logits.float().reshape(b * s, v), labels.reshape(b * s), reduction="none")
-        return loss.view(b, s)
+            return vocab_parallel_cross_entropy(logits, labels).transpose(0, 1)
+        s, b, v = logits.shape
+        loss = F.cross_entropy(logits.float().reshape(s * b, v), labels.reshape(s * b), reduction="none")
+        return loss.view(s, b).transpose(0, 1)
