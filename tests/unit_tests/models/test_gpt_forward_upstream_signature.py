@@ -91,3 +91,31 @@ def test_compute_language_model_loss_takes_the_output_layers_logits(model):
         direct = model(ids, pos, None, labels=ids)
         via_logits = model.compute_language_model_loss(ids, model(ids, pos, None).transpose(0, 1))
     torch.testing.assert_close(direct, via_logits)
+
+
+def test_state_dict_for_save_checkpoint_and_setup(model):
+    sd = model.state_dict_for_save_checkpoint(prefix="m.")
+    assert list(sd) == list(model.state_dict(prefix="m."))
+    model.setup_embeddings_and_output_layer()  # one stage: nothing to tie across stages, weights unchanged
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in model.state_dict_for_save_checkpoint().items())
+
+
+def test_tie_embeddings_and_output_weights_state_dict():
+    from types import SimpleNamespace
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    def entry():
+        return ShardedTensor.from_rank_offsets("out.weight", torch.zeros(4, 2), replica_id=(0, 0, 3))
+
+    last = SimpleNamespace(pre_process=False, post_process=True)
+    sd = {"out.weight": entry()}
+    GPTModel.tie_embeddings_and_output_weights_state_dict(last, sd, "out.weight", "emb.weight")
+    assert sd["out.weight"].key == "emb.weight" and sd["out.weight"].replica_id == (1, 0, 3)
+    both = SimpleNamespace(pre_process=True, post_process=True)
+    sd = {"out.weight": entry()}
+    GPTModel.tie_embeddings_and_output_weights_state_dict(both, sd, "out.weight", "emb.weight")
+    assert sd["out.weight"].key == "out.weight" and sd["out.weight"].replica_id == (0, 0, 3)
+    middle = SimpleNamespace(pre_process=False, post_process=False)
+    with pytest.raises(AssertionError):
+        GPTModel.tie_embeddings_and_output_weights_state_dict(middle, {"out.weight": entry()}, "out.weight", "e")

@@ -1,5 +1,6 @@
 """GPT: embedding -> pre-norm TransformerBlock -> final norm -> output layer (optionally tied) -> loss."""
-from typing import Any, Callable, Literal, Optional, Union
+from types import MappingProxyType
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.utils import init_method_normal, init_weights
+
+
+_NO_METADATA = MappingProxyType({})
 
 
 def _refuse_forward_options(**options) -> None:
@@ -144,12 +148,12 @@ class GPTModel(MegatronModule):
         if post_process and not (share_embeddings_and_output_weights and pre_process):
             self.output_layer.weight.is_embedding_or_output_parameter = True
         init_weights(self)
-        self._setup_tied_output_copy()
+        self.setup_embeddings_and_output_layer()
 
-    def _setup_tied_output_copy(self) -> None:
-        """Tied embeddings split over pipeline stages: the last stage's output weight starts as zeros and is summed
-        over the embedding group with the first stage's word embeddings (both stages take part), so both hold the
-        first stage's values, as upstream's ``setup_embeddings_and_output_layer``."""
+    def setup_embeddings_and_output_layer(self) -> None:
+        """Tied embeddings split over pipeline stages (upstream's method, run by the constructor): the last stage's
+        output weight starts as zeros and is summed over the embedding group with the first stage's word embeddings
+        (both stages take part, so a second call needs both too), so both hold the first stage's values."""
         if not self.share_embeddings_and_output_weights or self.pre_process == self.post_process:
             return
         weight = self.shared_embedding_or_output_weight()
@@ -191,16 +195,28 @@ class GPTModel(MegatronModule):
         extra = out.pop(f"{prefix}output_layer._extra_state", None)
         if extra is not None and extra.data is not None:
             raise RuntimeError(f"{prefix}output_layer._extra_state holds {type(extra.data)}: it would be dropped")
-        copy = out.get(f"{prefix}output_layer.weight")
-        if copy is not None and self.share_embeddings_and_output_weights and not self.pre_process:
-            # as upstream: the last stage's copy is a non-main replica of the word embeddings (never written)
-            copy.key = f"{prefix}embedding.word_embeddings.weight"
-            replica = copy.replica_id if isinstance(copy.replica_id, tuple) else (copy.replica_id,)
-            copy.replica_id = (1,) + tuple(replica[1:])
+        if self.share_embeddings_and_output_weights:
+            self.tie_embeddings_and_output_weights_state_dict(out, f"{prefix}output_layer.weight",
+                                                              f"{prefix}embedding.word_embeddings.weight", metadata)
         for name in ("weight", "bias"):  # rows follow the padded vocabulary, which may differ (as the embedding's)
             if f"{prefix}output_layer.{name}" in out:
                 out[f"{prefix}output_layer.{name}"].allow_shape_mismatch = True
         return out
+
+    def tie_embeddings_and_output_weights_state_dict(self, sharded_state_dict: dict, output_layer_weight_key: str,
+                                                     first_stage_word_emb_key: str, metadata: Mapping = _NO_METADATA) -> None:
+        """In place, as upstream: on a last stage without the embedding, the output weight's entry becomes a
+        non-main replica (``replica_id[0] = 1``) of ``first_stage_word_emb_key`` (never written; loads the first
+        stage's word embeddings). Nothing to do on other stages (no output layer, or it is the embedding)."""
+        if not self.post_process:
+            assert output_layer_weight_key not in sharded_state_dict, sharded_state_dict.keys()
+            return
+        if self.pre_process:
+            return
+        copy = sharded_state_dict[output_layer_weight_key]
+        copy.key = first_stage_word_emb_key
+        replica = copy.replica_id if isinstance(copy.replica_id, tuple) else (copy.replica_id,)
+        copy.replica_id = (1,) + tuple(replica[1:])
 
     def forward(
         self,
