@@ -111,3 +111,15 @@ def test_safe_numpy_load_allow_pickle(tmp_path):
     archive = tmp_path / "z.npz"
     np.savez(archive, a=np.arange(3))
     assert safe_globals.safe_numpy_load(archive, allow_pickle=True)["a"].tolist() == [0, 1, 2]
+
+
+def test_fully_parallel_save_wrapper_backend_and_version():
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    params = list(inspect.signature(FullyParallelSaveStrategyWrapper.__init__).parameters)
+    assert params == ["self", "strategy", "parallelization_group", "do_cache_distribution", "backend", "version"]
+    wrapper = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), None, False)
+    assert (wrapper.backend, wrapper.version) == ("torch_dist", 1)
+    assert (FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), None, False, "torch_dist", 2).version
+            == 2)

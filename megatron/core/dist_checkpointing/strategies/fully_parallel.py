@@ -87,8 +87,10 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         strategy: SaveShardedStrategy,
         parallelization_group: Optional[dist.ProcessGroup] = None,
         do_cache_distribution: bool = False,
+        backend: str = "torch_dist",
+        version: int = 1,
     ):
-        super().__init__(strategy.backend, strategy.version)
+        super().__init__(backend, version)  # the wrapper's own, as upstream's (the checkpoint's metadata.json)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
