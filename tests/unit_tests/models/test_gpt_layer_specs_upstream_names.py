@@ -46,3 +46,19 @@ def test_mtp_block_spec_for_backend():
     cfg.mtp_num_layers = 1
     with pytest.raises(ValueError, match=r"multi-token prediction \(--mtp-num-layers\) is not supported"):
         specs.get_gpt_mtp_block_spec_for_backend(cfg, layer, backend=object(), vp_stage=0, pp_rank=0)
+
+
+def test_moe_module_specs():
+    from megatron.core.models.gpt import moe_module_specs as moe
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    spec = moe.get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=True)
+    assert spec == specs.get_mlp_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=True)
+    assert spec.module is MoELayer
+    assert moe.get_moe_module_spec(False, 4) != spec  # sequential experts without moe_grouped_gemm
+    with pytest.raises(AssertionError):
+        moe.get_moe_module_spec(use_te=False)
+    with pytest.raises(NotImplementedError, match="BackendSpecProvider"):
+        moe.get_moe_module_spec_for_backend(object(), num_experts=4)
+    with pytest.raises(NotImplementedError, match="inference-optimized MoE layers"):
+        moe.get_inference_optimized_moe_spec()
