@@ -9,11 +9,19 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple, TypeV
 import torch
 import torch.distributed as dist
 
+from ..extensions.transformer_engine import Float8Tensor as _Float8Tensor
 from ..parallel_state import collective_device
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .utils import _sharded_tensor_shard_id, _ShardId
+
+HAVE_TE_FLOAT8TENSOR = _Float8Tensor is not None  # upstream's flag: Transformer Engine's Float8Tensor importable
+
+
+def is_float8tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a Transformer Engine ``Float8Tensor`` (False without TE)."""
+    return HAVE_TE_FLOAT8TENSOR and isinstance(tensor, _Float8Tensor)
 
 logger = logging.getLogger(__name__)
 

@@ -123,3 +123,14 @@ def test_fully_parallel_save_wrapper_backend_and_version():
     assert (wrapper.backend, wrapper.version) == ("torch_dist", 1)
     assert (FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), None, False, "torch_dist", 2).version
             == 2)
+
+
+def test_is_float8tensor():
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    assert exchange_utils.HAVE_TE_FLOAT8TENSOR is (te_ext.Float8Tensor is not None)
+    assert exchange_utils.is_float8tensor(torch.ones(2)) is False
+    if te_ext.Float8Tensor is not None:  # pragma: no cover (GPU machines with TE)
+        fake = mock.MagicMock(spec=te_ext.Float8Tensor)
+        assert exchange_utils.is_float8tensor(fake) is True

@@ -60,5 +60,7 @@ def test_moe_module_specs():
         moe.get_moe_module_spec(use_te=False)
     with pytest.raises(NotImplementedError, match="BackendSpecProvider"):
         moe.get_moe_module_spec_for_backend(object(), num_experts=4)
+    with pytest.raises(NotImplementedError, match="^get_mlp_module_spec_for_backend: backend spec providers"):
+        specs.get_mlp_module_spec_for_backend(object())
     with pytest.raises(NotImplementedError, match="inference-optimized MoE layers"):
         moe.get_inference_optimized_moe_spec()

@@ -125,6 +125,15 @@ def get_mlp_module_spec(
     return layer_submodules(bool(use_te), num_experts is not None, bool(moe_grouped_gemm)).mlp
 
 
+def get_mlp_module_spec_for_backend(backend, num_experts: Optional[int] = None,
+                                    moe_grouped_gemm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+                                    use_te_activation_func: bool = False,
+                                    use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
+    """Not implemented: this fork has no ``BackendSpecProvider`` (use ``get_mlp_module_spec``)."""
+    raise NotImplementedError("get_mlp_module_spec_for_backend: backend spec providers (BackendSpecProvider) are not "
+                              "part of this fork; use get_mlp_module_spec(use_te, num_experts, moe_grouped_gemm)")
+
+
 def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool, normalization: Optional[str] = None,
                                 qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
                                 pp_rank: Optional[int] = None) -> list:
