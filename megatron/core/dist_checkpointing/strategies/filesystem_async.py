@@ -4,8 +4,8 @@
 constructor (``path, *args, separation_hint=None, use_msc=False, **kwargs``): one DCP ``FileSystemWriter`` for
 synchronous and asynchronous saves alike (an asynchronous save hands it to PyTorch DCP's ``async_save``; see
 ``async_utils``). Upstream's own multi-process write pipeline (``prepare_write_data``,
-``get_save_function_and_args``) is not part of this fork. ``separation_hint`` (keys with that prefix written to
-files of their own) and ``use_msc`` (the Multi-Storage Client) are refused with an error naming them.
+``get_save_function_and_args``) is not part of this fork. ``separation_hint`` writes the keys with that prefix to
+files of their own, as upstream; ``use_msc`` (the Multi-Storage Client) is refused with an error naming it.
 
 ``get_write_results_queue(mp_mode)`` is upstream's process-shared queue (one per process, made on first use).
 """
@@ -41,15 +41,10 @@ class FileSystemWriterAsync(ChecksummedFileSystemWriter):
 
     def __init__(self, path: Union[str, os.PathLike], *args, separation_hint: Optional[str] = None,
                  use_msc: bool = False, **kwargs):
-        if separation_hint is not None:
-            raise CheckpointingException(
-                f"FileSystemWriterAsync({path}): separation_hint={separation_hint!r} is not supported by this fork "
-                f"(upstream writes the keys starting with the hint to files of their own); leave it None")
         if use_msc:
             raise CheckpointingException(
                 f"FileSystemWriterAsync({path}): use_msc=True (the Multi-Storage Client) is not supported by this "
                 f"fork; it writes to the local file system")
-        super().__init__(path, *args, **kwargs)
+        super().__init__(path, *args, separation_hint=separation_hint, **kwargs)
         self.checkpoint_dir = path
-        self.separation_hint = separation_hint
         self.use_msc = use_msc
