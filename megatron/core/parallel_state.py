@@ -27,6 +27,13 @@ import torch.distributed as dist
 
 from megatron.core import dist_utils
 
+try:
+    import einops  # noqa: F401
+
+    HAVE_EINOPS = True  # upstream's flag (einops is optional)
+except ImportError:
+    HAVE_EINOPS = False
+
 _KINDS = ("tp", "cp", "ep", "dp", "pp", "gtp_remat")
 
 # Upstream's wording for each group, used in "... is not initialized".
@@ -57,6 +64,8 @@ _DESCRIPTIONS = {
     "inter_edp": "Inter partial expert data parallel group",
     "intra_dist_opt": "Intra distributed optimizer instance group",
     "inter_dist_opt": "Inter distributed optimizer instance group",
+    "gtp_remat": "generalized tensor parallel group",
+    "egtp_remat": "expert generalized tensor parallel group",
 }
 # Groups that hold every rank in the pure data-parallel layout used before initialisation.
 _WORLD_BEFORE_INIT = {"dp", "dp_cp", "tp_dp", "tp_dp_cp", "edp", "intra_dist_opt"}
@@ -68,6 +77,7 @@ _RANKS: Dict[str, List[int]] = {}  # name -> global ranks of this rank's group
 _CREATED: Dict[tuple, object] = {}  # (ranks, backend, options) -> group, so equal groups are created once
 _OVERRIDES: Dict[str, Optional[int]] = {}  # values of the set_* functions
 _VIRTUAL_PIPELINE = {"size": None, "rank": None}
+_LAYOUT: Dict[str, "RankGenerator"] = {}  # "dense" / "expert": the rank generators of initialize_model_parallel
 _GLOBAL_MEMORY_BUFFER = None
 
 
@@ -134,6 +144,12 @@ class RankGenerator:
         groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size,
                                                         self.get_mask(self.order, token))
         return [[r + self.rank_offset for r in group] for group in groups]
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> List[List[int]]:
+        """The generalized-tensor-parallel weight-rematerialization groups (singletons when the size is 1)."""
+        assert self.gtp_remat == gtp_remat_size, \
+            f"gtp_remat axis size ({self.gtp_remat}) != requested gtp_remat_size ({gtp_remat_size})"
+        return self.get_ranks("gtp_remat")
 
 
 def default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
@@ -234,6 +250,12 @@ def get_nccl_options(pg_name, nccl_comm_cfgs):
                 raise RuntimeError(f"net_name ({config[key]}) is not supported. Accepted values: 'IB' or 'socket'.")
             setattr(options.config, key, config[key])
     return options
+
+
+def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
+    """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)`` (the entry made if absent)."""
+    key, value = key_value_pair
+    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
 
 
 _USER_GROUPS: List[dist.ProcessGroup] = []  # groups made by create_group that this rank is in
@@ -338,6 +360,7 @@ def initialize_model_parallel(
                           rank_offset=rank_offset)
     expert = RankGenerator(tp=etp, ep=ep, dp=world_size // expert_model_size, pp=pp, cp=1, order=order,
                            rank_offset=rank_offset)
+    _LAYOUT.update(dense=dense, expert=expert)
     nccl_configs = _load_nccl_configs(nccl_communicator_config_path, high_priority_stream_groups)
     timeout = timedelta(minutes=distributed_timeout_minutes)
     default_backend = str(dist.get_backend())
@@ -379,6 +402,9 @@ def initialize_model_parallel(
         build("edp", expert.get_ranks("dp"), "ep_dp")
         if create_gloo_process_groups:
             build("edp_gloo", expert.get_ranks("dp"), "", gloo=True)
+        # GTP weight rematerialization is not supported (size 1): its groups are singletons, as upstream's then
+        build("gtp_remat", dense.get_gtp_ranks(gtp_remat_size), "gtp_remat")
+        build("egtp_remat", expert.get_gtp_ranks(expert_gtp_remat_size), "expt_gtp_remat")
         # A distributed-optimizer instance: the model-parallel groups of its expert-data-parallel replicas; with N
         # instances the ranks (and each data-parallel group) are cut into N contiguous pieces, as upstream: the
         # intra-partial data-parallel group shards (Megatron-FSDP's hybrid sharding), the inter-partial one replicates
@@ -432,7 +458,77 @@ def destroy_model_parallel() -> None:
     _OVERRIDES.clear()
     _NUM_INSTANCES["n"] = 1
     _VIRTUAL_PIPELINE.update(size=None, rank=None)
+    _LAYOUT.clear()
     _GLOBAL_MEMORY_BUFFER = None
+
+
+# ---------------------------------------------------------------------------------------------- extra groups
+def _my_new_group(rank_lists: List[List[int]], **kwargs):
+    """``create_group`` for every list (collective: every rank makes them all); this rank's group, or None."""
+    mine = None
+    for ranks in rank_lists:
+        group = create_group(ranks, **kwargs)
+        if _me() in ranks:
+            mine = group
+    return mine
+
+
+def create_all_gather_groups(for_expert_parallelism=False, timeout=None, nccl_comm_cfgs=None):
+    """``(dp_cp_ag_group, expt_dp_ag_group)``: second communicators with the ranks of the data x context parallel
+    groups (and, with ``for_expert_parallelism`` and expert parallelism, of the expert-data-parallel groups; else
+    None), so all-gathers can overlap reduce-scatters (upstream's AG/RS overlap)."""
+    if not is_initialized():
+        raise RuntimeError("create_all_gather_groups() requires parallel state to be initialized. "
+                           "Call initialize_model_parallel() first.")
+    cfgs = nccl_comm_cfgs or {}
+    dp_cp_ag = _my_new_group(_LAYOUT["dense"].get_ranks("dp-cp"), timeout=timeout,
+                             pg_options=get_nccl_options("dp_cp", cfgs), group_desc="DATA_PARALLEL_GROUP_WITH_CP_AG")
+    expt_dp_ag = None
+    if for_expert_parallelism and get_expert_model_parallel_world_size() > 1:
+        expt_dp_ag = _my_new_group(_LAYOUT["expert"].get_ranks("dp"), timeout=timeout,
+                                   pg_options=get_nccl_options("ep_dp", cfgs),
+                                   group_desc="EXPERT_DATA_PARALLEL_GROUP_AG")
+    return dp_cp_ag, expt_dp_ag
+
+
+def create_hierarchical_groups(rank, ranks, hierarchical_group_sizes, create_gloo_process_groups=False,
+                               pg_options=None, timeout=None, group_desc=None):
+    """``(groups, gloo_groups)``: ``rank``'s group at each level of ``ranks`` split hierarchically. Level ``k`` groups
+    ``hierarchical_group_sizes[k]`` ranks at stride ``prod(sizes[:k])``: 16 ranks with sizes [2, 2, 4] give level 0
+    [0, 1], [2, 3], ...; level 1 [0, 2], [1, 3], [4, 6], ...; level 2 [0, 4, 8, 12], [1, 5, 9, 13], ...
+    ``pg_options``: one for all levels or a list; gloo groups are None unless ``create_gloo_process_groups``."""
+    sizes = list(hierarchical_group_sizes)
+    options = pg_options if isinstance(pg_options, list) else [pg_options] * len(sizes)
+    groups, gloo_groups = [], []
+    for level, size in enumerate(sizes):
+        stride, outer = math.prod(sizes[:level]), math.prod(sizes[level + 1:])
+        lists = [[ranks[(o * size + i) * stride + u] for i in range(size)] for o in range(outer) for u in range(stride)]
+        for sub_ranks in lists:
+            group = create_group(sub_ranks, timeout=timeout, pg_options=options[level],
+                                 group_desc=f"HIERARCHICAL_{group_desc}_L{level}")
+            gloo = create_group(sub_ranks, timeout=timeout, backend="gloo", pg_options=options[level],
+                                group_desc=f"HIERARCHICAL_{group_desc}_GLOO_L{level}") \
+                if create_gloo_process_groups else None
+            if rank in sub_ranks:
+                groups.append(group)
+                gloo_groups.append(gloo)
+    assert rank not in ranks or len(groups) == len(sizes)
+    return groups, gloo_groups
+
+
+def create_hybrid_dp_cp_groups(rank, ranks, pg_options):
+    """``{size: group}``: ``rank``'s group among ``ranks`` cut into consecutive pieces of each power of two from 2
+    up to (not including) ``len(ranks)``."""
+    out = {}
+    size = 2
+    while size < 2 ** int(math.log2(len(ranks))):
+        for start in range(0, len(ranks), size):
+            piece = ranks[start:start + size]
+            group = create_group(piece, pg_options=pg_options, group_desc=f"HYBRID_DP_CP_GROUP_{size}")
+            if rank in piece:
+                out[size] = group
+        size *= 2
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- lookups
@@ -578,6 +674,68 @@ def get_inter_partial_expert_data_parallel_group(check_initialized=True):
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
     return _group("edp_gloo")
+
+
+def get_hybrid_data_context_parallel_groups(check_initialized=True, group_size=None):
+    """The data x context parallel group when ``group_size`` is its size (as upstream); the smaller groups of
+    hybrid data x context parallelism are never built here (``hybrid_context_parallel`` is refused)."""
+    if get_data_parallel_world_size(with_context_parallel=True) == group_size:
+        return get_data_parallel_group(with_context_parallel=True)
+    assert not check_initialized, (f"hybrid data x context parallel groups of size {group_size} are not initialized "
+                                   "(hybrid_context_parallel is not supported by this fork)")
+    return None
+
+
+def _singleton_size(name: str) -> int:
+    """Upstream's size of a GTP group: the group's size once built, else 0 (also without torch.distributed)."""
+    group = _group(name, check_initialized=False) if dist.is_initialized() else None
+    return group.size() if group is not None else 0
+
+
+def _singleton_rank(name: str) -> int:
+    group = _group(name, check_initialized=False) if dist.is_initialized() else None
+    return group.rank() if group is not None else 0
+
+
+def _global_ranks(name: str, check_initialized: bool) -> Optional[List[int]]:
+    if name not in _RANKS:
+        assert not check_initialized, f"{_DESCRIPTIONS[name]} is not initialized"
+        return None
+    return list(_RANKS[name])
+
+
+def get_gtp_weight_remat_group(check_initialized=True):
+    """The generalized-tensor-parallel weight-rematerialization group: this rank alone (GTP is not supported)."""
+    return _group("gtp_remat", check_initialized)
+
+
+def get_gtp_weight_remat_world_size() -> int:
+    return _singleton_size("gtp_remat")
+
+
+def get_gtp_weight_remat_rank() -> int:
+    return _singleton_rank("gtp_remat")
+
+
+def get_gtp_weight_remat_global_ranks(check_initialized=True):
+    return _global_ranks("gtp_remat", check_initialized)
+
+
+def get_expert_gtp_weight_remat_group(check_initialized=True):
+    """The expert generalized-tensor-parallel weight-rematerialization group: this rank alone."""
+    return _group("egtp_remat", check_initialized)
+
+
+def get_expert_gtp_weight_remat_world_size() -> int:
+    return _singleton_size("egtp_remat")
+
+
+def get_expert_gtp_weight_remat_rank() -> int:
+    return _singleton_rank("egtp_remat")
+
+
+def get_expert_gtp_weight_remat_global_ranks(check_initialized=True):
+    return _global_ranks("egtp_remat", check_initialized)
 
 
 def get_intra_distributed_optimizer_instance_group(check_initialized=True):

@@ -14,9 +14,11 @@ A pickle names callables that the unpickler calls; a checkpoint that names ``os.
   ``dist_checkpointing/strategies/filesystem.py`` is one). ``safe_pickle_load`` wraps it with a clear error.
 - ``safe_load_from_bytes``: what ``pickle.dumps(tensor)`` names to rebuild a storage
   (``torch.storage._load_from_bytes`` unpickles with full pickle: ``SafeUnpickler`` substitutes this).
-- ``safe_np_load(file, what)``: ``numpy.load(allow_pickle=False)`` with a clear error.
+- ``safe_np_load(file, what)``: ``numpy.load(allow_pickle=False)`` with a clear error; ``safe_numpy_load``
+  (upstream's name) also reads an object ``.npy`` array with ``allow_pickle=True``, through ``SafeUnpickler``.
 """
 import argparse
+import contextlib
 import io
 import pathlib
 import pickle
@@ -245,9 +247,53 @@ def _safe_pickle_load(file, **kwargs) -> Any:
     return SafeUnpickler(file, **kwargs).load()
 
 
+_NUMPY_ARRAY_CLASSES = frozenset(
+    {("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+     ("numpy", "dtype")}
+)
+
+
+class _NumpyArrayUnpickler(SafeUnpickler):
+    """``SafeUnpickler`` that also rebuilds numpy arrays (what an object array saved by ``numpy.save`` names)."""
+
+    _SAFE_CLASSES = SafeUnpickler._SAFE_CLASSES | _NUMPY_ARRAY_CLASSES
+
+
 def safe_numpy_load(path, **kwargs) -> Any:
-    """Upstream's name for ``safe_np_load`` (``allow_pickle=True`` is refused here: an object array is a pickle)."""
+    """``numpy.load`` (upstream's name) whose pickles go through the allowlist: without ``allow_pickle`` as
+    ``safe_np_load``; with ``allow_pickle=True`` an object array in a ``.npy`` file is unpickled by ``SafeUnpickler``
+    (numpy's array classes admitted; anything else raises ``pickle.UnpicklingError`` "Refusing to unpickle ...").
+    Object arrays inside a ``.npz`` archive stay refused (numpy would unpickle them later, unchecked)."""
+    if not kwargs.pop("allow_pickle", False):
+        return safe_np_load(path, **kwargs)
+    kwargs.pop("pickle_kwargs", None)
+    with _opened(path) as f:
+        start = f.tell()
+        if _npy_object_header(f):
+            return _NumpyArrayUnpickler(f, what=str(path)).load()
+        f.seek(start)
     return safe_np_load(path, **kwargs)
+
+
+def _npy_object_header(f) -> bool:
+    """Reads a ``.npy`` header from ``f``: True when it holds an object array (the pickle follows)."""
+    fmt = np.lib.format
+    if f.read(len(fmt.MAGIC_PREFIX)) != fmt.MAGIC_PREFIX:
+        return False
+    f.seek(-len(fmt.MAGIC_PREFIX), io.SEEK_CUR)
+    readers = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+    reader = readers.get(fmt.read_magic(f))
+    return reader is not None and reader(f)[2].hasobject
+
+
+@contextlib.contextmanager
+def _opened(path):
+    """``path`` opened for reading (closed after), or an open file object as it is (left open)."""
+    if isinstance(path, (str, pathlib.Path)):
+        with open(path, "rb") as f:
+            yield f
+    else:
+        yield path
 
 
 def safe_np_load(file, what: Optional[str] = None, **kwargs) -> Any:

@@ -31,3 +31,17 @@ def _pg(rank, world):
 
 def test_pg_helpers_distributed():
     run_distributed(_pg, 4)
+
+
+def test_import_megatron_core_has_upstreams_package_names():
+    """``import megatron.core`` gives upstream's package attributes: ``mpu`` (the legacy alias of parallel_state),
+    ``parallel_state``, ``tensor_parallel``, ``utils``, ``is_torch_min_version`` (in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import megatron.core as mc; from megatron.core import mpu; "
+            "import megatron.core.parallel_state as ps; import megatron.core.tensor_parallel as tp; "
+            "assert mpu is ps and mc.parallel_state is ps and mc.tensor_parallel is tp; "
+            "assert mc.utils.is_torch_min_version is mc.is_torch_min_version; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

@@ -4,16 +4,24 @@
 A ``ShardDistribution`` is valid for one process group (implicit): ranks in it are ranks *of that group*.
 """
 import logging
-from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ..extensions.transformer_engine import Float8Tensor as _Float8Tensor
 from ..parallel_state import collective_device
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .utils import _sharded_tensor_shard_id, _ShardId
+
+HAVE_TE_FLOAT8TENSOR = _Float8Tensor is not None  # upstream's flag: Transformer Engine's Float8Tensor importable
+
+
+def is_float8tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a Transformer Engine ``Float8Tensor`` (False without TE)."""
+    return HAVE_TE_FLOAT8TENSOR and isinstance(tensor, _Float8Tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +220,26 @@ def exchange_loaded_tensors_broadcast(
     return out
 
 
+def _all_gather_merged(local: Dict[_ShardId, Any], group: Optional[dist.ProcessGroup]) -> Dict[_ShardId, Any]:
+    """Every rank's ``{shard id: value}`` merged (one ``all_gather_object``); a shard id from two ranks is a
+    CheckpointingException "Duplicate shard ids loaded by different ranks" naming it."""
+    gathered: List[Optional[Dict[_ShardId, Any]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    merged: Dict[_ShardId, Any] = {}
+    for rank, items in enumerate(gathered):
+        for sid, value in items.items():
+            if sid in merged:
+                raise CheckpointingException(f"Duplicate shard ids loaded by different ranks: shard {sid} (also "
+                                             f"rank {rank})")
+            merged[sid] = value
+    return merged
+
+
+def exchange_loaded_objects_gather_object(loaded_objects: Dict[_ShardId, Any]) -> Dict[_ShardId, Any]:
+    """Upstream's function: the objects every rank loaded (over WORLD), merged; duplicates refused."""
+    return _all_gather_merged(loaded_objects, None)
+
+
 def exchange_loaded_tensors_gather_object(
     loaded_tensors: Dict[_ShardId, torch.Tensor],
     unloaded_shards: Dict[_ShardId, ShardedTensor],
@@ -223,15 +251,7 @@ def exchange_loaded_tensors_gather_object(
     """Like ``exchange_loaded_tensors_broadcast`` with one ``all_gather_object`` of every rank's loaded tensors
     (simple, for debugging; every rank holds every loaded shard at once). CheckpointingException if two ranks
     loaded the same shard."""
-    size = dist.get_world_size(parallelization_group)
-    gathered: List[Optional[Dict[_ShardId, torch.Tensor]]] = [None] * size
-    dist.all_gather_object(gathered, {k: v.cpu() for k, v in loaded_tensors.items()}, group=parallelization_group)
-    everything: Dict[_ShardId, torch.Tensor] = {}
-    for rank, tensors in enumerate(gathered):
-        for sid, t in tensors.items():
-            if sid in everything:
-                raise CheckpointingException(f"exchange: shard {sid} was loaded by more than one rank (rank {rank})")
-            everything[sid] = t
+    everything = _all_gather_merged({k: v.cpu() for k, v in loaded_tensors.items()}, parallelization_group)
     out = dict(loaded_tensors)
     for sid in sorted(unloaded_shards):
         if sid not in everything:

@@ -50,6 +50,10 @@ class MegatronModule(torch.nn.Module):
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
         return out
 
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The (non-sharded) ``state_dict`` that a legacy checkpoint would save (upstream's hook)."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
     def set_is_first_microbatch(self):
         """Tell TE modules that the next forward is the first micro-batch (FP8 weight caching)."""
         for m in self.modules():

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.enums import AttnBackend
 
+HAVE_PACKAGING = True  # upstream's flag; packaging is a dependency of this fork
+
 
 def flag_name(name: str) -> str:
     """The command-line flag of a config field or args attribute: ``num_layers`` -> ``--num-layers``."""

@@ -304,8 +304,8 @@ def test_narrow_save(tmp_path):
 
 # ---- strategies ----------------------------------------------------------------------------------------------------
 def _strategies(rank, world, tmp_path):
-    with pytest.raises(CheckpointingException, match="separation_hint='optimizer'.*not supported"):
-        TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="optimizer")
+    with pytest.raises(AssertionError, match="thread_count must be at least 2 if separation_hint is provided"):
+        TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, separation_hint="optimizer")
     s = TorchDistSaveShardedStrategy("torch_dist", 1, True, 1, False, None)  # upstream's positional order
     assert (s.keep_only_main_replica, s.thread_count, s.cached_metadata) == (True, 1, False)
     d = _ckpt_dir(tmp_path, "s", rank)

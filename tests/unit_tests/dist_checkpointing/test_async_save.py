@@ -240,7 +240,7 @@ def test_async_request_api_and_strategy_selection(caplog):
     assert strategy == "mcore" and modules["AsyncCallsQueue"] is AsyncCallsQueue
     assert get_async_strategy("mcore", module="TemporalAsyncCaller")[1] is TemporalAsyncCaller
     assert get_async_strategy("mcore", module="PersistentAsyncCaller")[1] is PersistentAsyncCaller
-    with pytest.raises(CheckpointingException, match="unknown async strategy 'fast'"):
+    with pytest.raises(TypeError, match=r"^async_strategy fast is not supported. Available strategies: nvrx, mcore.$"):
         get_async_strategy("fast")
     try:
         import nvidia_resiliency_ext  # noqa: F401

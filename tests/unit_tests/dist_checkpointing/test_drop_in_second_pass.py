@@ -43,7 +43,7 @@ def test_async_signatures_are_upstreams():
     assert "__del__" in vars(async_utils.PersistentAsyncCaller)
     strategy, modules = get_async_strategy("mcore")
     assert strategy == "mcore" and modules["AsyncCallsQueue"] is async_utils.AsyncCallsQueue
-    with pytest.raises(CheckpointingException, match="unknown async strategy 'bogus'"):
+    with pytest.raises(TypeError, match="async_strategy bogus is not supported"):
         get_async_strategy("bogus")
 
 

@@ -433,27 +433,60 @@ def check_checkpointer_type(checkpointer_type: str) -> str:
 
 
 # ---- strategy selection (upstream's get_async_strategy) -------------------------------------------------------------
-_MCORE_MODULES = ("AsyncRequest", "AsyncCallsQueue", "TemporalAsyncCaller", "PersistentAsyncCaller")
-_NVRX_CORE = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+_NVRX_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt"
+_NVRX_NAMES = {  # upstream's names for NVRx's classes, by the NVRx module that holds them
+    "core": ("AsyncCallsQueue", "AsyncRequest"),
+    "cached_metadata_filesystem_reader": ("CachedMetadataFileSystemReader",),
+    "filesystem_async": ("FileSystemWriterAsync", "_results_queue", "get_write_results_queue"),
+    "state_dict_saver": ("CheckpointMetadataCache", "save_state_dict_async_finalize", "save_state_dict_async_plan"),
+}
+NVRX_REQUIRED = ('A compatible `nvidia-resiliency-ext` installation is required for `async_strategy="nvrx"`. '
+                 'Please install it or set `async_strategy` to `mcore`.')
 
 
-def get_async_strategy(async_strategy: str = "mcore", module: Optional[str] = None):
-    """``(strategy, modules)``: the async-save classes of ``async_strategy`` ("mcore": this module's; "nvrx":
-    nvidia-resiliency-ext's, ``ModuleNotFoundError`` when it is not installed), as a dict by name, or the one class
-    named ``module``."""
+def _mcore_async_modules() -> Dict[str, Any]:
+    from . import filesystem_async
+    from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+
+    return {
+        "AsyncCallsQueue": AsyncCallsQueue,
+        "AsyncRequest": AsyncRequest,
+        "TemporalAsyncCaller": TemporalAsyncCaller,
+        "PersistentAsyncCaller": PersistentAsyncCaller,
+        "CachedMetadataFileSystemReader": CachedMetadataFileSystemReader,
+        "FileSystemWriterAsync": filesystem_async.FileSystemWriterAsync,
+        "_results_queue": filesystem_async._results_queue,
+        "get_write_results_queue": filesystem_async.get_write_results_queue,
+    }
+
+
+def _nvrx_async_modules() -> Dict[str, Any]:
+    import importlib
+
+    modules = {}
+    try:
+        for module, names in _NVRX_NAMES.items():
+            found = importlib.import_module(f"{_NVRX_ASYNC}.{module}")
+            modules.update({name: getattr(found, name) for name in names})
+    except (ImportError, AttributeError):
+        raise ModuleNotFoundError(NVRX_REQUIRED) from None
+    return modules
+
+
+def get_async_strategy(async_strategy: str = "nvrx", module: Optional[str] = None):
+    """``(strategy, modules)``: the async-save classes and functions of ``async_strategy`` ("mcore": this fork's;
+    "nvrx": nvidia-resiliency-ext's, ``ModuleNotFoundError`` when it is not installed) as a dict by upstream's names,
+    or the one named ``module`` (``KeyError`` when there is none). Another strategy is a ``TypeError``, as upstream."""
     if async_strategy == "mcore":
-        modules = {name: globals()[name] for name in _MCORE_MODULES}
+        modules = _mcore_async_modules()
     elif async_strategy == "nvrx":
-        import importlib
-
-        core = importlib.import_module(_NVRX_CORE)  # ModuleNotFoundError without nvidia-resiliency-ext
-        modules = {name: getattr(core, name) for name in _MCORE_MODULES if hasattr(core, name)}
+        modules = _nvrx_async_modules()
     else:
-        raise CheckpointingException(f"unknown async strategy {async_strategy!r}: expected 'nvrx' or 'mcore'")
+        raise TypeError(f"async_strategy {async_strategy} is not supported. Available strategies: nvrx, mcore.")
     if module is None:
         return async_strategy, modules
     if module not in modules:
-        raise CheckpointingException(f"async strategy {async_strategy!r} has no {module!r}; it has {sorted(modules)}")
+        raise KeyError(f"async strategy {async_strategy!r} has no {module!r}; it has {sorted(modules)}")
     return async_strategy, modules[module]
 
 

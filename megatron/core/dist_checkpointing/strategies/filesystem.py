@@ -34,6 +34,7 @@ import io
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import zlib
@@ -347,10 +348,13 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` that records a checksum of every item it writes (see the module docstring).
 
     ``algorithm``: "crc32c" (needs the ``crc32c`` or ``google-crc32c`` package) or "crc32"; default: crc32c when
-    available. Other arguments as ``FileSystemWriter``; only torch_save serialization (DCP's default) is offered.
+    available. ``separation_hint``: the items whose key starts with it go to files of their own, named as upstream's
+    (``<hint>__<rank>_<n>.distcp``; the others ``__<rank>_<n>.distcp``), so ``remove_sharded_tensors`` can delete
+    them. Other arguments as ``FileSystemWriter``; only torch_save serialization (DCP's default) is offered.
     """
 
-    def __init__(self, path: Union[str, os.PathLike], *args, algorithm: Optional[str] = None, **kwargs):
+    def __init__(self, path: Union[str, os.PathLike], *args, algorithm: Optional[str] = None,
+                 separation_hint: Optional[str] = None, **kwargs):
         fmt = kwargs.get("serialization_format", SerializationFormat.TORCH_SAVE)
         if fmt != SerializationFormat.TORCH_SAVE:
             raise CheckpointingException(
@@ -365,6 +369,7 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
                 f"available: {sorted(ALGORITHMS)}"
             )
         self.fs = _ChecksummingFileSystem(ALGORITHMS[self.algorithm])
+        self.separation_hint = separation_hint
 
     def __getstate__(self):
         """Picklable (DCP's process-based async save sends the writer to its checkpoint process): the checksumming
@@ -379,7 +384,8 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
 
     def write_data(self, plan, planner) -> Future:
         self.fs.progress = _Progress(f"saving {self.path}", _planned_write_bytes(plan.items))
-        results = super().write_data(plan, planner).wait()
+        written = self._write_separated(plan, planner) if self.separation_hint else super().write_data(plan, planner)
+        results = written.wait()
         # torch's extra writer threads die silently on an error (their items just have no result): refuse that
         written = {wr.index for wr in results}
         lost = [item.index for item in plan.items if item.index not in written]
@@ -393,6 +399,26 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
         fut: Future = Future()
         fut.set_result(results)
         return fut
+
+    def _write_separated(self, plan, planner) -> Future:
+        """torch's write, with the files split by ``separation_hint`` as upstream's writer splits them: the items
+        cut into ``thread_count // 2`` size-balanced buckets, each bucket's items without the hint first, then
+        with it; one file per non-empty part."""
+        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type
+
+        if not hasattr(self, "_write_data"):
+            raise CheckpointingException(f"writing {self.path} with separation_hint={self.separation_hint!r} needs "
+                                         f"a torch whose FileSystemWriter has _write_data (torch {torch.__version__})")
+        prefix, hint = plan.storage_data.prefix, self.separation_hint
+        buckets = _split_by_size_and_type(max(1, self.thread_count // 2), plan.items)
+        file_queue: "queue.Queue" = queue.Queue()
+        for group in ("", hint):
+            for bucket in buckets:
+                items = [item for item in bucket if item.index.fqn.startswith(hint) == bool(group)]
+                if items:
+                    name = f"{group}{prefix}{file_queue.qsize()}{DEFAULT_SUFFIX}"
+                    file_queue.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, file_queue)
 
     def _annotate(self, info) -> None:
         """Set ``info.mcore_checksum`` from the segment its bytes were written as."""

@@ -87,8 +87,10 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         strategy: SaveShardedStrategy,
         parallelization_group: Optional[dist.ProcessGroup] = None,
         do_cache_distribution: bool = False,
+        backend: str = "torch_dist",
+        version: int = 1,
     ):
-        super().__init__(strategy.backend, strategy.version)
+        super().__init__(backend, version)  # the wrapper's own, as upstream's (the checkpoint's metadata.json)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
@@ -130,28 +132,39 @@ class FullyParallelSaveStrategyWrapper(SaveShardedStrategy):
         return distribution
 
     def apply_saving_parallelization(self, sharded_state_dict) -> None:
-        """Rewrite the ``replica_id`` of the ShardedTensors of ``sharded_state_dict`` in place, as upstream does:
-        0 where this rank saves the shard for the group, 1 everywhere else (also for shards whose main replica is in
-        another group). Deviation: a rank holding the same shard twice saves it once (its other copies get 1)."""
-        group = self.parallelization_group
-        if dist.get_world_size(group) == 1:
+        """Rewrite the ``replica_id`` of the ShardedTensors of ``sharded_state_dict`` in place, as upstream does
+        (``distribute_main_replicas_with_precomputed_distribution`` with this wrapper's distribution)."""
+        if dist.get_world_size(self.parallelization_group) == 1:
             return None
         distribution = self.determine_distribution(sharded_state_dict)
-        my_rank = dist.get_rank(group)
-        saved_here = set()
-        for v in nested_values(sharded_state_dict):
-            if not isinstance(v, ShardedTensor):
-                continue
-            sid = _shard_id(v)
-            saves = (
-                sid in distribution.shards_in_this_group
-                and distribution.main_rank_for_shard[sid] == my_rank
-                and sid not in saved_here
-            )
-            v.replica_id = 0 if saves else 1
-            if saves:
-                saved_here.add(sid)
+        distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, self.parallelization_group,
+                                                               distribution)
         return None
+
+
+def distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, parallelization_group,
+                                                           precomputed_distribution: Optional[ShardDistribution]):
+    """Upstream's function: in place, ``replica_id`` 0 for the ShardedTensors this rank saves (or reads) for the
+    group under ``precomputed_distribution``, 1 for every other one (also for shards whose main replica is in
+    another group). Nothing changes in a group of one (None: WORLD); otherwise a distribution is required.
+    Deviation: a rank holding the same shard twice marks only its first copy 0."""
+    if parallelization_group is None:
+        parallelization_group = dist.group.WORLD
+    if dist.get_world_size(parallelization_group) <= 1:
+        return
+    if precomputed_distribution is None:
+        raise ValueError("precomputed_distribution must be not None for non-trivial parallelization group")
+    my_rank = dist.get_rank(parallelization_group)
+    marked = set()
+    for v in nested_values(sharded_state_dict):
+        if not isinstance(v, ShardedTensor):
+            continue
+        sid = _shard_id(v)
+        mine = (sid in precomputed_distribution.shards_in_this_group
+                and precomputed_distribution.main_rank_for_shard[sid] == my_rank and sid not in marked)
+        v.replica_id = 0 if mine else 1
+        if mine:
+            marked.add(sid)
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
@@ -243,6 +256,15 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if self.do_cache_distribution:
             self.cached_distribution = distribution
             self._cached_fingerprint = fp
+        return distribution
+
+    def apply_loading_parallelization(self, sharded_state_dict) -> Optional[ShardDistribution]:
+        """Upstream's method: the read distribution of ``sharded_state_dict``'s ShardedTensors (collective; cached
+        as ``determine_distribution``), with ``replica_id`` 0 on what this rank reads and 1 elsewhere."""
+        tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        distribution = self.determine_distribution(tensors)
+        distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, self.parallelization_group,
+                                                               distribution)
         return distribution
 
     def _sync_errors(self, exc: Optional[BaseException], group):

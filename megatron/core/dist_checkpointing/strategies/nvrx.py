@@ -6,7 +6,6 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _installed_version
 
 NVRX_MIN_VERSION = "0.6.0"
-_NVRX_MODULES = ("core", "cached_metadata_filesystem_reader", "filesystem_async", "state_dict_saver")
 
 
 HAVE_PACKAGING = True  # upstream's flag; packaging is a dependency of this fork
@@ -24,13 +23,16 @@ def is_nvrx_min_version(version: str = NVRX_MIN_VERSION) -> bool:
 
 
 def has_nvrx_async_support() -> bool:
-    """Whether NVRx's async checkpointing modules import (False when it is not installed)."""
+    """Whether NVRx's async checkpointing modules import and hold the names Megatron uses (False when NVRx is not
+    installed); an ``AssertionError`` when they do but NVRx is older than ``NVRX_MIN_VERSION`` (as upstream)."""
+    from .async_utils import _NVRX_ASYNC, _NVRX_NAMES
+
     try:
-        for name in _NVRX_MODULES:
-            import_module(f"nvidia_resiliency_ext.checkpointing.async_ckpt.{name}")
+        modules = {name: import_module(f"{_NVRX_ASYNC}.{name}") for name in _NVRX_NAMES}
     except ImportError:
         return False
-    return is_nvrx_min_version()
+    assert is_nvrx_min_version(), f"Minimum required nvidia-resiliency-ext package version is {NVRX_MIN_VERSION}."
+    return all(hasattr(modules[module], name) for module, names in _NVRX_NAMES.items() for name in names)
 
 
 def make_nvrx_async_request(async_request_cls: type, async_fn, async_fn_args, finalize_fns: list,

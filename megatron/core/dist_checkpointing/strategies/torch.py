@@ -13,6 +13,7 @@ metadata's ``mcore_data[key]['nd_reformulated_orig_global_shape']``. A flattened
 1-D shard. Loading re-slices as needed, so a flattened checkpoint loads into another grid/flattening and a plain
 checkpoint into flattened destinations.
 """
+import glob
 import io
 import logging
 import math
@@ -306,10 +307,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     ):
         super().__init__(backend, version)
         if separation_hint is not None:
-            raise CheckpointingException(
-                f"TorchDistSaveShardedStrategy(separation_hint={separation_hint!r}) is not supported by this fork "
-                f"(upstream writes the keys starting with the hint to their own files); leave it None"
-            )
+            assert thread_count > 1, "thread_count must be at least 2 if separation_hint is provided"
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         # async_save: DCP's checkpoint process ("process") or a DCP thread of this process ("thread")
@@ -453,7 +451,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # No more files than items on this rank: an empty data file would not be referenced by the metadata, so its
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
-        writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)))
+        writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)),
+                                             separation_hint=self.separation_hint)
         return pyt_state_dict, planner, writer
 
 
@@ -567,7 +566,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str):
         """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (rank 0 rewrites
-        ``.metadata`` atomically; the data files are left as they are)."""
+        ``.metadata`` atomically), then delete the data files named ``<key_prefix>*.distcp`` that no kept entry
+        refers to (what a save with ``separation_hint=key_prefix`` wrote, as upstream); other files are kept."""
         checkpoint_dir = Path(checkpoint_dir)
         if dist_utils.get_rank() == 0:
             metadata = read_dcp_metadata(checkpoint_dir)
@@ -587,6 +587,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             with open(tmp, "wb") as f:
                 pickle.dump(metadata, f)
             os.replace(tmp, checkpoint_dir / ".metadata")
+            if metadata.storage_data is not None:
+                kept = {info.relative_path for info in metadata.storage_data.values()}
+                for path in checkpoint_dir.glob(f"{glob.escape(key_prefix)}*.distcp"):
+                    if path.name not in kept:
+                        path.unlink()
         dist_utils.barrier()
 
     # -- load --

@@ -8,6 +8,7 @@ refused with the argument named."""
 import inspect
 from typing import Optional
 
+from megatron.core.extensions.transformer_engine import HAVE_TE  # noqa: F401 (upstream's flag here)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -15,6 +16,11 @@ from megatron.core.transformer.transformer_block import (
     default_layer_specs,
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules, layer_submodules
+
+
+# Upstream's flags of what its specs may build with: apex norms and NVIDIA Kitchen layers are never used here.
+HAVE_APEX = False
+HAVE_KITCHEN = False
 
 
 def _refuse(function: str, **options) -> None:
@@ -90,7 +96,14 @@ get_gpt_layer_local_spec = _layer_spec_of(get_gpt_layer_local_submodules)
 get_gpt_layer_local_spec.__name__ = "get_gpt_layer_local_spec"
 
 
-def get_gpt_layer_with_inference_submodules(*args, **kwargs) -> TransformerLayerSubmodules:
+def get_gpt_layer_with_inference_submodules(
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    qk_l2_norm: Optional[bool] = False,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+) -> TransformerLayerSubmodules:
     """Refused: this fork has no inference-optimized layers."""
     raise ValueError("get_gpt_layer_with_inference_spec: inference-optimized layers (transformer_impl="
                      "'inference_optimized') are not supported by this fork")
@@ -112,9 +125,20 @@ def get_mlp_module_spec(
     return layer_submodules(bool(use_te), num_experts is not None, bool(moe_grouped_gemm)).mlp
 
 
+def get_mlp_module_spec_for_backend(backend, num_experts: Optional[int] = None,
+                                    moe_grouped_gemm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+                                    use_te_activation_func: bool = False,
+                                    use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
+    """Not implemented: this fork has no ``BackendSpecProvider`` (use ``get_mlp_module_spec``)."""
+    raise NotImplementedError("get_mlp_module_spec_for_backend: backend spec providers (BackendSpecProvider) are not "
+                              "part of this fork; use get_mlp_module_spec(use_te, num_experts, moe_grouped_gemm)")
+
+
 def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool, normalization: Optional[str] = None,
-                                qk_l2_norm: Optional[bool] = False) -> list:
-    """One layer spec per layer: MoE where ``config.moe_layer_freq`` puts one, dense elsewhere."""
+                                qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
+                                pp_rank: Optional[int] = None) -> list:
+    """One layer spec per layer: MoE where ``config.moe_layer_freq`` puts one, dense elsewhere (the whole model's;
+    ``vp_stage`` / ``pp_rank`` are accepted and change nothing, as upstream's)."""
     _refuse("get_gpt_decoder_layer_specs", qk_l2_norm=qk_l2_norm)
     return default_layer_specs(config, bool(use_transformer_engine))
 
@@ -126,7 +150,8 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool, normalizati
     pipeline stage) are accepted: the spec holds the whole model's layers and ``TransformerBlock`` takes its stage's
     (a stage-local list, as upstream's, is accepted there too)."""
     return TransformerBlockSubmodules(
-        layer_specs=get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm),
+        layer_specs=get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm, vp_stage,
+                                                pp_rank),
         layer_norm=WrappedTorchNorm,
     )
 
@@ -137,3 +162,9 @@ def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool, vp_stage:
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("multi-token prediction (--mtp-num-layers) is not supported by this fork")
     return None
+
+
+def get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage: Optional[int] = None,
+                                       pp_rank: Optional[int] = None):
+    """``get_gpt_mtp_block_spec`` for a backend provider: None without multi-token prediction (refused here)."""
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank)

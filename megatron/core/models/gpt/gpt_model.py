@@ -1,5 +1,6 @@
 """GPT: embedding -> pre-norm TransformerBlock -> final norm -> output layer (optionally tied) -> loss."""
-from typing import Literal, Optional, Union
+from types import MappingProxyType
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.utils import init_method_normal, init_weights
+
+
+_NO_METADATA = MappingProxyType({})
+
+
+def _refuse_forward_options(**options) -> None:
+    """GPTModel.forward's upstream options this fork does not implement: an error naming those given."""
+    given = [name for name, value in options.items() if value is not None and value != {}]
+    if given:
+        raise ValueError(f"GPTModel.forward: {', '.join(given)} not supported by this fork")
 
 
 def _rope_setting(config, name: str, value, default):
@@ -137,12 +148,12 @@ class GPTModel(MegatronModule):
         if post_process and not (share_embeddings_and_output_weights and pre_process):
             self.output_layer.weight.is_embedding_or_output_parameter = True
         init_weights(self)
-        self._setup_tied_output_copy()
+        self.setup_embeddings_and_output_layer()
 
-    def _setup_tied_output_copy(self) -> None:
-        """Tied embeddings split over pipeline stages: the last stage's output weight starts as zeros and is summed
-        over the embedding group with the first stage's word embeddings (both stages take part), so both hold the
-        first stage's values, as upstream's ``setup_embeddings_and_output_layer``."""
+    def setup_embeddings_and_output_layer(self) -> None:
+        """Tied embeddings split over pipeline stages (upstream's method, run by the constructor): the last stage's
+        output weight starts as zeros and is summed over the embedding group with the first stage's word embeddings
+        (both stages take part, so a second call needs both too), so both hold the first stage's values."""
         if not self.share_embeddings_and_output_weights or self.pre_process == self.post_process:
             return
         weight = self.shared_embedding_or_output_weight()
@@ -184,59 +195,93 @@ class GPTModel(MegatronModule):
         extra = out.pop(f"{prefix}output_layer._extra_state", None)
         if extra is not None and extra.data is not None:
             raise RuntimeError(f"{prefix}output_layer._extra_state holds {type(extra.data)}: it would be dropped")
-        copy = out.get(f"{prefix}output_layer.weight")
-        if copy is not None and self.share_embeddings_and_output_weights and not self.pre_process:
-            # as upstream: the last stage's copy is a non-main replica of the word embeddings (never written)
-            copy.key = f"{prefix}embedding.word_embeddings.weight"
-            replica = copy.replica_id if isinstance(copy.replica_id, tuple) else (copy.replica_id,)
-            copy.replica_id = (1,) + tuple(replica[1:])
+        if self.share_embeddings_and_output_weights:
+            self.tie_embeddings_and_output_weights_state_dict(out, f"{prefix}output_layer.weight",
+                                                              f"{prefix}embedding.word_embeddings.weight", metadata)
         for name in ("weight", "bias"):  # rows follow the padded vocabulary, which may differ (as the embedding's)
             if f"{prefix}output_layer.{name}" in out:
                 out[f"{prefix}output_layer.{name}"].allow_shape_mismatch = True
         return out
+
+    def tie_embeddings_and_output_weights_state_dict(self, sharded_state_dict: dict, output_layer_weight_key: str,
+                                                     first_stage_word_emb_key: str, metadata: Mapping = _NO_METADATA) -> None:
+        """In place, as upstream: on a last stage without the embedding, the output weight's entry becomes a
+        non-main replica (``replica_id[0] = 1``) of ``first_stage_word_emb_key`` (never written; loads the first
+        stage's word embeddings). Nothing to do on other stages (no output layer, or it is the embedding)."""
+        if not self.post_process:
+            assert output_layer_weight_key not in sharded_state_dict, sharded_state_dict.keys()
+            return
+        if self.pre_process:
+            return
+        copy = sharded_state_dict[output_layer_weight_key]
+        copy.key = first_stage_word_emb_key
+        replica = copy.replica_id if isinstance(copy.replica_id, tuple) else (copy.replica_id,)
+        copy.replica_id = (1,) + tuple(replica[1:])
 
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
-        **unused,
+        inference_context=None,
+        packed_seq_params=None,
+        extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params=None,
+        loss_mask: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        output_processor: Optional[Callable[..., torch.Tensor]] = None,
+        output_processor_context: Optional[Any] = None,
     ) -> torch.Tensor:
-        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None  # [s, b, h]
+        """Upstream's parameters and order. ``decoder_input`` ``[s, b, h]``: used instead of the embedding of
+        ``input_ids``; ``runtime_gather_output``: gather the vocab-parallel logits (None: ``not parallel_output``);
+        ``loss_mask`` is not used (as upstream's without multi-token prediction: the caller masks the loss). Inference
+        contexts, packed sequences, extra block arguments, MoE padding masks and output processors are refused."""
+        _refuse_forward_options(inference_context=inference_context, inference_params=inference_params,
+                                packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
+                                padding_mask=padding_mask, output_processor=output_processor,
+                                output_processor_context=output_processor_context)
+        hidden = decoder_input
+        if hidden is None and self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            rotary = self.rotary_pos_emb(self._sequence_length(input_ids), device=self._decoder_input_device(hidden))
+            rotary = self.rotary_pos_emb(self._sequence_length(input_ids, hidden),
+                                         device=self._decoder_input_device(hidden))
         hidden = self.decoder(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights and self.pre_process else None)
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
-        logits = logits.transpose(0, 1)  # [b, s, v / tp]
-        if labels is None:
-            if not self.parallel_output:
-                logits = gather_from_tensor_model_parallel_region(logits)
-            return logits.contiguous()
-        return self.compute_language_model_loss(labels, logits)
+        if labels is not None:
+            return self.compute_language_model_loss(labels, logits)
+        gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return logits.transpose(0, 1).contiguous()  # [b, s, v (/ tp)]
 
-    def _sequence_length(self, input_ids: Optional[torch.Tensor]) -> int:
-        """The full sequence length: from the tokens, or (a later stage without them) the received hidden states
-        ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism)."""
+    def _sequence_length(self, input_ids: Optional[torch.Tensor], hidden: Optional[torch.Tensor]) -> int:
+        """The full sequence length: from the tokens, or (a later stage without them, or a given ``decoder_input``)
+        the hidden states ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism)."""
         if input_ids is not None:
             return input_ids.shape[1]
-        s = self.decoder.input_tensor.shape[0]
+        s = (hidden if hidden is not None else self.decoder.input_tensor).shape[0]
         return s * tp_group_info()[1] if self.config.sequence_parallel else s
 
     def _decoder_input_device(self, hidden: Optional[torch.Tensor]) -> torch.device:
         return hidden.device if hidden is not None else self.decoder.input_tensor.device
 
-    @staticmethod
-    def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy ``[b, s]`` in float32; ``logits`` ``[b, s, v / tp]`` (vocab-parallel; plain
-        ``F.cross_entropy`` without tensor parallelism)."""
-        b, s, v = logits.shape
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` in float32 (upstream's method): ``labels`` ``[b, s]``, ``logits``
+        ``[s, b, v / tp]`` as the output layer returns them (vocab-parallel; plain ``F.cross_entropy`` without
+        tensor parallelism)."""
+        labels = labels.transpose(0, 1)  # [s, b]
         if tp_group_info()[1] > 1:
-            return vocab_parallel_cross_entropy(logits, labels)
-        loss = F.cross_entropy(logits.float().reshape(b * s, v), labels.reshape(b * s), reduction="none")
-        return loss.view(b, s)
+            return vocab_parallel_cross_entropy(logits, labels).transpose(0, 1)
+        s, b, v = logits.shape
+        loss = F.cross_entropy(logits.float().reshape(s * b, v), labels.reshape(s * b), reduction="none")
+        return loss.view(s, b).transpose(0, 1)
