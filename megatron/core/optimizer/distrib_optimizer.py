@@ -62,7 +62,9 @@ from megatron.core.optimizer.optimizer import (
     scale_tensors_,
 )
 
-SHARDING_TYPE = "fully_sharded_model_space"
+FULLY_SHARDED_MODEL_SPACE = "fully_sharded_model_space"  # upstream's names of the layouts
+FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
 
 
 @dataclasses.dataclass
@@ -347,62 +349,114 @@ class DistributedOptimizer(MegatronOptimizer):
         out.update({k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0})
         return out
 
-    def state_dict(self) -> dict:
-        """This rank's part (plain tensors): param groups, the owned slices' state, the grad scaler."""
-        sd = {"optimizer": self._param_groups_state(), "param_state_sharding_type": SHARDING_TYPE,
-              "param_state": {i: {k: v.clone() for k, v in self._slice_state(m).items()}
-                              for i, m in enumerate(self.main_params)}}
+    def _common_state(self, kind: str) -> dict:
+        """The plain values of every layout: param groups (with ``step``), the sharding type, the grad scaler."""
+        sd = {"optimizer": self._param_groups_state(), "param_state_sharding_type": kind}
         if self.grad_scaler is not None:
             sd["grad_scaler"] = self.grad_scaler.state_dict()
         return sd
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
-        """See the module docstring. The ShardedTensors hold the live state tensors (a load fills them in place)."""
+    def state_dict(self) -> dict:
+        """This rank's part (plain tensors): param groups, the owned slices' state, the grad scaler."""
+        sd = self._common_state(FULLY_SHARDED_MODEL_SPACE)
+        sd["param_state"] = {i: {k: v.clone() for k, v in self._slice_state(m).items()}
+                             for i, m in enumerate(self.main_params)}
+        return sd
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           sharding_type: Optional[str] = None, metadata: Optional[dict] = None) -> dict:
+        """The layout ``sharding_type`` names, else ``metadata['distrib_optim_sharding_type']``, else upstream's
+        default here, ``fully_sharded_model_space`` (see the module docstring)."""
+        kind = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
+        builders = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_param_state,
+                    FULLY_RESHARDABLE: self._fully_reshardable_param_state}
+        if kind not in builders:
+            raise ValueError(f"DistributedOptimizer.sharded_state_dict: distrib_optim_sharding_type {kind!r} is not "
+                             f"supported (supported: {sorted(builders)})")
         self.init_state()
+        sd = self._common_state(kind)
+        sd["param_state"] = builders[kind](model_sharded_state_dict, is_loading)
+        return sd
+
+    def _fs_model_space_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
+        """``fully_sharded_model_space``: {slice index: {state key: the live slice as a flattened ShardedTensor}}
+        (a load fills the live state in place)."""
         param_state = {}
         for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             sh = self._param_sharded_tensor(s.model_param, model_sharded_state_dict)
+            replica_id = _dp_replica_zero(sh.replica_id)
             param_state[i] = {
-                k: _flat_state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", v, slice(s.start, s.stop))
+                k: _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", v, replica_id, slice(s.start, s.stop))
                 for k, v in self._slice_state(main).items()
             }
-        sd = {"optimizer": self._param_groups_state(), "param_state": param_state,
-              "param_state_sharding_type": SHARDING_TYPE}
-        if self.grad_scaler is not None:
-            sd["grad_scaler"] = self.grad_scaler.state_dict()
-        return sd
+        return param_state
+
+    def _fully_reshardable_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
+        """``fully_reshardable``: {index in ``all_params``: {``param`` (the fp32 main) / ``exp_avg`` / ...: a
+        whole fp32 tensor shaped like the parameter, placed (and replicated) like the parameter's ShardedTensor}}.
+        Saving all-gathers each state over the parameter's DP group (every rank holds the whole state on CPU, as
+        upstream); loading gives every rank empty whole tensors, sliced by ``load_state_dict``."""
+        whole = self._empty_whole_state() if is_loading else self._gathered_whole_state()
+        param_state = {}
+        for i, p in enumerate(self.all_params):
+            sh = self._param_sharded_tensor(p, model_sharded_state_dict)
+            param_state[i] = {_upstream_state_key(k): _state_sharded_tensor(
+                sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
+                for k, v in whole[p].items()}
+        return param_state
+
+    def _state_keys(self) -> List[str]:
+        """The keys of a slice's state (``fp32_param`` and the optimizer's tensors): the same for every slice."""
+        if self.main_params:
+            return list(self._slice_state(self.main_params[0]))
+        return ["fp32_param"] + [k for k in ("exp_avg", "exp_avg_sq") if isinstance(self.optimizer, (
+            torch.optim.Adam, torch.optim.AdamW))]
+
+    def _empty_whole_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        return {p: {k: torch.empty(p.shape, dtype=torch.float32) for k in self._state_keys()}
+                for p in self.all_params}
+
+    @torch.no_grad()
+    def _gathered_whole_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        """{parameter: {state key: its whole state, fp32 on CPU, shaped like the parameter}}: per index space and
+        key, the ranks' shards all-gathered over the space's group (a collective)."""
+        out = {p: {} for p in self.all_params}
+        for k, space in enumerate(self.spaces):
+            owned = [(s, self._slice_state(main)) for s, main in zip(self.slices, self.main_params) if s.space == k]
+            for key in self._state_keys():
+                shard = torch.zeros(space.shard_numel, dtype=torch.float32, device=self.device)
+                for s, state in owned:
+                    shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(state[key])
+                full = shard
+                if space.size > 1:
+                    full = torch.empty(space.shard_numel * space.size, dtype=torch.float32, device=self.device)
+                    _all_gather(full, shard, space.group)
+                full = full.cpu()
+                for p in space.params:
+                    o = space.offsets[p]
+                    out[p][key] = full[o : o + p.numel()].clone().view(p.shape)
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict()`` / what ``dist_checkpointing.load`` returned for ``sharded_state_dict``; then
         all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
         kind = state_dict.get("param_state_sharding_type")
-        if kind != SHARDING_TYPE:
+        readers = {FULLY_SHARDED_MODEL_SPACE: self._slice_of_fs_model_space,
+                   FULLY_RESHARDABLE: self._slice_of_fully_reshardable}
+        if kind not in readers:
             raise ValueError(
-                f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (only "
-                f"{SHARDING_TYPE!r}); a checkpoint saved without --use-distributed-optimizer loads without it"
+                f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (supported: "
+                f"{sorted(readers)}); a checkpoint saved without --use-distributed-optimizer loads without it"
             )
         self._load_grad_scaler(state_dict)
-        groups = state_dict["optimizer"]["param_groups"]
-        if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"distributed optimizer checkpoint has {len(groups)} param groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}")
+        step = self._load_param_groups(state_dict["optimizer"]["param_groups"])
         self.init_state()
-        step = 0
-        for mine, saved in zip(self.optimizer.param_groups, groups):
-            step = int(saved.get("step", 0))
-            mine.update({k: v for k, v in saved.items() if k not in ("params", "step")})
-        self._step_count = step
         param_state = state_dict["param_state"]
-        for i, main in enumerate(self.main_params):
-            if i not in param_state:
-                raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
-                               f"({self.param_to_name.get(self.slices[i].model_param)})")
-            saved = param_state[i]
+        index = {p: i for i, p in enumerate(self.all_params)}
+        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             for k, dest in self._slice_state(main).items():
-                if k not in saved:
-                    raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {k!r}")
-                value = saved[k]
+                value = readers[kind](param_state, i, index[s.model_param], k)
                 if value is not dest:
                     dest.copy_(value.reshape(dest.shape))
             st = self.optimizer.state.get(main)
@@ -410,20 +464,67 @@ class DistributedOptimizer(MegatronOptimizer):
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
         self._copy_main_params_to_model()
 
+    def _load_param_groups(self, groups: List[dict]) -> int:
+        """The saved hyper-parameters into this optimizer's param groups (in order); returns the saved step."""
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"distributed optimizer checkpoint has {len(groups)} param groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}")
+        step = 0
+        for mine, saved in zip(self.optimizer.param_groups, groups):
+            step = int(saved.get("step", 0))
+            mine.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+        self._step_count = step
+        return step
+
+    def _slice_of_fs_model_space(self, param_state: dict, i: int, param_index: int, key: str) -> torch.Tensor:
+        """Slice ``i``'s state ``key`` in a ``fully_sharded_model_space`` load (already the slice)."""
+        saved = param_state.get(i)
+        if saved is None:
+            raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
+                           f"({self.param_to_name.get(self.slices[i].model_param)})")
+        if key not in saved:
+            raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {key!r}")
+        return saved[key]
+
+    def _slice_of_fully_reshardable(self, param_state: dict, i: int, param_index: int, key: str) -> torch.Tensor:
+        """Slice ``i``'s state ``key`` in a ``fully_reshardable`` load: the slice's range of the whole tensor
+        (``param``: upstream's name of the fp32 main param; its loader also accepts ``fp32_param``)."""
+        s = self.slices[i]
+        saved = param_state.get(param_index)
+        name = self.param_to_name.get(s.model_param)
+        if saved is None:
+            raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): no param_state for parameter "
+                           f"{param_index} ({name})")
+        found = [k for k in (_upstream_state_key(key), key) if k in saved]
+        if not found:
+            raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state[{param_index}] "
+                           f"({name}) has no {_upstream_state_key(key)!r}")
+        return saved[found[0]].reshape(-1)[s.start : s.stop]
+
 
 def _flat_values(p: torch.Tensor) -> torch.Tensor:
     """``p``'s values, flat (a quantized weight dequantized to its nominal dtype)."""
     return dequantize(p.detach()).reshape(-1)
 
 
-def _flat_state_sharded_tensor(sh, key: str, data: torch.Tensor, flat: slice):
-    """``sh`` (the parameter's ShardedTensor or ShardedTensorFactory) describing the 1-D ``data`` = the flat slice
-    ``flat`` of an optimizer state tensor shaped like the parameter, under ``key``, DP replica coordinate 0."""
+def _upstream_state_key(key: str) -> str:
+    """The name upstream's ``fully_reshardable`` layout gives a state: ``param`` for the fp32 main param."""
+    return "param" if key == "fp32_param" else key
+
+
+def _dp_replica_zero(replica_id):
+    """``replica_id`` with its DP coordinate (the last) 0: each rank's slices are distinct."""
+    return (*replica_id[:-1], 0) if isinstance(replica_id, tuple) else 0
+
+
+def _state_sharded_tensor(sh, key: str, data: torch.Tensor, replica_id, flat: Optional[slice] = None):
+    """``sh`` (the parameter's ShardedTensor or ShardedTensorFactory) describing the optimizer state ``data``
+    under ``key`` and ``replica_id``: whole (shaped like the parameter), or the flat slice ``flat`` of it (1-D)."""
     from megatron.core.dist_checkpointing import ShardedTensorFactory
 
-    rid = sh.replica_id
-    replica_id = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
-    kwargs = dict(key=key, data=data, flattened_range=flat, replica_id=replica_id)
+    kwargs = dict(key=key, data=data, replica_id=replica_id)
+    if flat is not None:
+        kwargs["flattened_range"] = flat
     if not isinstance(sh, ShardedTensorFactory):
         kwargs["dtype"] = data.dtype
     return dataclasses.replace(sh, **kwargs)

@@ -96,18 +96,23 @@ def _full_params(ddp):
     return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
 
 
-def _save_body(rank, ws, ckpt, out):
+def _metadata(kind):
+    return None if kind is None else {"distrib_optim_sharding_type": kind}
+
+
+def _save_body(rank, ws, ckpt, out, kind=None):
     from megatron.core import dist_checkpointing
 
     ddp, opt = _build(_ckpt_cfg(), 1, distributed=True)
     for i in range(3):
         _step(ddp, opt, i, rank, ws)
     sd = ddp.sharded_state_dict()
-    osd = opt.sharded_state_dict(sd)
-    assert osd["param_state_sharding_type"] == "fully_sharded_model_space"
+    osd = opt.sharded_state_dict(sd, metadata=_metadata(kind))
+    assert osd["param_state_sharding_type"] == (kind or "fully_sharded_model_space")
     keys = {t.key for st in osd["param_state"].values() for t in st.values()}
-    assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in keys or any(
-        k.startswith("optimizer.state.exp_avg.decoder.layers.") for k in keys)
+    assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.") for k in keys)
+    if kind == "fully_reshardable":  # upstream's layout: whole fp32 states named like the parameter, main = param
+        _check_fully_reshardable(ddp, opt, osd, sd)
     dist_checkpointing.save({"model": sd, "optimizer": osd}, ckpt)
     saved = _full_params(ddp)
     loss = _step(ddp, opt, 3, rank, ws)
@@ -115,13 +120,36 @@ def _save_body(rank, ws, ckpt, out):
         torch.save({"saved": saved, "after": _full_params(ddp), "loss": loss}, os.path.join(out, "ref.pt"))
 
 
-def _load_body(rank, ws, ckpt, out):
+def _check_fully_reshardable(ddp, opt, osd, sd):
+    """Every parameter has ``param`` / ``exp_avg`` / ``exp_avg_sq`` whole, fp32, with the parameter's placement
+    and replica id, and this rank's slices of them are its own state."""
+    from megatron.core.dist_checkpointing import ShardedTensorFactory
+
+    assert len(osd["param_state"]) == len(opt.all_params)
+    for i, p in enumerate(opt.all_params):
+        st = osd["param_state"][i]
+        assert sorted(st) == ["exp_avg", "exp_avg_sq", "param"]
+        msh = opt._param_sharded_tensor(p, sd)
+        for k, t in st.items():
+            assert t.key == f"optimizer.state.{k}.{msh.key}" and t.replica_id == msh.replica_id
+            assert t.data.shape == p.shape and t.data.dtype == torch.float32
+            if not isinstance(t, ShardedTensorFactory):
+                assert t.global_shape == msh.global_shape and t.global_offset == msh.global_offset
+    index = {p: i for i, p in enumerate(opt.all_params)}
+    for s, main in zip(opt.slices, opt.main_params):
+        st = osd["param_state"][index[s.model_param]]
+        assert torch.equal(st["param"].data.reshape(-1)[s.start:s.stop], main.detach())
+        assert torch.equal(st["exp_avg"].data.reshape(-1)[s.start:s.stop], opt.state[main]["exp_avg"])
+    assert {g["step"] for g in osd["optimizer"]["param_groups"]} == {3}
+
+
+def _load_body(rank, ws, ckpt, out, kind=None):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensorFactory
 
     ddp, opt = _build(_ckpt_cfg(), 7, distributed=True)  # another init: everything must come from the checkpoint
     sd = ddp.sharded_state_dict()
-    osd = opt.sharded_state_dict(sd, is_loading=True)
+    osd = opt.sharded_state_dict(sd, is_loading=True, metadata=_metadata(kind))
     factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for st in osd["param_state"].values()
                                   for t in st.values())])
     dist.all_reduce(factories)
@@ -144,12 +172,15 @@ def _load_body(rank, ws, ckpt, out):
     assert moved > 1e-4
 
 
-def test_checkpoint_saved_on_2_ranks_loads_on_4_and_1(tmp_path):
+@pytest.mark.parametrize("kind", [None, "fully_reshardable"])
+def test_checkpoint_saved_on_2_ranks_loads_on_4_and_1(tmp_path, kind):
+    """Both model-space layouts: upstream's default without metadata (``fully_sharded_model_space``) and
+    ``fully_reshardable`` (what ``--dist-ckpt-optim-fully-reshardable`` writes)."""
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    run_distributed(_save_body, 2, ckpt, str(tmp_path))
+    run_distributed(_save_body, 2, ckpt, str(tmp_path), kind)
     for ws in (4, 1):
-        run_distributed(_load_body, ws, ckpt, str(tmp_path))
+        run_distributed(_load_body, ws, ckpt, str(tmp_path), kind)
 
 
 def test_refuses_ddp_without_the_flag():
