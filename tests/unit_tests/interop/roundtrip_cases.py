@@ -315,10 +315,15 @@ def _weights_diff(mine: dict, ref: dict) -> float:
     return max(float((mine[k] - ref[k]).abs().max()) for k in ref)
 
 
-# ---- the optimizer: model + non-distributed Adam state, saved together and loaded together ------------------------
-# (model, precision) per layout: bf16 (fp32 main params beside bf16 weights; upstream's
-# Float16OptimizerWithFloat16Params) and fp32 (upstream's FP32Optimizer). Two Adam steps with known gradients.
-OPTIM_CASES = {"tp1": (("dense", "bf16"), ("gqa", "fp32")), "tp2": (("gqa", "bf16"),), "pp2": (("dense", "bf16"),)}
+# ---- the optimizer: model + Adam state, saved together and loaded together ----------------------------------------
+# (model, precision, distributed-optimizer sharding type) per layout: bf16 (fp32 main params beside bf16 weights;
+# upstream's Float16OptimizerWithFloat16Params) and fp32 (upstream's FP32Optimizer) with the non-distributed
+# optimizer (sharding type None); the distributed optimizer (--use-distributed-optimizer, bf16 with fp32 mains,
+# sharded over DP=2) in the layout upstream's training loop writes with --dist-ckpt-optim-fully-reshardable. Two Adam
+# steps with known gradients.
+OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense", "bf16", "fully_reshardable")),
+               "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable")),
+               "pp2": (("dense", "bf16", None),)}
 OPTIM_STEPS = 2
 OPTIM_KW = dict(optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                 adam_eps=1e-8, clip_grad=1.0)
@@ -329,7 +334,42 @@ def optim_results_path(workdir: str, side: str, phase: str, layout: str) -> str:
 
 
 def optim_jobs(layout: str):
-    return [(m, prec, f"optim_{m}_{prec}") for m, prec in OPTIM_CASES.get(layout, ())]
+    """(model, precision, sharding type, record name) of one layout's optimizer cases."""
+    return [(m, prec, kind, f"optim_{m}_{prec}" + (f"_distopt_{kind}" if kind else ""))
+            for m, prec, kind in OPTIM_CASES.get(layout, ())]
+
+
+def sharded_sd_metadata(kind) -> dict:
+    """What upstream's training loop passes to ``sharded_state_dict`` and stores as the checkpoint's content
+    metadata (``_build_sharded_state_dict_metadata``) for a distributed optimizer of sharding type ``kind``."""
+    return {"distrib_optim_sharding_type": kind, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def whole_state(pieces: dict) -> dict:
+    """A distributed optimizer's whole state by local parameter name, from every DP rank's pieces (a collective
+    over the DP group): ``pieces`` = {name: (shape, [(start, stop, {key: flat tensor or step})])}, the flat ranges
+    of the parameter this rank holds. Every element must be covered exactly once."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, pieces, group=group)
+    out = {}
+    for name, (shape, _) in pieces.items():
+        numel, covered, state = int(torch.Size(shape).numel()), 0, {}
+        for part in parts:
+            for start, stop, values in part[name][1]:
+                covered += stop - start
+                for k, v in values.items():
+                    if isinstance(v, torch.Tensor):
+                        state.setdefault(k, torch.full((numel,), float("nan"), dtype=v.dtype))[start:stop] = v
+                    else:
+                        state[k] = v
+        assert covered == numel, (name, covered, numel)
+        out[name] = {k: v.view(shape) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return out
 
 
 def known_grad(name: str, shape, step: int):
@@ -358,9 +398,12 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                     optimizer_state, set_grad, save_kwargs=None) -> None:
     """The optimizer round trip for each layout of ``OPTIM_CASES``: save: ``OPTIM_STEPS`` steps with
     ``known_grad``s, then ``{"model", "optimizer"}`` saved with ``dist_checkpointing.save`` (the optimizer's
-    ``sharded_state_dict(model_sharded_state_dict)``) and the state by global parameter name beside it; load:
-    a fresh model and optimizer load the other side's checkpoint and every exp_avg / exp_avg_sq / fp32 main param /
-    step must equal the saver's exactly. ``optimizer_state(model, opt)`` -> {local name: {key: tensor or float}}."""
+    ``sharded_state_dict(model_sharded_state_dict)``; a distributed optimizer's with upstream's training-loop
+    metadata, stored as the content metadata) and the state by global parameter name beside it; load: a fresh model
+    and optimizer load the other side's checkpoint (a distributed optimizer: the metadata read back from it, as
+    upstream's ``load_checkpoint``) and every exp_avg / exp_avg_sq / fp32 main param / step must equal the saver's
+    exactly. ``build_optimizer(model, precision, distributed)``; ``optimizer_state(model, opt)`` -> {local name:
+    {key: tensor or float}} (a distributed optimizer's: whole, see ``whole_state``)."""
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -373,13 +416,14 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                      pipeline_model_parallel_size=pp)
         results = []
-        for model_name, precision, name in optim_jobs(layout):
+        for model_name, precision, kind, name in optim_jobs(layout):
             torch.manual_seed(1000 if phase == "save" else 2000)
             record = {"side": side, "case": name, "phase": phase, "layout": layout}
             try:
                 dtype = torch.bfloat16 if precision == "bf16" else torch.float32
                 model = build_model(model_name, layout, False, dtype)
-                opt = build_optimizer(model, precision)
+                opt = build_optimizer(model, precision, kind is not None)
+                metadata = sharded_sd_metadata(kind) if kind else None
                 inner = getattr(model, "module", model)
                 gname = _global_name_fn(inner)
                 if phase == "save":
@@ -397,7 +441,8 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                         os.makedirs(out, exist_ok=True)
                     dist.barrier()
                     model_sd = inner.sharded_state_dict()
-                    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, out,
+                    osd = opt.sharded_state_dict(model_sd, **({"metadata": metadata} if kind else {}))
+                    dist_checkpointing.save({"model": model_sd, "optimizer": osd}, out, content_metadata=metadata,
                                             **(save_kwargs or {}))
                     # every rank its own shards (the loader has the same layout), by global name
                     ref = {gname(n): v for n, v in optimizer_state(inner, opt).items()}
@@ -406,8 +451,11 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                     src = os.path.join(workdir, other, layout, name)
                     ref = torch.load(src + f".reference.{dist.get_rank()}.pt", weights_only=True)
                     model_sd = inner.sharded_state_dict()
-                    state = dist_checkpointing.load(
-                        {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, src)
+                    metadata = dist_checkpointing.load_content_metadata(src) if kind else None
+                    if kind:
+                        assert metadata["distrib_optim_sharding_type"] == kind, metadata
+                    osd = opt.sharded_state_dict(model_sd, is_loading=True, **({"metadata": metadata} if kind else {}))
+                    state = dist_checkpointing.load({"model": model_sd, "optimizer": osd}, src)
                     inner.load_state_dict(state["model"])
                     opt.load_state_dict(state["optimizer"])
                     mine = {gname(n): v for n, v in optimizer_state(inner, opt).items()}

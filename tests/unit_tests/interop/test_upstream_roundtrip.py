@@ -6,7 +6,7 @@ EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other 
 ``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
 pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
 checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. The same launches also round-trip the
-non-distributed optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``). Six ``torch.distributed.run``
+optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``: non-distributed and distributed). Six ``torch.distributed.run``
 launches, in the order the checkpoints need: upstream saves -> the fork loads and saves -> upstream loads."""
 import json
 import os
@@ -104,7 +104,9 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     two steps with known gradients, ``{model, optimizer}`` saved with ``optimizer.sharded_state_dict``; the other
     side loads both and every exp_avg, exp_avg_sq, fp32 main param (bf16) and step equals the saver's exactly, by
     parameter name on every rank, at TP1 x DP2 (bf16 dense, fp32 GQA), TP2 x DP2 (bf16 GQA) and PP2 (bf16 dense,
-    tied embeddings: the last stage's copy too)."""
+    tied embeddings: the last stage's copy too). The distributed optimizer too (``_distopt_<sharding type>``: bf16
+    dense at TP1 x DP2, bf16 GQA at TP2 x DP2; the whole state compared, assembled from every DP rank's part): in
+    upstream's ``fully_reshardable`` layout, the sharding type read back from the checkpoint's content metadata."""
     workdir = roundtrip_cpu[0]
     records = []
     for side in ("upstream", "fork"):
@@ -117,6 +119,8 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     bad = [r for r in records if not r["ok"]]
     assert not bad, bad
     loaded = [r for r in records if r["phase"] == "load"]
+    distributed = {(r["side"], r["layout"]) for r in loaded if "_distopt_fully_reshardable" in r["case"]}
+    assert distributed == {(side, layout) for side in ("upstream", "fork") for layout in ("tp1", "tp2")}, distributed
     for r in loaded:
         bf16 = r["case"].endswith("_bf16")
         assert r["compared"] == sorted(["exp_avg", "exp_avg_sq", "step"] + ["fp32_param"] * bf16), r
@@ -124,7 +128,7 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
         assert r["ranks"] == rc.LAYOUTS[r["layout"]][0], r  # every rank compared its own shards
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
         (side, layout, name) for side in ("upstream", "fork") for layout in rc.OPTIM_CASES
-        for _, _, name in rc.optim_jobs(layout)}
+        for *_, name in rc.optim_jobs(layout)}
 
 
 @pytest.mark.gpu
