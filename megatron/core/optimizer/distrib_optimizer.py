@@ -54,6 +54,7 @@ from megatron.core.fp8_utils import (
     quantize_master_shards,
     rowwise_bytes,
 )
+from megatron.core.optimizer.param_layout import BucketLayout, BufferLayout, buffer_layouts
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     _is_dtensor,
@@ -129,8 +130,14 @@ class DistributedOptimizer(MegatronOptimizer):
     """
 
     def __init__(self, make_optimizer, config, groups: List[dict], param_to_name: Dict, grad_scaler=None,
-                 grad_reduce_in_fp32: bool = False, check_for_nan_in_grad: bool = False):
+                 grad_reduce_in_fp32: bool = False, check_for_nan_in_grad: bool = False,
+                 chunk_params: Optional[List[List[torch.nn.Parameter]]] = None, ddp_config=None):
         self.group, self.dp_size, self.dp_rank = _dp_group_and_size()
+        # what upstream's buffer layout follows (``dp_reshardable``): each model chunk's trainable parameters in
+        # module order, and the DDP config's bucketing
+        self.chunk_params = chunk_params if chunk_params is not None else [list(param_to_name)]
+        self.ddp_config = ddp_config
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.all_params = [p for g in groups for p in g["params"]]
         for p in self.all_params:
             name = param_to_name.get(p, "<unnamed>")
@@ -369,12 +376,15 @@ class DistributedOptimizer(MegatronOptimizer):
         default here, ``fully_sharded_model_space`` (see the module docstring)."""
         kind = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
         builders = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_param_state,
-                    FULLY_RESHARDABLE: self._fully_reshardable_param_state}
+                    FULLY_RESHARDABLE: self._fully_reshardable_param_state,
+                    DP_RESHARDABLE: self._dp_reshardable_param_state}
         if kind not in builders:
             raise ValueError(f"DistributedOptimizer.sharded_state_dict: distrib_optim_sharding_type {kind!r} is not "
                              f"supported (supported: {sorted(builders)})")
         self.init_state()
         sd = self._common_state(kind)
+        if kind == DP_RESHARDABLE:  # upstream: per model-parallel rank objects, saved by DP rank 0
+            sd.update({k: self._dp_reshardable_object(k, sd[k]) for k in ("optimizer", "grad_scaler") if k in sd})
         sd["param_state"] = builders[kind](model_sharded_state_dict, is_loading)
         return sd
 
@@ -404,6 +414,82 @@ class DistributedOptimizer(MegatronOptimizer):
                 sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
                 for k, v in whole[p].items()}
         return param_state
+
+    # ---- dp_reshardable: upstream's bucket layout (param_layout.py) -------------------------------------------
+    def _dp_reshardable_object(self, name: str, value) -> "ShardedObject":
+        from megatron.core.dist_checkpointing import ShardedObject
+
+        prefix = f"optimizer.distributed.dp_group_idx_{_model_parallel_rank()}"
+        return ShardedObject(f"{prefix}.{name}", value, (1,), (0,), replica_id=(0, 0, self.dp_rank))
+
+    def _upstream_buffers(self) -> List[BufferLayout]:
+        """Upstream's buffers of this model (every chunk's, in order), as its DistributedDataParallel would lay
+        them out here: ``dp_reshardable`` keys and offsets follow them."""
+        if any(not getattr(p, "allreduce", True) for p in self.all_params):
+            raise NotImplementedError(
+                "distrib_optim_sharding_type 'dp_reshardable' with expert-parallel (MoE) parameters: upstream keeps "
+                "their state in a second chained optimizer; use 'fully_reshardable' "
+                "(--dist-ckpt-optim-fully-reshardable) for MoE models")
+        cfg = self.ddp_config
+        out = []
+        for i, params in enumerate(self.chunk_params):
+            out += buffer_layouts(params, self.dp_size, self.dp_size, _is_quantized_param, self.grad_reduce_in_fp32,
+                                  _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0),
+                                  bool(getattr(cfg, "pad_buckets_for_high_nccl_busbw", False)),
+                                  parallel_state.get_pipeline_model_parallel_world_size() > 1)
+        return out
+
+    def _dp_reshardable_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
+        """``dp_reshardable`` (upstream's default): per buffer, bucket and state (``param`` = the fp32 main,
+        ``exp_avg``, ...) one 1-D fp32 tensor of the bucket's unpadded elements, key ``optimizer.distributed.
+        dp_group_idx_<model-parallel rank>.gbuf_idx_<g>.dtype_<(param dtype, grad dtype)>.bucket_idx_<b>.<state>``;
+        ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` beside them. Saving: this DP rank writes the part of
+        its 1/DP range of each bucket (from the gathered whole state); loading: every rank reads whole buckets and
+        ``load_state_dict`` takes its slices, so any DP size loads it where the buckets are the same."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        buffers = self._upstream_buffers()
+        whole = None if is_loading else self._gathered_whole_state()
+        replica_id = (0, 0, self.dp_rank if is_loading else 0)  # saved: each rank's range is its own
+        prefix = f"optimizer.distributed.dp_group_idx_{_model_parallel_rank()}"
+        state = {name: self._dp_reshardable_object(name, [{b.dtype_key: [getattr(k, attr) for k in b.buckets]}
+                                                           for b in buffers])
+                 for name, attr in (("per_bucket_numel", "numel"), ("per_bucket_numel_unpadded", "numel_unpadded"))}
+        for g, buf in enumerate(buffers):
+            buckets = []
+            for b, bucket in enumerate(buf.buckets):
+                lo, hi = (0, bucket.numel_unpadded) if is_loading else _rank_range(bucket, self.dp_size, self.dp_rank)
+                tensors = {}
+                for key in self._state_keys():
+                    name = _upstream_state_key(key)
+                    data = (torch.empty(hi - lo, dtype=torch.float32) if is_loading
+                            else _bucket_values(bucket, whole, key)[lo:hi])
+                    if hi > lo:
+                        tensors[name] = ShardedTensor(
+                            f"{prefix}.gbuf_idx_{g}.dtype_{buf.dtype_key}.bucket_idx_{b}.{name}", data, torch.float32,
+                            (hi - lo,), (bucket.numel_unpadded,), (lo,), None, replica_id=replica_id)
+                buckets.append(tensors)
+            state[g] = {buf.dtype_key: buckets}
+        return state
+
+    def _dp_reshardable_location(self, param_state: dict) -> Dict[torch.nn.Parameter, Tuple[dict, int]]:
+        """{parameter: (its bucket's loaded tensors, its start in the bucket)}; the checkpoint's bucket sizes must
+        be this model's (ValueError naming both otherwise)."""
+        buffers = self._upstream_buffers()
+        mine = [{b.dtype_key: [k.numel_unpadded for k in b.buckets]} for b in buffers]
+        saved = param_state.get("per_bucket_numel_unpadded")
+        if saved != mine:
+            raise ValueError(
+                f"distributed optimizer checkpoint (dp_reshardable): its buckets hold {saved} elements (per buffer, "
+                f"unpadded), upstream's layout of this model {mine}; dp_reshardable loads only into the same model, "
+                f"tensor/pipeline parallel sizes and bucketing (--overlap-grad-reduce, --ddp-bucket-size) it was "
+                f"saved with (any data-parallel size); save with --dist-ckpt-optim-fully-reshardable to reshard")
+        out = {}
+        for g, buf in enumerate(buffers):
+            for b, bucket in enumerate(buf.buckets):
+                for p, start, _ in bucket.params:
+                    out[p] = (param_state[g][buf.dtype_key][b], start)
+        return out
 
     def _state_keys(self) -> List[str]:
         """The keys of a slice's state (``fp32_param`` and the optimizer's tensors): the same for every slice."""
@@ -443,7 +529,8 @@ class DistributedOptimizer(MegatronOptimizer):
         all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
         kind = state_dict.get("param_state_sharding_type")
         readers = {FULLY_SHARDED_MODEL_SPACE: self._slice_of_fs_model_space,
-                   FULLY_RESHARDABLE: self._slice_of_fully_reshardable}
+                   FULLY_RESHARDABLE: self._slice_of_fully_reshardable,
+                   DP_RESHARDABLE: self._slice_of_dp_reshardable}
         if kind not in readers:
             raise ValueError(
                 f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (supported: "
@@ -453,6 +540,8 @@ class DistributedOptimizer(MegatronOptimizer):
         step = self._load_param_groups(state_dict["optimizer"]["param_groups"])
         self.init_state()
         param_state = state_dict["param_state"]
+        if kind == DP_RESHARDABLE:
+            self._dp_locations = self._dp_reshardable_location(param_state)
         index = {p: i for i, p in enumerate(self.all_params)}
         for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             for k, dest in self._slice_state(main).items():
@@ -500,6 +589,48 @@ class DistributedOptimizer(MegatronOptimizer):
             raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state[{param_index}] "
                            f"({name}) has no {_upstream_state_key(key)!r}")
         return saved[found[0]].reshape(-1)[s.start : s.stop]
+
+
+    def _slice_of_dp_reshardable(self, param_state: dict, i: int, param_index: int, key: str) -> torch.Tensor:
+        """Slice ``i``'s state ``key`` in a ``dp_reshardable`` load: its range of its bucket's tensor."""
+        s = self.slices[i]
+        tensors, start = self._dp_locations[s.model_param]
+        name = _upstream_state_key(key)
+        if name not in tensors:
+            raise KeyError(f"distributed optimizer checkpoint (dp_reshardable): no {name!r} in the bucket of "
+                           f"{self.param_to_name.get(s.model_param)}")
+        return tensors[name][start + s.start : start + s.stop]
+
+
+def _model_parallel_rank() -> int:
+    """This rank's index in its model-parallel (TP x PP) group: upstream's ``dp_group_idx`` of the keys."""
+    group = parallel_state.get_model_parallel_group(check_initialized=False)
+    return get_rank(group) if group is not None and is_distributed() else 0
+
+
+def _upstream_bucket_size(ddp_config, dp_size: int, first_chunk: bool) -> Optional[int]:
+    """The bucket size upstream's DistributedDataParallel uses: none (one bucket per buffer) without
+    ``overlap_grad_reduce``, past the first pipeline stage or for later model chunks; else ``bucket_size`` or its
+    default max(4e7, 1e6 x DP)."""
+    if ddp_config is None or not getattr(ddp_config, "overlap_grad_reduce", False) or not first_chunk:
+        return None
+    if parallel_state.get_pipeline_model_parallel_rank() > 0:
+        return None
+    return ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
+
+
+def _rank_range(bucket: BucketLayout, dp_size: int, dp_rank: int) -> Tuple[int, int]:
+    """This DP rank's contiguous range of a bucket (1/DP of its padded size), cut at its unpadded end."""
+    local = bucket.numel // dp_size
+    return min(dp_rank * local, bucket.numel_unpadded), min((dp_rank + 1) * local, bucket.numel_unpadded)
+
+
+def _bucket_values(bucket: BucketLayout, whole: dict, key: str) -> torch.Tensor:
+    """State ``key`` of a bucket's parameters laid out as in the bucket (zeros between them)."""
+    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+    for p, start, end in bucket.params:
+        flat[start:end].copy_(whole[p][key].reshape(-1))
+    return flat
 
 
 def _flat_values(p: torch.Tensor) -> torch.Tensor:

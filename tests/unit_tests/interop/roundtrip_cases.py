@@ -319,10 +319,11 @@ def _weights_diff(mine: dict, ref: dict) -> float:
 # (model, precision, distributed-optimizer sharding type) per layout: bf16 (fp32 main params beside bf16 weights;
 # upstream's Float16OptimizerWithFloat16Params) and fp32 (upstream's FP32Optimizer) with the non-distributed
 # optimizer (sharding type None); the distributed optimizer (--use-distributed-optimizer, bf16 with fp32 mains,
-# sharded over DP=2) in the layout upstream's training loop writes with --dist-ckpt-optim-fully-reshardable. Two Adam
-# steps with known gradients.
-OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense", "bf16", "fully_reshardable")),
-               "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable")),
+# sharded over DP=2) in the two layouts upstream's training loop writes: dp_reshardable (its default) and
+# fully_reshardable (--dist-ckpt-optim-fully-reshardable). Two Adam steps with known gradients.
+OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense", "bf16", "fully_reshardable"),
+                       ("dense", "bf16", "dp_reshardable")),
+               "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable"), ("gqa", "bf16", "dp_reshardable")),
                "pp2": (("dense", "bf16", None),)}
 OPTIM_STEPS = 2
 OPTIM_KW = dict(optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,

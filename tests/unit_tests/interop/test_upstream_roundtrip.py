@@ -106,7 +106,8 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     parameter name on every rank, at TP1 x DP2 (bf16 dense, fp32 GQA), TP2 x DP2 (bf16 GQA) and PP2 (bf16 dense,
     tied embeddings: the last stage's copy too). The distributed optimizer too (``_distopt_<sharding type>``: bf16
     dense at TP1 x DP2, bf16 GQA at TP2 x DP2; the whole state compared, assembled from every DP rank's part): in
-    upstream's ``fully_reshardable`` layout, the sharding type read back from the checkpoint's content metadata."""
+    upstream's ``dp_reshardable`` (its default: bucket-space tensors) and ``fully_reshardable`` layouts, the sharding
+    type read back from the checkpoint's content metadata."""
     workdir = roundtrip_cpu[0]
     records = []
     for side in ("upstream", "fork"):
@@ -119,8 +120,9 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     bad = [r for r in records if not r["ok"]]
     assert not bad, bad
     loaded = [r for r in records if r["phase"] == "load"]
-    distributed = {(r["side"], r["layout"]) for r in loaded if "_distopt_fully_reshardable" in r["case"]}
-    assert distributed == {(side, layout) for side in ("upstream", "fork") for layout in ("tp1", "tp2")}, distributed
+    distributed = {(r["side"], r["layout"], r["case"].split("_distopt_")[1]) for r in loaded if "_distopt_" in r["case"]}
+    assert distributed == {(side, layout, kind) for side in ("upstream", "fork") for layout in ("tp1", "tp2")
+                           for kind in ("dp_reshardable", "fully_reshardable")}, distributed
     for r in loaded:
         bf16 = "_bf16" in r["case"]
         assert r["compared"] == sorted(["exp_avg", "exp_avg_sq", "step"] + ["fp32_param"] * bf16), r
