@@ -88,8 +88,9 @@ def test_matches_replicated_optimizer_and_state_is_sharded(ws):
 
 
 # ---- checkpoint: save on 2 ranks, load on 4 and on 1 ------------------------------------------------------------
-def _ckpt_cfg():
-    return tiny_config(moe=True, gated_linear_unit=True, add_bias_linear=False)  # no biases: see _equivalence_body
+def _ckpt_cfg(kind=None):
+    # no biases: see _equivalence_body; dp_reshardable: dense (its MoE layout is upstream's second optimizer's)
+    return tiny_config(moe=kind != "dp_reshardable", gated_linear_unit=True, add_bias_linear=False)
 
 
 def _full_params(ddp):
@@ -103,14 +104,17 @@ def _metadata(kind):
 def _save_body(rank, ws, ckpt, out, kind=None):
     from megatron.core import dist_checkpointing
 
-    ddp, opt = _build(_ckpt_cfg(), 1, distributed=True)
+    ddp, opt = _build(_ckpt_cfg(kind), 1, distributed=True)
     for i in range(3):
         _step(ddp, opt, i, rank, ws)
     sd = ddp.sharded_state_dict()
     osd = opt.sharded_state_dict(sd, metadata=_metadata(kind))
     assert osd["param_state_sharding_type"] == (kind or "fully_sharded_model_space")
-    keys = {t.key for st in osd["param_state"].values() for t in st.values()}
-    assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.") for k in keys)
+    if kind == "dp_reshardable":
+        _check_dp_reshardable(opt, osd)
+    else:
+        keys = {t.key for st in osd["param_state"].values() for t in st.values()}
+        assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.") for k in keys)
     if kind == "fully_reshardable":  # upstream's layout: whole fp32 states named like the parameter, main = param
         _check_fully_reshardable(ddp, opt, osd, sd)
     dist_checkpointing.save({"model": sd, "optimizer": osd}, ckpt)
@@ -143,17 +147,43 @@ def _check_fully_reshardable(ddp, opt, osd, sd):
     assert {g["step"] for g in osd["optimizer"]["param_groups"]} == {3}
 
 
+def _check_dp_reshardable(opt, osd):
+    """Upstream's bucket-space keys: per state one 1-D fp32 tensor of the bucket's unpadded size, this rank's part
+    of its 1/DP range, holding its own slices' state at upstream's offsets."""
+    (buf,) = opt._upstream_buffers()  # one dtype, no overlap-grad-reduce: one buffer of one bucket
+    (bucket,) = buf.buckets
+    prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0"
+    tensors = osd["param_state"][0][(torch.float32, torch.float32)][0]
+    assert sorted(tensors) == ["exp_avg", "exp_avg_sq", "param"]
+    lo = tensors["param"].global_offset[0]
+    for k, t in tensors.items():
+        assert t.key == f"{prefix}.{k}" and t.global_shape == (bucket.numel_unpadded,) and t.data.dtype == torch.float32
+    assert lo == opt.dp_rank * bucket.numel // opt.dp_size
+    assert osd["param_state"]["per_bucket_numel_unpadded"].data == [{buf.dtype_key: [bucket.numel_unpadded]}]
+    whole = opt._gathered_whole_state()  # (checked against the owned slices by the fully_reshardable case)
+    hi = lo + tensors["param"].data.numel()
+    covered = 0
+    for p, start, end in bucket.params:
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            covered += b - a
+            for saved, key in (("param", "fp32_param"), ("exp_avg_sq", "exp_avg_sq")):
+                expected = whole[p][key].reshape(-1)[a - start:b - start]
+                assert torch.equal(tensors[saved].data[a - lo:b - lo], expected), (saved, a, b)
+    assert covered > 0
+
+
 def _load_body(rank, ws, ckpt, out, kind=None):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    ddp, opt = _build(_ckpt_cfg(), 7, distributed=True)  # another init: everything must come from the checkpoint
+    ddp, opt = _build(_ckpt_cfg(kind), 7, distributed=True)  # another init: everything must come from the checkpoint
     sd = ddp.sharded_state_dict()
     osd = opt.sharded_state_dict(sd, is_loading=True, metadata=_metadata(kind))
-    factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for st in osd["param_state"].values()
-                                  for t in st.values())])
+    factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for t in nested_values(osd["param_state"]))])
     dist.all_reduce(factories)
-    assert int(factories) > 0  # the gated fc1 state goes through its factory (two chunks, flattened)
+    assert int(factories) > 0 or kind == "dp_reshardable"  # the gated fc1 state goes through its factory
     loaded = dist_checkpointing.load({"model": sd, "optimizer": osd}, ckpt)
     ddp.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
@@ -172,10 +202,11 @@ def _load_body(rank, ws, ckpt, out, kind=None):
     assert moved > 1e-4
 
 
-@pytest.mark.parametrize("kind", [None, "fully_reshardable"])
+@pytest.mark.parametrize("kind", [None, "fully_reshardable", "dp_reshardable"])
 def test_checkpoint_saved_on_2_ranks_loads_on_4_and_1(tmp_path, kind):
-    """Both model-space layouts: upstream's default without metadata (``fully_sharded_model_space``) and
-    ``fully_reshardable`` (what ``--dist-ckpt-optim-fully-reshardable`` writes)."""
+    """Every layout: upstream's default without metadata (``fully_sharded_model_space``), ``fully_reshardable``
+    (what ``--dist-ckpt-optim-fully-reshardable`` writes) and ``dp_reshardable`` (upstream's training default;
+    another DP size loads it, the buckets being the same)."""
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     run_distributed(_save_body, 2, ckpt, str(tmp_path), kind)
@@ -213,3 +244,25 @@ def _reload_body(rank, ws):
 
 def test_reload_model_params_after_a_model_only_load():
     run_distributed(_reload_body, 2)
+
+
+def test_dp_reshardable_refusals_name_the_layout():
+    """MoE (expert parameters: upstream keeps them in a second chained optimizer) is refused for dp_reshardable,
+    naming the flag that works; a checkpoint whose buckets differ from this model's layout is refused naming both."""
+    moe, moe_opt = _build(tiny_config(moe=True), 1, distributed=True)
+    with pytest.raises(NotImplementedError, match="'dp_reshardable' with expert-parallel.*--dist-ckpt-optim-fully"):
+        moe_opt.sharded_state_dict(moe.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    ddp, opt = _build(tiny_config(moe=False), 1, distributed=True)
+    sd = opt.sharded_state_dict(ddp.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    mine = sd["param_state"]["per_bucket_numel_unpadded"].data
+    sd["optimizer"] = sd["optimizer"].data
+    sd["param_state"] = {"per_bucket_numel_unpadded": [{(torch.float32, torch.float32): [123]}]}
+    with pytest.raises(ValueError, match=r"dp_reshardable\): its buckets hold .*123.*upstream's layout of this model"):
+        opt.load_state_dict(sd)
+    ((key, (unpadded,)),) = mine[0].items()  # one fp32 buffer of one bucket: every parameter, 64-aligned
+    params = list(ddp.parameters())
+    assert key == (torch.float32, torch.float32) and len(mine) == 1
+    assert sum(p.numel() for p in params) <= unpadded < sum(p.numel() for p in params) + 64 * len(params)
+    with pytest.raises(ValueError, match="distrib_optim_sharding_type 'dp_zero_gather_scatter' is not supported"):
+        opt.sharded_state_dict(ddp.sharded_state_dict(), metadata={"distrib_optim_sharding_type":
+                                                                   "dp_zero_gather_scatter"})
