@@ -379,7 +379,7 @@ def _add_checkpointing_args(parser):
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="Distributed optimizer: save its state in upstream's fully_reshardable layout (whole fp32 "
                         "states per parameter; loads at any TP/PP/DP). This fork writes that layout in any case "
-                        "(upstream's default, dp_reshardable, is loaded but not written); a load follows the "
+                        "(upstream's default without the flag, dp_reshardable, is loaded); a load follows the "
                         "checkpoint's own layout whatever this flag says.")
     g.add_argument("--check-weights-finite", action="store_true",
                    help="Right after a checkpoint load, stop with an error naming the first model tensor that "

@@ -178,8 +178,10 @@ def sharded_sd_metadata(args) -> dict:
     """The content metadata a save writes and passes to ``sharded_state_dict`` (upstream's keys). The distributed
     optimizer without Megatron-FSDP is written in upstream's ``fully_reshardable`` layout with or without
     ``--dist-ckpt-optim-fully-reshardable``: upstream 0.19.2 loads it whatever its own flags (its load reads this
-    metadata), while its default ``dp_reshardable`` follows its bucket layout, which this fork loads but does not
-    write."""
+    metadata), it is keyed by parameter names and reshards over TP/PP/DP. Upstream's default ``dp_reshardable`` is
+    keyed by upstream's bucket layout, which this fork reproduces from upstream's rules and module order (checked
+    against upstream for dense GPTs; MoE refused): it is loaded, and written only where ``sharded_state_dict`` is
+    asked for it."""
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer and not getattr(args, "use_megatron_fsdp", False):
         from megatron.core.optimizer.distrib_optimizer import FULLY_RESHARDABLE

@@ -24,18 +24,27 @@ torch 2.13 has both, and where a backend lacks them the code falls back to ``all
 says ``use_distributed_optimizer`` (this optimizer reduces); building this optimizer on a model whose DDP config
 says otherwise is refused.
 
-Checkpoint (upstream's ``fully_sharded_model_space``): the optimizer state of a parameter slice is a
-``ShardedTensor`` that copies the parameter's own ShardedTensor (key ``optimizer.state.<exp_avg|exp_avg_sq|
-fp32_param>.<param key>``, the model's prepended/stacked axes and offsets) with ``flattened_range`` = the slice
-and the DP replica coordinate 0 (each rank's slices are distinct). A load on another DP size asks for its own
-slices of the same keys, so the state reshards. Plain values: ``optimizer.param_groups`` (hyper-parameters and
-``step``), ``param_state_sharding_type``, and ``grad_scaler`` with fp16.
+Checkpoint: upstream 0.19.2's layouts, chosen as upstream by ``metadata['distrib_optim_sharding_type']`` of
+``sharded_state_dict`` (the training loop passes it and stores it as the checkpoint's content metadata; a load passes
+the checkpoint's own). Plain values in all: ``optimizer.param_groups`` (hyper-parameters and ``step``),
+``param_state_sharding_type``, and ``grad_scaler`` with fp16.
 
-Upstream megatron-core 0.19.2 writes this format from ``DistributedOptimizer.sharded_state_dict`` called without
-metadata (its default there, marked deprecated), but its training loop passes ``distrib_optim_sharding_type``:
-``dp_reshardable`` by default (bucket-space tensors, keyed by its own buffer layout) and ``fully_reshardable`` with
-``--dist-ckpt-optim-fully-reshardable``. Neither of those loads here: ``load_state_dict`` refuses them, naming
-``param_state_sharding_type``.
+- ``fully_reshardable`` (what the training loop writes, with or without ``--dist-ckpt-optim-fully-reshardable``):
+  per parameter its whole state, fp32, shaped and placed like the parameter's ShardedTensor (same replica id), keys
+  ``optimizer.state.<param|exp_avg|exp_avg_sq>.<param key>`` (``param``: the fp32 main). A save all-gathers each
+  state over the DP group onto CPU (every rank holds the whole state for a moment, as upstream's default); a load
+  reads whole tensors on every rank and keeps its slices, so any TP/PP/DP size loads it.
+- ``dp_reshardable`` (upstream's training default): per bucket of upstream's buffer layout (``param_layout.py``) and
+  state, one 1-D fp32 tensor ``optimizer.distributed.dp_group_idx_<model-parallel rank>.gbuf_idx_<g>.dtype_<(param
+  dtype, grad dtype)>.bucket_idx_<b>.<state>`` of the bucket's unpadded size, with ``per_bucket_numel(_unpadded)``
+  and the param groups as ShardedObjects of the same prefix. Written from the gathered whole state (each DP rank its
+  1/DP range of each bucket); read whole-bucket on every rank, so another DP size loads it where the buckets are the
+  same (a clear error otherwise). Dense parameters only: upstream keeps expert parameters in a second, chained
+  optimizer.
+- ``fully_sharded_model_space`` (upstream's default without metadata, deprecated there; this fork's older
+  checkpoints): a slice's state is a ``ShardedTensor`` copying the parameter's own with ``flattened_range`` = the
+  slice and DP replica coordinate 0, keys ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param key>``; another
+  DP size asks for its own slices of the same keys.
 """
 import dataclasses
 import math
