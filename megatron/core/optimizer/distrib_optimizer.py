@@ -374,6 +374,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def state_dict(self) -> dict:
         """This rank's part (plain tensors): param groups, the owned slices' state, the grad scaler."""
+        self.init_state()
         sd = self._common_state(FULLY_SHARDED_MODEL_SPACE)
         sd["param_state"] = {i: {k: v.clone() for k, v in self._slice_state(m).items()}
                              for i, m in enumerate(self.main_params)}
@@ -504,8 +505,10 @@ class DistributedOptimizer(MegatronOptimizer):
         """The keys of a slice's state (``fp32_param`` and the optimizer's tensors): the same for every slice."""
         if self.main_params:
             return list(self._slice_state(self.main_params[0]))
-        return ["fp32_param"] + [k for k in ("exp_avg", "exp_avg_sq") if isinstance(self.optimizer, (
-            torch.optim.Adam, torch.optim.AdamW))]
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # a rank without slices: the same
+            return ["fp32_param", "exp_avg", "exp_avg_sq"]
+        momentum = any(g.get("momentum", 0) for g in self.optimizer.param_groups)
+        return ["fp32_param"] + (["momentum_buffer"] if momentum else [])
 
     def _empty_whole_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
         return {p: {k: torch.empty(p.shape, dtype=torch.float32) for k in self._state_keys()}
@@ -537,9 +540,9 @@ class DistributedOptimizer(MegatronOptimizer):
         """Load ``state_dict()`` / what ``dist_checkpointing.load`` returned for ``sharded_state_dict``; then
         all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
         kind = state_dict.get("param_state_sharding_type")
-        readers = {FULLY_SHARDED_MODEL_SPACE: self._slice_of_fs_model_space,
-                   FULLY_RESHARDABLE: self._slice_of_fully_reshardable,
-                   DP_RESHARDABLE: self._slice_of_dp_reshardable}
+        readers = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_reader,
+                   FULLY_RESHARDABLE: self._fully_reshardable_reader,
+                   DP_RESHARDABLE: self._dp_reshardable_reader}
         if kind not in readers:
             raise ValueError(
                 f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (supported: "
@@ -548,13 +551,10 @@ class DistributedOptimizer(MegatronOptimizer):
         self._load_grad_scaler(state_dict)
         step = self._load_param_groups(state_dict["optimizer"]["param_groups"])
         self.init_state()
-        param_state = state_dict["param_state"]
-        if kind == DP_RESHARDABLE:
-            self._dp_locations = self._dp_reshardable_location(param_state)
-        index = {p: i for i, p in enumerate(self.all_params)}
-        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
+        read = readers[kind](state_dict["param_state"])
+        for i, main in enumerate(self.main_params):
             for k, dest in self._slice_state(main).items():
-                value = readers[kind](param_state, i, index[s.model_param], k)
+                value = read(i, k)
                 if value is not dest:
                     dest.copy_(value.reshape(dest.shape))
             st = self.optimizer.state.get(main)
@@ -563,52 +563,83 @@ class DistributedOptimizer(MegatronOptimizer):
         self._copy_main_params_to_model()
 
     def _load_param_groups(self, groups: List[dict]) -> int:
-        """The saved hyper-parameters into this optimizer's param groups (in order); returns the saved step."""
+        """The saved hyper-parameters into this optimizer's param groups (``_matched_groups``); returns the saved
+        step."""
         if len(groups) != len(self.optimizer.param_groups):
             raise ValueError(f"distributed optimizer checkpoint has {len(groups)} param groups, this optimizer "
                              f"{len(self.optimizer.param_groups)}")
         step = 0
-        for mine, saved in zip(self.optimizer.param_groups, groups):
+        for mine, saved in zip(self.optimizer.param_groups, _matched_groups(self.optimizer.param_groups, groups)):
             step = int(saved.get("step", 0))
             mine.update({k: v for k, v in saved.items() if k not in ("params", "step")})
         self._step_count = step
         return step
 
-    def _slice_of_fs_model_space(self, param_state: dict, i: int, param_index: int, key: str) -> torch.Tensor:
-        """Slice ``i``'s state ``key`` in a ``fully_sharded_model_space`` load (already the slice)."""
-        saved = param_state.get(i)
-        if saved is None:
-            raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
-                           f"({self.param_to_name.get(self.slices[i].model_param)})")
-        if key not in saved:
-            raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {key!r}")
-        return saved[key]
+    # Readers of a loaded ``param_state``: ``read(slice index, state key)`` -> the slice's loaded state.
+    def _fs_model_space_reader(self, param_state: dict):
+        """``fully_sharded_model_space``: the loaded slices themselves."""
 
-    def _slice_of_fully_reshardable(self, param_state: dict, i: int, param_index: int, key: str) -> torch.Tensor:
-        """Slice ``i``'s state ``key`` in a ``fully_reshardable`` load: the slice's range of the whole tensor
-        (``param``: upstream's name of the fp32 main param; its loader also accepts ``fp32_param``)."""
-        s = self.slices[i]
-        saved = param_state.get(param_index)
-        name = self.param_to_name.get(s.model_param)
-        if saved is None:
-            raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): no param_state for parameter "
-                           f"{param_index} ({name})")
-        found = [k for k in (_upstream_state_key(key), key) if k in saved]
-        if not found:
-            raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state[{param_index}] "
-                           f"({name}) has no {_upstream_state_key(key)!r}")
-        return saved[found[0]].reshape(-1)[s.start : s.stop]
+        def read(i: int, key: str) -> torch.Tensor:
+            saved = param_state.get(i)
+            if saved is None:
+                raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
+                               f"({self.param_to_name.get(self.slices[i].model_param)})")
+            if key not in saved:
+                raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {key!r}")
+            return saved[key]
+
+        return read
+
+    def _fully_reshardable_reader(self, param_state: dict):
+        """``fully_reshardable``: the slice's range of its parameter's whole tensor (``param``: upstream's name of
+        the fp32 main param; its loader also accepts ``fp32_param``)."""
+        index = {p: i for i, p in enumerate(self.all_params)}
+
+        def read(i: int, key: str) -> torch.Tensor:
+            s = self.slices[i]
+            saved = param_state.get(index[s.model_param])
+            name = self.param_to_name.get(s.model_param)
+            if saved is None:
+                raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): no param_state for parameter "
+                               f"{index[s.model_param]} ({name})")
+            found = [k for k in (_upstream_state_key(key), key) if k in saved]
+            if not found:
+                raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state"
+                               f"[{index[s.model_param]}] ({name}) has no {_upstream_state_key(key)!r}")
+            return saved[found[0]].reshape(-1)[s.start : s.stop]
+
+        return read
+
+    def _dp_reshardable_reader(self, param_state: dict):
+        """``dp_reshardable``: the slice's range of its bucket's tensor (the buckets checked against this model's)."""
+        locations = self._dp_reshardable_location(param_state)
+
+        def read(i: int, key: str) -> torch.Tensor:
+            s = self.slices[i]
+            tensors, start = locations[s.model_param]
+            name = _upstream_state_key(key)
+            if name not in tensors:
+                raise KeyError(f"distributed optimizer checkpoint (dp_reshardable): no {name!r} in the bucket of "
+                               f"{self.param_to_name.get(s.model_param)}")
+            return tensors[name][start + s.start : start + s.stop]
+
+        return read
 
 
-    def _slice_of_dp_reshardable(self, param_state: dict, i: int, param_index: int, key: str) -> torch.Tensor:
-        """Slice ``i``'s state ``key`` in a ``dp_reshardable`` load: its range of its bucket's tensor."""
-        s = self.slices[i]
-        tensors, start = self._dp_locations[s.model_param]
-        name = _upstream_state_key(key)
-        if name not in tensors:
-            raise KeyError(f"distributed optimizer checkpoint (dp_reshardable): no {name!r} in the bucket of "
-                           f"{self.param_to_name.get(s.model_param)}")
-        return tensors[name][start + s.start : start + s.stop]
+GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr")
+
+
+def _matched_groups(live: List[dict], saved: List[dict]) -> List[dict]:
+    """The saved param group of each live one: the one with the same ``GROUP_IDENTIFIER_KEYS`` values (as upstream
+    pairs them; the saving run may have ordered its groups differently), else, where those do not pair every group
+    one to one (e.g. another --lr), the one at the same position."""
+    def ident(g):
+        return tuple(g.get(k) for k in GROUP_IDENTIFIER_KEYS)
+
+    by_ident = {ident(g): g for g in saved}
+    if len(by_ident) == len(saved) and all(ident(g) in by_ident for g in live):
+        return [by_ident[ident(g)] for g in live]
+    return list(saved)
 
 
 def _model_parallel_rank() -> int:

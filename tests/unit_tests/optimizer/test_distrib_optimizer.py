@@ -266,3 +266,19 @@ def test_dp_reshardable_refusals_name_the_layout():
     with pytest.raises(ValueError, match="distrib_optim_sharding_type 'dp_zero_gather_scatter' is not supported"):
         opt.sharded_state_dict(ddp.sharded_state_dict(), metadata={"distrib_optim_sharding_type":
                                                                    "dp_zero_gather_scatter"})
+
+
+def test_param_groups_pair_by_identity_not_position():
+    """A checkpoint whose param groups come in another order (another model's parameter order) restores each
+    group's hyper-parameters into the group with the same wd_mult / lr_mult / expert / decoupled-lr identity."""
+    ddp, opt = _build(tiny_config(moe=False), 1, distributed=True)
+    sd = opt.state_dict()
+    groups = sd["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0]
+    for g in groups:
+        g["eps"] = 1e-3 if g["wd_mult"] else 1e-5  # tells the groups apart after the load
+        g["step"] = 4
+    groups.reverse()
+    opt.load_state_dict(sd)
+    assert {g["wd_mult"]: g["eps"] for g in opt.optimizer.param_groups} == {1.0: 1e-3, 0.0: 1e-5}
+    assert opt._step_count == 4
