@@ -279,6 +279,8 @@ def test_param_groups_pair_by_identity_not_position():
         g["eps"] = 1e-3 if g["wd_mult"] else 1e-5  # tells the groups apart after the load
         g["step"] = 4
     groups.reverse()
+    before = [g["wd_mult"] for g in opt.optimizer.param_groups]  # the groups' parameters decide their wd_mult
     opt.load_state_dict(sd)
-    assert {g["wd_mult"]: g["eps"] for g in opt.optimizer.param_groups} == {1.0: 1e-3, 0.0: 1e-5}
+    assert [g["wd_mult"] for g in opt.optimizer.param_groups] == before == [1.0, 0.0]
+    assert [g["eps"] for g in opt.optimizer.param_groups] == [1e-3, 1e-5]
     assert opt._step_count == 4
