@@ -324,10 +324,22 @@ def _weights_diff(mine: dict, ref: dict) -> float:
 OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense", "bf16", "fully_reshardable"),
                        ("dense", "bf16", "dp_reshardable")),
                "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable"), ("gqa", "bf16", "dp_reshardable")),
-               "pp2": (("dense", "bf16", None),)}
+               "pp2": (("dense", "bf16", None), ("dense", "bf16", "dp_reshardable"),
+                       ("dense", "bf16", "fully_reshardable"))}
 OPTIM_STEPS = 2
 OPTIM_KW = dict(optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                 adam_eps=1e-8, clip_grad=1.0)
+
+
+# Upstream 0.19.2's own defect, measured here: its fully_reshardable save reads a parameter's state from the
+# buffer's buckets concatenated without the padding between them, while the parameter's offsets include that padding,
+# so every parameter past a buffer's first bucket is saved shifted (its log: "param range exceeds unpadded buffer ...
+# can lead to data corruption"). Under PP the tied embeddings have a bucket of their own: their state in upstream's
+# checkpoint is wrong, and so is what any reader (upstream's own load included) gets. {(layout, case): the
+# parameters whose saved state is wrong}; the rest of such a checkpoint must load exactly. Upstream's load of ours
+# is right (it reads by parameter).
+UPSTREAM_SAVE_DEFECTS = {("pp2", "optim_dense_bf16_distopt_fully_reshardable"):
+                         ["embedding.word_embeddings.weight", "output_layer.weight"]}
 
 
 def optim_results_path(workdir: str, side: str, phase: str, layout: str) -> str:
@@ -467,6 +479,11 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                                   steps=sorted({s for c in parts for s in c.get("steps", [])}),
                                   diffs={k: v for c in parts for k, v in c.get("diffs", {}).items()},
                                   error="; ".join(c["error"] for c in parts if c.get("error")) or None)
+                    defect = UPSTREAM_SAVE_DEFECTS.get((layout, name)) if side == "fork" else None
+                    if defect is not None:  # exactly those parameters differ (and every other is exact)
+                        wrong = sorted({n for c in parts for n in c.get("wrong_params", [])})
+                        record.update(upstream_save_defect=wrong, diffs={}, ok=wrong == defect and all(
+                            c.get("error") is None for c in parts) and record["steps"] == [float(OPTIM_STEPS)])
                 record.setdefault("ok", True)
             except Exception as e:
                 _record_failure(record, e)
@@ -499,5 +516,6 @@ def _compare_optim(mine: dict, ref: dict) -> dict:
                 diffs[f"{n}.{k}"] = f"{got} != {v}"
     steps = {float(st["step"]) for st in ref.values() if "step" in st}
     nonzero = all(float(st["exp_avg_sq"].abs().max()) > 0 for st in ref.values())
+    wrong = sorted({k.rsplit(".", 1)[0] for k in diffs})
     return dict(ok=not diffs and nonzero and steps == {float(OPTIM_STEPS)}, compared=sorted(compared),
-                params=len(ref), steps=sorted(steps), diffs=dict(list(diffs.items())[:8]))
+                params=len(ref), steps=sorted(steps), diffs=dict(list(diffs.items())[:8]), wrong_params=wrong)
