@@ -179,7 +179,7 @@ class DistributedOptimizer(MegatronOptimizer):
             group, size, rank = _dp_group_and_size(expert)
             for quantized in (False, True):
                 params = [p for p in self.all_params
-                          if _is_quantized_param(p) == quantized and (not getattr(p, "allreduce", True)) == expert]
+                          if _is_quantized_param(p) == quantized and _is_expert(p) == expert]
                 if not params:
                     continue
                 offsets, total = {}, 0
@@ -353,10 +353,13 @@ class DistributedOptimizer(MegatronOptimizer):
         return result
 
     # ---- state -------------------------------------------------------------------------------------------
-    def _param_groups_state(self) -> dict:
+    def _param_groups_state(self, expert: Optional[bool] = None) -> dict:
+        """The param groups without their params, each with ``step``; ``expert`` True / False: only the expert /
+        dense groups (``is_expert_parallel``)."""
         groups = []
         for g in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": self._step_count})
+            if expert is None or bool(g.get("is_expert_parallel", False)) == expert:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": self._step_count})
         return {"param_groups": groups}
 
     def _slice_state(self, main) -> Dict[str, torch.Tensor]:
@@ -365,9 +368,10 @@ class DistributedOptimizer(MegatronOptimizer):
         out.update({k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0})
         return out
 
-    def _common_state(self, kind: str) -> dict:
-        """The plain values of every layout: param groups (with ``step``), the sharding type, the grad scaler."""
-        sd = {"optimizer": self._param_groups_state(), "param_state_sharding_type": kind}
+    def _common_state(self, kind: str, expert: Optional[bool] = None) -> dict:
+        """The plain values of every layout: param groups (with ``step``; ``expert``: see ``_param_groups_state``),
+        the sharding type, the grad scaler."""
+        sd = {"optimizer": self._param_groups_state(expert), "param_state_sharding_type": kind}
         if self.grad_scaler is not None:
             sd["grad_scaler"] = self.grad_scaler.state_dict()
         return sd
@@ -392,6 +396,8 @@ class DistributedOptimizer(MegatronOptimizer):
             raise ValueError(f"DistributedOptimizer.sharded_state_dict: distrib_optim_sharding_type {kind!r} is not "
                              f"supported (supported: {sorted(builders)})")
         self.init_state()
+        if kind == FULLY_RESHARDABLE:
+            return builders[kind](model_sharded_state_dict, is_loading)
         sd = self._common_state(kind)
         if kind == DP_RESHARDABLE:  # upstream: per model-parallel rank objects, saved by DP rank 0
             sd.update({k: self._dp_reshardable_object(k, sd[k]) for k in ("optimizer", "grad_scaler") if k in sd})
@@ -412,18 +418,32 @@ class DistributedOptimizer(MegatronOptimizer):
         return param_state
 
     def _fully_reshardable_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
-        """``fully_reshardable``: {index in ``all_params``: {``param`` (the fp32 main) / ``exp_avg`` / ...: a
-        whole fp32 tensor shaped like the parameter, placed (and replicated) like the parameter's ShardedTensor}}.
+        """``fully_reshardable``, as upstream's optimizer of this model: common state and ``param_state`` =
+        {index: {``param`` (the fp32 main) / ``exp_avg`` / ...: a whole fp32 tensor shaped like the parameter, placed
+        (and replicated) like the parameter's ShardedTensor}}; with expert parameters {0: the dense part, 1: the
+        expert part}, as upstream's ChainedOptimizer of its dense and expert optimizers (the same tensor keys).
         Saving all-gathers each state over the parameter's DP group (every rank holds the whole state on CPU, as
         upstream); loading gives every rank empty whole tensors, sliced by ``load_state_dict``."""
         whole = self._empty_whole_state() if is_loading else self._gathered_whole_state()
-        param_state = {}
-        for i, p in enumerate(self.all_params):
-            sh = self._param_sharded_tensor(p, model_sharded_state_dict)
-            param_state[i] = {_upstream_state_key(k): _state_sharded_tensor(
-                sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
-                for k, v in whole[p].items()}
-        return param_state
+        parts = []
+        for expert in self._upstream_optimizers():
+            sd = self._common_state(FULLY_RESHARDABLE, expert)
+            sd["param_state"] = {}
+            for i, p in enumerate(self._params_of(expert)):
+                sh = self._param_sharded_tensor(p, model_sharded_state_dict)
+                sd["param_state"][i] = {_upstream_state_key(k): _state_sharded_tensor(
+                    sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
+                    for k, v in whole[p].items()}
+            parts.append(sd)
+        return parts[0] if len(parts) == 1 else dict(enumerate(parts))
+
+    def _upstream_optimizers(self) -> List[Optional[bool]]:
+        """Upstream's optimizers of this model: [None] (one, every parameter) or, with expert parameters,
+        [False, True] (its dense and its expert optimizer, chained)."""
+        return [False, True] if any(_is_expert(p) for p in self.all_params) else [None]
+
+    def _params_of(self, expert: Optional[bool]) -> List[torch.nn.Parameter]:
+        return [p for p in self.all_params if expert is None or _is_expert(p) == expert]
 
     # ---- dp_reshardable: upstream's bucket layout (param_layout.py) -------------------------------------------
     def _dp_reshardable_object(self, name: str, value) -> "ShardedObject":
@@ -435,7 +455,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _upstream_buffers(self) -> List[BufferLayout]:
         """Upstream's buffers of this model (every chunk's, in order), as its DistributedDataParallel would lay
         them out here: ``dp_reshardable`` keys and offsets follow them."""
-        if any(not getattr(p, "allreduce", True) for p in self.all_params):
+        if any(_is_expert(p) for p in self.all_params):
             raise NotImplementedError(
                 "distrib_optim_sharding_type 'dp_reshardable' with expert-parallel (MoE) parameters: upstream keeps "
                 "their state in a second chained optimizer; use 'fully_reshardable' "
@@ -539,7 +559,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict()`` / what ``dist_checkpointing.load`` returned for ``sharded_state_dict``; then
         all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
-        kind = state_dict.get("param_state_sharding_type")
+        parts = _upstream_parts(state_dict)
+        kind = parts[0].get("param_state_sharding_type")
         readers = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_reader,
                    FULLY_RESHARDABLE: self._fully_reshardable_reader,
                    DP_RESHARDABLE: self._dp_reshardable_reader}
@@ -548,10 +569,13 @@ class DistributedOptimizer(MegatronOptimizer):
                 f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (supported: "
                 f"{sorted(readers)}); a checkpoint saved without --use-distributed-optimizer loads without it"
             )
-        self._load_grad_scaler(state_dict)
-        step = self._load_param_groups(state_dict["optimizer"]["param_groups"])
+        if len(parts) > 1 and kind != FULLY_RESHARDABLE:
+            raise ValueError(f"distributed optimizer checkpoint: a chained (dense + expert) optimizer's state in "
+                             f"param_state_sharding_type {kind!r}; only 'fully_reshardable' loads chained")
+        self._load_grad_scaler(parts[0])
+        step = self._load_param_groups([g for part in parts for g in part["optimizer"]["param_groups"]])
         self.init_state()
-        read = readers[kind](state_dict["param_state"])
+        read = readers[kind]([part["param_state"] for part in parts])
         for i, main in enumerate(self.main_params):
             for k, dest in self._slice_state(main).items():
                 value = read(i, k)
@@ -576,8 +600,9 @@ class DistributedOptimizer(MegatronOptimizer):
         return step
 
     # Readers of a loaded ``param_state``: ``read(slice index, state key)`` -> the slice's loaded state.
-    def _fs_model_space_reader(self, param_state: dict):
+    def _fs_model_space_reader(self, param_states: List[dict]):
         """``fully_sharded_model_space``: the loaded slices themselves."""
+        (param_state,) = param_states
 
         def read(i: int, key: str) -> torch.Tensor:
             saved = param_state.get(i)
@@ -590,28 +615,34 @@ class DistributedOptimizer(MegatronOptimizer):
 
         return read
 
-    def _fully_reshardable_reader(self, param_state: dict):
+    def _fully_reshardable_reader(self, param_states: List[dict]):
         """``fully_reshardable``: the slice's range of its parameter's whole tensor (``param``: upstream's name of
-        the fp32 main param; its loader also accepts ``fp32_param``)."""
-        index = {p: i for i, p in enumerate(self.all_params)}
+        the fp32 main param; its loader also accepts ``fp32_param``); one part, or a dense and an expert one."""
+        parts = [None] if len(param_states) == 1 else [False, True]
+        if len(param_states) > 2 or (parts != [None] and parts != self._upstream_optimizers()):
+            raise ValueError(f"distributed optimizer checkpoint (fully_reshardable): {len(param_states)} chained "
+                             f"optimizers' state, this model's upstream optimizers {len(self._upstream_optimizers())}")
+        where = {p: (ps, i) for ps, expert in zip(param_states, parts) for i, p in enumerate(self._params_of(expert))}
 
         def read(i: int, key: str) -> torch.Tensor:
             s = self.slices[i]
-            saved = param_state.get(index[s.model_param])
+            param_state, index = where[s.model_param]
+            saved = param_state.get(index)
             name = self.param_to_name.get(s.model_param)
             if saved is None:
                 raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): no param_state for parameter "
-                               f"{index[s.model_param]} ({name})")
+                               f"{index} ({name})")
             found = [k for k in (_upstream_state_key(key), key) if k in saved]
             if not found:
-                raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state"
-                               f"[{index[s.model_param]}] ({name}) has no {_upstream_state_key(key)!r}")
+                raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state[{index}] ({name}) "
+                               f"has no {_upstream_state_key(key)!r}")
             return saved[found[0]].reshape(-1)[s.start : s.stop]
 
         return read
 
-    def _dp_reshardable_reader(self, param_state: dict):
+    def _dp_reshardable_reader(self, param_states: List[dict]):
         """``dp_reshardable``: the slice's range of its bucket's tensor (the buckets checked against this model's)."""
+        (param_state,) = param_states
         locations = self._dp_reshardable_location(param_state)
 
         def read(i: int, key: str) -> torch.Tensor:
@@ -624,6 +655,19 @@ class DistributedOptimizer(MegatronOptimizer):
             return tensors[name][start + s.start : start + s.stop]
 
         return read
+
+
+def _is_expert(p) -> bool:
+    """An expert-parallel parameter (``allreduce=False``): upstream optimizes those in an optimizer of their own."""
+    return not getattr(p, "allreduce", True)
+
+
+def _upstream_parts(state_dict: dict) -> List[dict]:
+    """A loaded optimizer state as upstream's optimizers: [it], or, for a ChainedOptimizer's ({0: dense, 1:
+    expert}, upstream's MoE models), its parts in order."""
+    if "param_state_sharding_type" not in state_dict and state_dict and all(isinstance(k, int) for k in state_dict):
+        return [state_dict[k] for k in sorted(state_dict)]
+    return [state_dict]
 
 
 GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr")

@@ -109,14 +109,15 @@ def _save_body(rank, ws, ckpt, out, kind=None):
         _step(ddp, opt, i, rank, ws)
     sd = ddp.sharded_state_dict()
     osd = opt.sharded_state_dict(sd, metadata=_metadata(kind))
-    assert osd["param_state_sharding_type"] == (kind or "fully_sharded_model_space")
     if kind == "dp_reshardable":
+        assert osd["param_state_sharding_type"] == kind
         _check_dp_reshardable(opt, osd)
+    elif kind == "fully_reshardable":  # upstream's layout: whole fp32 states named like the parameter, main = param
+        _check_fully_reshardable(opt, osd, sd)
     else:
+        assert osd["param_state_sharding_type"] == "fully_sharded_model_space"
         keys = {t.key for st in osd["param_state"].values() for t in st.values()}
         assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.") for k in keys)
-    if kind == "fully_reshardable":  # upstream's layout: whole fp32 states named like the parameter, main = param
-        _check_fully_reshardable(ddp, opt, osd, sd)
     dist_checkpointing.save({"model": sd, "optimizer": osd}, ckpt)
     saved = _full_params(ddp)
     loss = _step(ddp, opt, 3, rank, ws)
@@ -124,27 +125,33 @@ def _save_body(rank, ws, ckpt, out, kind=None):
         torch.save({"saved": saved, "after": _full_params(ddp), "loss": loss}, os.path.join(out, "ref.pt"))
 
 
-def _check_fully_reshardable(ddp, opt, osd, sd):
-    """Every parameter has ``param`` / ``exp_avg`` / ``exp_avg_sq`` whole, fp32, with the parameter's placement
-    and replica id, and this rank's slices of them are its own state."""
+def _check_fully_reshardable(opt, osd, sd):
+    """MoE: as upstream's ChainedOptimizer, {0: the dense part, 1: the expert part}, each with its own param groups.
+    Every parameter has ``param`` / ``exp_avg`` / ``exp_avg_sq`` whole, fp32, with the parameter's placement and
+    replica id, and this rank's slices of them are its own state."""
     from megatron.core.dist_checkpointing import ShardedTensorFactory
 
-    assert len(osd["param_state"]) == len(opt.all_params)
-    for i, p in enumerate(opt.all_params):
-        st = osd["param_state"][i]
-        assert sorted(st) == ["exp_avg", "exp_avg_sq", "param"]
-        msh = opt._param_sharded_tensor(p, sd)
-        for k, t in st.items():
-            assert t.key == f"optimizer.state.{k}.{msh.key}" and t.replica_id == msh.replica_id
-            assert t.data.shape == p.shape and t.data.dtype == torch.float32
-            if not isinstance(t, ShardedTensorFactory):
-                assert t.global_shape == msh.global_shape and t.global_offset == msh.global_offset
-    index = {p: i for i, p in enumerate(opt.all_params)}
+    assert sorted(osd) == [0, 1]  # the checkpoint config is MoE: experts in a part of their own
+    where = {}
+    for part, expert in ((osd[0], False), (osd[1], True)):
+        assert part["param_state_sharding_type"] == "fully_reshardable"
+        assert {g["is_expert_parallel"] for g in part["optimizer"]["param_groups"]} == {expert}
+        assert {g["step"] for g in part["optimizer"]["param_groups"]} == {3}
+        params = [p for p in opt.all_params if getattr(p, "allreduce", True) != expert]
+        assert len(part["param_state"]) == len(params) > 0
+        for i, p in enumerate(params):
+            st = where[p] = part["param_state"][i]
+            assert sorted(st) == ["exp_avg", "exp_avg_sq", "param"]
+            msh = opt._param_sharded_tensor(p, sd)
+            for k, t in st.items():
+                assert t.key == f"optimizer.state.{k}.{msh.key}" and t.replica_id == msh.replica_id
+                assert t.data.shape == p.shape and t.data.dtype == torch.float32
+                if not isinstance(t, ShardedTensorFactory):
+                    assert t.global_shape == msh.global_shape and t.global_offset == msh.global_offset
+    assert len(where) == len(opt.all_params)
     for s, main in zip(opt.slices, opt.main_params):
-        st = osd["param_state"][index[s.model_param]]
-        assert torch.equal(st["param"].data.reshape(-1)[s.start:s.stop], main.detach())
-        assert torch.equal(st["exp_avg"].data.reshape(-1)[s.start:s.stop], opt.state[main]["exp_avg"])
-    assert {g["step"] for g in osd["optimizer"]["param_groups"]} == {3}
+        assert torch.equal(where[s.model_param]["param"].data.reshape(-1)[s.start:s.stop], main.detach())
+        assert torch.equal(where[s.model_param]["exp_avg"].data.reshape(-1)[s.start:s.stop], opt.state[main]["exp_avg"])
 
 
 def _check_dp_reshardable(opt, osd):
@@ -181,7 +188,7 @@ def _load_body(rank, ws, ckpt, out, kind=None):
     ddp, opt = _build(_ckpt_cfg(kind), 7, distributed=True)  # another init: everything must come from the checkpoint
     sd = ddp.sharded_state_dict()
     osd = opt.sharded_state_dict(sd, is_loading=True, metadata=_metadata(kind))
-    factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for t in nested_values(osd["param_state"]))])
+    factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for t in nested_values(osd))])
     dist.all_reduce(factories)
     assert int(factories) > 0 or kind == "dp_reshardable"  # the gated fc1 state goes through its factory
     loaded = dist_checkpointing.load({"model": sd, "optimizer": osd}, ckpt)
