@@ -358,7 +358,7 @@ class DistributedOptimizer(MegatronOptimizer):
         dense groups (``is_expert_parallel``)."""
         groups = []
         for g in self.optimizer.param_groups:
-            if expert is None or bool(g.get("is_expert_parallel", False)) == expert:
+            if expert is None or (bool(g.get("is_expert_parallel", False)) and _upstream_expert_layout()) == expert:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": self._step_count})
         return {"param_groups": groups}
 
@@ -440,10 +440,10 @@ class DistributedOptimizer(MegatronOptimizer):
     def _upstream_optimizers(self) -> List[Optional[bool]]:
         """Upstream's optimizers of this model: [None] (one, every parameter) or, with expert parameters,
         [False, True] (its dense and its expert optimizer, chained)."""
-        return [False, True] if any(_is_expert(p) for p in self.all_params) else [None]
+        return [False, True] if any(_upstream_expert(p) for p in self.all_params) else [None]
 
     def _params_of(self, expert: Optional[bool]) -> List[torch.nn.Parameter]:
-        return [p for p in self.all_params if expert is None or _is_expert(p) == expert]
+        return [p for p in self.all_params if expert is None or _upstream_expert(p) == expert]
 
     # ---- dp_reshardable: upstream's bucket layout (param_layout.py) -------------------------------------------
     def _dp_reshardable_object(self, name: str, value) -> "ShardedObject":
@@ -455,7 +455,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _upstream_buffers(self) -> List[BufferLayout]:
         """Upstream's buffers of this model (every chunk's, in order), as its DistributedDataParallel would lay
         them out here: ``dp_reshardable`` keys and offsets follow them."""
-        if any(_is_expert(p) for p in self.all_params):
+        if any(_upstream_expert(p) for p in self.all_params):
             raise NotImplementedError(
                 "distrib_optim_sharding_type 'dp_reshardable' with expert-parallel (MoE) parameters: upstream keeps "
                 "their state in a second chained optimizer; use 'fully_reshardable' "
@@ -463,8 +463,8 @@ class DistributedOptimizer(MegatronOptimizer):
         cfg = self.ddp_config
         out = []
         for i, params in enumerate(self.chunk_params):
-            out += buffer_layouts(params, self.dp_size, self.dp_size, _is_quantized_param, self.grad_reduce_in_fp32,
-                                  _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0),
+            out += buffer_layouts(params, self.dp_size, self.dp_size, _is_quantized_param, _upstream_expert,
+                                  self.grad_reduce_in_fp32, _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0),
                                   bool(getattr(cfg, "pad_buckets_for_high_nccl_busbw", False)),
                                   parallel_state.get_pipeline_model_parallel_world_size() > 1)
         return out
@@ -660,6 +660,19 @@ class DistributedOptimizer(MegatronOptimizer):
 def _is_expert(p) -> bool:
     """An expert-parallel parameter (``allreduce=False``): upstream optimizes those in an optimizer of their own."""
     return not getattr(p, "allreduce", True)
+
+
+def _upstream_expert_layout() -> bool:
+    """Whether upstream gives expert weights an optimizer (and buffers) of their own: with expert parallelism, or an
+    expert tensor-parallel size other than the tensor-parallel size; else its experts are plain parameters."""
+    return (parallel_state.get_expert_model_parallel_world_size() > 1
+            or parallel_state.get_expert_tensor_parallel_world_size()
+            != parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _upstream_expert(p) -> bool:
+    """An expert weight in upstream's optimizer of expert weights (``_upstream_expert_layout``)."""
+    return _is_expert(p) and _upstream_expert_layout()
 
 
 def _upstream_parts(state_dict: dict) -> List[dict]:

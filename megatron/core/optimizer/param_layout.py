@@ -82,14 +82,16 @@ def _attention_prefix(name: str) -> Optional[str]:
 
 
 def buffer_layouts(params: List[torch.nn.Parameter], dp_size: int, expert_dp_size: int, is_quantized,
-                   grad_reduce_in_fp32: bool = False, bucket_size: Optional[int] = None,
-                   pad_for_high_nccl_busbw: bool = False, pipelined: bool = False) -> List[BufferLayout]:
+                   is_expert=lambda p: not getattr(p, "allreduce", True), grad_reduce_in_fp32: bool = False,
+                   bucket_size: Optional[int] = None, pad_for_high_nccl_busbw: bool = False,
+                   pipelined: bool = False) -> List[BufferLayout]:
     """Upstream's buffers of ``params`` (trainable, in module order); ``is_quantized(p)``: stored as bytes;
-    ``pipelined``: pipeline parallel size > 1 (tied embedding copies get buckets of their own)."""
+    ``is_expert(p)``: in an expert buffer (over the expert-DP group); ``pipelined``: pipeline parallel size > 1
+    (tied embedding copies get buckets of their own)."""
     groups = {}
     for p in params:
         grad_dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
-        key = (torch.uint8 if is_quantized(p) else p.dtype, grad_dtype, not getattr(p, "allreduce", True))
+        key = (torch.uint8 if is_quantized(p) else p.dtype, grad_dtype, is_expert(p))
         groups.setdefault(key, []).append(p)
     return [BufferLayout(pd, gd, expert, _buckets(ps, expert_dp_size if expert else dp_size, bucket_size,
                                                   pad_for_high_nccl_busbw, pipelined))

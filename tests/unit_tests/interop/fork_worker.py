@@ -32,7 +32,12 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
     with device:
         built = GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
                          **rc.MODELS[model]["gpt"], **rc.stage_kwargs())
-    return built.bfloat16() if dtype == torch.bfloat16 else built  # every parameter bf16, as upstream's
+    if dtype == torch.bfloat16:
+        built.bfloat16()  # every parameter bf16, as upstream's
+        for m in built.modules():  # the routers' expert bias stays fp32 (as built, and as upstream's router keeps it)
+            if getattr(m, "expert_bias", None) is not None:
+                m.expert_bias.data = m.expert_bias.data.float()
+    return built
 
 
 def build_optimizer(model, precision: str, distributed: bool = False):

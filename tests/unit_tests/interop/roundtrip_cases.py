@@ -320,9 +320,10 @@ def _weights_diff(mine: dict, ref: dict) -> float:
 # upstream's Float16OptimizerWithFloat16Params) and fp32 (upstream's FP32Optimizer) with the non-distributed
 # optimizer (sharding type None); the distributed optimizer (--use-distributed-optimizer, bf16 with fp32 mains,
 # sharded over DP=2) in the two layouts upstream's training loop writes: dp_reshardable (its default) and
-# fully_reshardable (--dist-ckpt-optim-fully-reshardable). Two Adam steps with known gradients.
+# fully_reshardable (--dist-ckpt-optim-fully-reshardable; also MoE, where upstream chains a dense and an expert
+# optimizer). Two Adam steps with known gradients.
 OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense", "bf16", "fully_reshardable"),
-                       ("dense", "bf16", "dp_reshardable")),
+                       ("dense", "bf16", "dp_reshardable"), ("moe", "bf16", "fully_reshardable")),
                "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable"), ("gqa", "bf16", "dp_reshardable")),
                "pp2": (("dense", "bf16", None), ("dense", "bf16", "dp_reshardable"),
                        ("dense", "bf16", "fully_reshardable"))}

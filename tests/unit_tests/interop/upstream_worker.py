@@ -174,10 +174,11 @@ def optimizer_state(model, opt) -> dict:
     from every DP rank's ranges)."""
     from itertools import chain
 
-    (inner,) = opt.chained_optimizers
     names = {p: n for n, p in model.named_parameters()}
-    if hasattr(inner, "gbuf_ranges"):  # its DistributedOptimizer
-        return rc.whole_state({n: (tuple(p.shape), _owned_range(inner, p)) for p, n in names.items()})
+    if hasattr(opt.chained_optimizers[0], "gbuf_ranges"):  # its DistributedOptimizer(s): MoE chains dense + expert
+        return rc.whole_state({n: (tuple(p.shape), [r for inner in opt.chained_optimizers
+                                                     for r in _owned_range(inner, p)]) for p, n in names.items()})
+    (inner,) = opt.chained_optimizers
     if hasattr(inner, "float16_groups"):
         pairs = list(zip(chain(*inner.float16_groups), chain(*inner.fp32_from_float16_groups)))
         pairs += [(p, p) for p in chain(*inner.fp32_from_fp32_groups)]
@@ -194,7 +195,7 @@ def optimizer_state(model, opt) -> dict:
 
 def _owned_range(inner, param) -> list:
     """[(start, stop, {fp32_param, exp_avg, exp_avg_sq, step})] of the flat range of ``param`` this DP rank owns in
-    upstream's DistributedOptimizer (empty where it owns none)."""
+    upstream's DistributedOptimizer ``inner`` (empty where it owns none or ``inner`` does not optimize it)."""
     try:
         rng = inner._get_model_param_range_map(param)["param"]
     except KeyError:

@@ -98,6 +98,12 @@ def _full_params(ddp):
 
 
 def _metadata(kind):
+    if kind == "fully_reshardable_chained":
+        # upstream's layout under expert parallelism (its experts in an optimizer of their own), here at EP=1
+        from megatron.core.optimizer import distrib_optimizer
+
+        distrib_optimizer._upstream_expert_layout = lambda: True  # this test process only
+        kind = "fully_reshardable"
     return None if kind is None else {"distrib_optim_sharding_type": kind}
 
 
@@ -112,8 +118,8 @@ def _save_body(rank, ws, ckpt, out, kind=None):
     if kind == "dp_reshardable":
         assert osd["param_state_sharding_type"] == kind
         _check_dp_reshardable(opt, osd)
-    elif kind == "fully_reshardable":  # upstream's layout: whole fp32 states named like the parameter, main = param
-        _check_fully_reshardable(opt, osd, sd)
+    elif kind and kind.startswith("fully_reshardable"):  # whole fp32 states named like the parameter, main = param
+        _check_fully_reshardable(opt, osd, sd, chained=kind.endswith("chained"))
     else:
         assert osd["param_state_sharding_type"] == "fully_sharded_model_space"
         keys = {t.key for st in osd["param_state"].values() for t in st.values()}
@@ -125,19 +131,21 @@ def _save_body(rank, ws, ckpt, out, kind=None):
         torch.save({"saved": saved, "after": _full_params(ddp), "loss": loss}, os.path.join(out, "ref.pt"))
 
 
-def _check_fully_reshardable(opt, osd, sd):
-    """MoE: as upstream's ChainedOptimizer, {0: the dense part, 1: the expert part}, each with its own param groups.
-    Every parameter has ``param`` / ``exp_avg`` / ``exp_avg_sq`` whole, fp32, with the parameter's placement and
-    replica id, and this rank's slices of them are its own state."""
+def _check_fully_reshardable(opt, osd, sd, chained: bool):
+    """``chained`` (upstream's layout of MoE under expert parallelism): as its ChainedOptimizer, {0: the dense part,
+    1: the expert part}, each with its own param groups; else one part. Every parameter has ``param`` /
+    ``exp_avg`` / ``exp_avg_sq`` whole, fp32, with the parameter's placement and replica id, and this rank's slices
+    of them are its own state."""
     from megatron.core.dist_checkpointing import ShardedTensorFactory
 
-    assert sorted(osd) == [0, 1]  # the checkpoint config is MoE: experts in a part of their own
+    assert sorted(osd) == ([0, 1] if chained else ["optimizer", "param_state", "param_state_sharding_type"])
     where = {}
-    for part, expert in ((osd[0], False), (osd[1], True)):
+    for part, expert in ((osd[0], False), (osd[1], True)) if chained else ((osd, None),):
         assert part["param_state_sharding_type"] == "fully_reshardable"
-        assert {g["is_expert_parallel"] for g in part["optimizer"]["param_groups"]} == {expert}
+        if chained:
+            assert {g["is_expert_parallel"] for g in part["optimizer"]["param_groups"]} == {expert}
         assert {g["step"] for g in part["optimizer"]["param_groups"]} == {3}
-        params = [p for p in opt.all_params if getattr(p, "allreduce", True) != expert]
+        params = [p for p in opt.all_params if expert is None or getattr(p, "allreduce", True) != expert]
         assert len(part["param_state"]) == len(params) > 0
         for i, p in enumerate(params):
             st = where[p] = part["param_state"][i]
@@ -209,11 +217,12 @@ def _load_body(rank, ws, ckpt, out, kind=None):
     assert moved > 1e-4
 
 
-@pytest.mark.parametrize("kind", [None, "fully_reshardable", "dp_reshardable"])
+@pytest.mark.parametrize("kind", [None, "fully_reshardable", "fully_reshardable_chained", "dp_reshardable"])
 def test_checkpoint_saved_on_2_ranks_loads_on_4_and_1(tmp_path, kind):
     """Every layout: upstream's default without metadata (``fully_sharded_model_space``), ``fully_reshardable``
-    (what ``--dist-ckpt-optim-fully-reshardable`` writes) and ``dp_reshardable`` (upstream's training default;
-    another DP size loads it, the buckets being the same)."""
+    (what ``--dist-ckpt-optim-fully-reshardable`` writes; ``_chained``: as upstream's chained dense + expert
+    optimizers under expert parallelism) and ``dp_reshardable`` (upstream's training default; another DP size
+    loads it, the buckets being the same)."""
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     run_distributed(_save_body, 2, ckpt, str(tmp_path), kind)
@@ -253,12 +262,16 @@ def test_reload_model_params_after_a_model_only_load():
     run_distributed(_reload_body, 2)
 
 
-def test_dp_reshardable_refusals_name_the_layout():
+def test_dp_reshardable_refusals_name_the_layout(monkeypatch):
     """MoE (expert parameters: upstream keeps them in a second chained optimizer) is refused for dp_reshardable,
     naming the flag that works; a checkpoint whose buckets differ from this model's layout is refused naming both."""
+    from megatron.core.optimizer import distrib_optimizer
+
     moe, moe_opt = _build(tiny_config(moe=True), 1, distributed=True)
+    monkeypatch.setattr(distrib_optimizer, "_upstream_expert_layout", lambda: True)  # as under expert parallelism
     with pytest.raises(NotImplementedError, match="'dp_reshardable' with expert-parallel.*--dist-ckpt-optim-fully"):
         moe_opt.sharded_state_dict(moe.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    monkeypatch.undo()
     ddp, opt = _build(tiny_config(moe=False), 1, distributed=True)
     sd = opt.sharded_state_dict(ddp.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     mine = sd["param_state"]["per_bucket_numel_unpadded"].data
