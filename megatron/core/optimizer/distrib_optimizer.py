@@ -587,15 +587,12 @@ class DistributedOptimizer(MegatronOptimizer):
         self._copy_main_params_to_model()
 
     def _load_param_groups(self, groups: List[dict]) -> int:
-        """The saved hyper-parameters into this optimizer's param groups (``_matched_groups``); returns the saved
-        step."""
-        if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"distributed optimizer checkpoint has {len(groups)} param groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}")
+        """The saved hyper-parameters into this optimizer's param groups (``_matched_groups``; a group's
+        ``is_expert_parallel`` stays its own); returns the saved step."""
         step = 0
         for mine, saved in zip(self.optimizer.param_groups, _matched_groups(self.optimizer.param_groups, groups)):
             step = int(saved.get("step", 0))
-            mine.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+            mine.update({k: v for k, v in saved.items() if k not in ("params", "step", "is_expert_parallel")})
         self._step_count = step
         return step
 
@@ -687,15 +684,20 @@ GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupl
 
 
 def _matched_groups(live: List[dict], saved: List[dict]) -> List[dict]:
-    """The saved param group of each live one: the one with the same ``GROUP_IDENTIFIER_KEYS`` values (as upstream
-    pairs them; the saving run may have ordered its groups differently), else, where those do not pair every group
-    one to one (e.g. another --lr), the one at the same position."""
+    """The saved param group of each live one: the one with the same ``GROUP_IDENTIFIER_KEYS`` values, as upstream
+    pairs them (the saving run may have ordered its groups differently; ``is_expert_parallel`` as upstream's layout
+    has it: without expert parallelism upstream's experts share the dense groups), else, where those do not pair
+    the groups (e.g. another --lr), the one at the same position. ValueError naming the counts if neither does."""
     def ident(g):
-        return tuple(g.get(k) for k in GROUP_IDENTIFIER_KEYS)
+        expert = bool(g.get("is_expert_parallel", False)) and _upstream_expert_layout()
+        return tuple(expert if k == "is_expert_parallel" else g.get(k) for k in GROUP_IDENTIFIER_KEYS)
 
     by_ident = {ident(g): g for g in saved}
     if len(by_ident) == len(saved) and all(ident(g) in by_ident for g in live):
         return [by_ident[ident(g)] for g in live]
+    if len(saved) != len(live):
+        raise ValueError(f"distributed optimizer checkpoint has {len(saved)} param groups, this optimizer "
+                         f"{len(live)}, and they do not pair by {GROUP_IDENTIFIER_KEYS}")
     return list(saved)
 
 

@@ -323,7 +323,8 @@ def _weights_diff(mine: dict, ref: dict) -> float:
 # fully_reshardable (--dist-ckpt-optim-fully-reshardable; also MoE, where upstream chains a dense and an expert
 # optimizer). Two Adam steps with known gradients.
 OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense", "bf16", "fully_reshardable"),
-                       ("dense", "bf16", "dp_reshardable"), ("moe", "bf16", "fully_reshardable")),
+                       ("dense", "bf16", "dp_reshardable"), ("moe", "bf16", "fully_reshardable"),
+                       ("moe", "bf16", "dp_reshardable")),
                "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable"), ("gqa", "bf16", "dp_reshardable")),
                "pp2": (("dense", "bf16", None), ("dense", "bf16", "dp_reshardable"),
                        ("dense", "bf16", "fully_reshardable"))}
