@@ -71,7 +71,7 @@ def optimizer_state(model, opt) -> dict:
             pieces[names[s.model_param]][1].append((s.start, s.stop, dict(
                 fp32_param=main.detach().clone(), exp_avg=st["exp_avg"].clone(), exp_avg_sq=st["exp_avg_sq"].clone(),
                 step=float(st["step"]))))
-        return rc.whole_state(pieces)
+        return rc.whole_state(pieces, experts={n for p, n in names.items() if not getattr(p, "allreduce", True)})
     mains = opt.main_params if opt.main_params is not None else opt.model_params
     out = {}
     for mp, main in zip(opt.model_params, mains):

@@ -326,6 +326,7 @@ OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense",
                        ("dense", "bf16", "dp_reshardable"), ("moe", "bf16", "fully_reshardable"),
                        ("moe", "bf16", "dp_reshardable")),
                "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable"), ("gqa", "bf16", "dp_reshardable")),
+               "tp2_sp_ep2": (("moe", "bf16", "fully_reshardable"),),
                "pp2": (("dense", "bf16", None), ("dense", "bf16", "dp_reshardable"),
                        ("dense", "bf16", "fully_reshardable"))}
 OPTIM_STEPS = 2
@@ -360,15 +361,25 @@ def sharded_sd_metadata(kind) -> dict:
     return {"distrib_optim_sharding_type": kind, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def whole_state(pieces: dict) -> dict:
-    """A distributed optimizer's whole state by local parameter name, from every DP rank's pieces (a collective
-    over the DP group): ``pieces`` = {name: (shape, [(start, stop, {key: flat tensor or step})])}, the flat ranges
-    of the parameter this rank holds. Every element must be covered exactly once."""
-    import torch
-    import torch.distributed as dist
+def whole_state(pieces: dict, experts=()) -> dict:
+    """A distributed optimizer's whole state by local parameter name, from every DP rank's pieces (collectives over
+    the DP group, and for the names in ``experts`` over the expert-DP group): ``pieces`` = {name: (shape, [(start,
+    stop, {key: flat tensor or step})])}, the flat ranges of the parameter this rank holds. Every element must be
+    covered exactly once."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_data_parallel_group()
+    out = {}
+    for group, names in ((ps.get_data_parallel_group(), [n for n in pieces if n not in experts]),
+                         (ps.get_expert_data_parallel_group(), [n for n in pieces if n in experts])):
+        out.update(_assembled({n: pieces[n] for n in names}, group))
+    return out
+
+
+def _assembled(pieces: dict, group) -> dict:
+    """``whole_state`` over one group."""
+    import torch
+    import torch.distributed as dist
+
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, pieces, group=group)
     out = {}

@@ -177,7 +177,8 @@ def optimizer_state(model, opt) -> dict:
     names = {p: n for n, p in model.named_parameters()}
     if hasattr(opt.chained_optimizers[0], "gbuf_ranges"):  # its DistributedOptimizer(s): MoE chains dense + expert
         return rc.whole_state({n: (tuple(p.shape), [r for inner in opt.chained_optimizers
-                                                     for r in _owned_range(inner, p)]) for p, n in names.items()})
+                                                     for r in _owned_range(inner, p)]) for p, n in names.items()},
+                              experts={n for p, n in names.items() if not getattr(p, "allreduce", True)})
     (inner,) = opt.chained_optimizers
     if hasattr(inner, "float16_groups"):
         pairs = list(zip(chain(*inner.float16_groups), chain(*inner.fp32_from_float16_groups)))
