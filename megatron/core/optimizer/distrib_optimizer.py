@@ -33,14 +33,16 @@ the checkpoint's own). Plain values in all: ``optimizer.param_groups`` (hyper-pa
   per parameter its whole state, fp32, shaped and placed like the parameter's ShardedTensor (same replica id), keys
   ``optimizer.state.<param|exp_avg|exp_avg_sq>.<param key>`` (``param``: the fp32 main). A save all-gathers each
   state over the DP group onto CPU (every rank holds the whole state for a moment, as upstream's default); a load
-  reads whole tensors on every rank and keeps its slices, so any TP/PP/DP size loads it.
+  reads whole tensors on every rank and keeps its slices, so any TP/PP/DP size loads it. Under expert parallelism
+  (where upstream optimizes expert weights in an optimizer of their own, chained) it is ``{0: the dense part, 1: the
+  expert part}``, each with its own param groups, as upstream's ChainedOptimizer; a load reads either form.
 - ``dp_reshardable`` (upstream's training default): per bucket of upstream's buffer layout (``param_layout.py``) and
   state, one 1-D fp32 tensor ``optimizer.distributed.dp_group_idx_<model-parallel rank>.gbuf_idx_<g>.dtype_<(param
   dtype, grad dtype)>.bucket_idx_<b>.<state>`` of the bucket's unpadded size, with ``per_bucket_numel(_unpadded)``
   and the param groups as ShardedObjects of the same prefix. Written from the gathered whole state (each DP rank its
   1/DP range of each bucket); read whole-bucket on every rank, so another DP size loads it where the buckets are the
-  same (a clear error otherwise). Dense parameters only: upstream keeps expert parameters in a second, chained
-  optimizer.
+  same (a clear error otherwise). Refused under expert parallelism (upstream's second, chained optimizer and its
+  ``chained_<i>.`` keys); without it upstream's experts are plain parameters and load.
 - ``fully_sharded_model_space`` (upstream's default without metadata, deprecated there; this fork's older
   checkpoints): a slice's state is a ``ShardedTensor`` copying the parameter's own with ``flattened_range`` = the
   slice and DP replica coordinate 0, keys ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param key>``; another
