@@ -539,7 +539,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _gathered_whole_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
         """{parameter: {state key: its whole state, fp32 on CPU, shaped like the parameter}}: per index space and
-        key, the ranks' shards all-gathered over the space's group (a collective)."""
+        key, the ranks' shards all-gathered over the space's group (a collective; ``_gathered_to_cpu``)."""
         out = {p: {} for p in self.all_params}
         for k, space in enumerate(self.spaces):
             owned = [(s, self._slice_state(main)) for s, main in zip(self.slices, self.main_params) if s.space == k]
@@ -547,11 +547,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 shard = torch.zeros(space.shard_numel, dtype=torch.float32, device=self.device)
                 for s, state in owned:
                     shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(state[key])
-                full = shard
-                if space.size > 1:
-                    full = torch.empty(space.shard_numel * space.size, dtype=torch.float32, device=self.device)
-                    _all_gather(full, shard, space.group)
-                full = full.cpu()
+                full = _gathered_to_cpu(shard, space)
                 for p in space.params:
                     o = space.offsets[p]
                     out[p][key] = full[o : o + p.numel()].clone().view(p.shape)
@@ -718,6 +714,24 @@ def _upstream_bucket_size(ddp_config, dp_size: int, first_chunk: bool) -> Option
     if parallel_state.get_pipeline_model_parallel_rank() > 0:
         return None
     return ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
+
+
+GATHER_CHUNK_NUMEL = 2**26  # the most elements (all ranks' together) a whole-state save gathers on the device at once
+
+
+def _gathered_to_cpu(shard: torch.Tensor, space: _Space) -> torch.Tensor:
+    """Every rank's ``shard`` of ``space`` (rank order) on CPU, all-gathered piece by piece, so the device holds at
+    most ``GATHER_CHUNK_NUMEL`` gathered elements at a time."""
+    if space.size == 1:
+        return shard.cpu()
+    full = torch.empty(space.size, space.shard_numel, dtype=shard.dtype)
+    step = max(1, GATHER_CHUNK_NUMEL // space.size)
+    for start in range(0, space.shard_numel, step):
+        piece = shard[start : start + step].contiguous()
+        gathered = torch.empty(piece.numel() * space.size, dtype=shard.dtype, device=shard.device)
+        _all_gather(gathered, piece, space.group)
+        full[:, start : start + piece.numel()] = gathered.view(space.size, -1).cpu()
+    return full.view(-1)
 
 
 def _rank_range(bucket: BucketLayout, dp_size: int, dp_rank: int) -> Tuple[int, int]:

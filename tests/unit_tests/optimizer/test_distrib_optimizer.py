@@ -110,6 +110,9 @@ def _metadata(kind):
 def _save_body(rank, ws, ckpt, out, kind=None):
     from megatron.core import dist_checkpointing
 
+    from megatron.core.optimizer import distrib_optimizer
+
+    distrib_optimizer.GATHER_CHUNK_NUMEL = 13  # whole states gathered in many uneven pieces (this process only)
     ddp, opt = _build(_ckpt_cfg(kind), 1, distributed=True)
     for i in range(3):
         _step(ddp, opt, i, rank, ws)
