@@ -451,8 +451,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _dp_reshardable_object(self, name: str, value) -> "ShardedObject":
         from megatron.core.dist_checkpointing import ShardedObject
 
-        prefix = f"optimizer.distributed.dp_group_idx_{_model_parallel_rank()}"
-        return ShardedObject(f"{prefix}.{name}", value, (1,), (0,), replica_id=(0, 0, self.dp_rank))
+        return ShardedObject(f"{_dp_reshardable_prefix()}.{name}", value, (1,), (0,), replica_id=(0, 0, self.dp_rank))
 
     def _upstream_buffers(self) -> List[BufferLayout]:
         """Upstream's buffers of this model (every chunk's, in order), as its DistributedDataParallel would lay
@@ -465,8 +464,9 @@ class DistributedOptimizer(MegatronOptimizer):
         cfg = self.ddp_config
         out = []
         for i, params in enumerate(self.chunk_params):
+            bucket_size = _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0)
             out += buffer_layouts(params, self.dp_size, self.dp_size, _is_quantized_param, _upstream_expert,
-                                  self.grad_reduce_in_fp32, _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0),
+                                  self.grad_reduce_in_fp32, bucket_size,
                                   bool(getattr(cfg, "pad_buckets_for_high_nccl_busbw", False)),
                                   parallel_state.get_pipeline_model_parallel_world_size() > 1)
         return out
@@ -483,7 +483,7 @@ class DistributedOptimizer(MegatronOptimizer):
         buffers = self._upstream_buffers()
         whole = None if is_loading else self._gathered_whole_state()
         replica_id = (0, 0, self.dp_rank if is_loading else 0)  # saved: each rank's range is its own
-        prefix = f"optimizer.distributed.dp_group_idx_{_model_parallel_rank()}"
+        prefix = _dp_reshardable_prefix()
         state = {name: self._dp_reshardable_object(name, [{b.dtype_key: [getattr(k, attr) for k in b.buckets]}
                                                            for b in buffers])
                  for name, attr in (("per_bucket_numel", "numel"), ("per_bucket_numel_unpadded", "numel_unpadded"))}
@@ -699,10 +699,12 @@ def _matched_groups(live: List[dict], saved: List[dict]) -> List[dict]:
     return list(saved)
 
 
-def _model_parallel_rank() -> int:
-    """This rank's index in its model-parallel (TP x PP) group: upstream's ``dp_group_idx`` of the keys."""
+def _dp_reshardable_prefix() -> str:
+    """Upstream's prefix of ``dp_reshardable`` keys: ``dp_group_idx`` is this rank's index in its model-parallel
+    (TP x PP) group."""
     group = parallel_state.get_model_parallel_group(check_initialized=False)
-    return get_rank(group) if group is not None and is_distributed() else 0
+    rank = get_rank(group) if group is not None and is_distributed() else 0
+    return f"optimizer.distributed.dp_group_idx_{rank}"
 
 
 def _upstream_bucket_size(ddp_config, dp_size: int, first_chunk: bool) -> Optional[int]:

@@ -6,8 +6,9 @@ weight, the grad dtype fp32 with ``--accumulate-allreduce-grads-in-fp32`` (``gra
 In a buffer the parameters are placed in reverse order, each starting at a multiple of 64 elements, and cut into
 buckets: a bucket ends after the parameter that brings it to ``bucket_size`` elements (no size limit without
 ``--overlap-grad-reduce`` or past the first pipeline stage), and under pipeline parallelism a tied embedding copy
-(``shared_embedding``; upstream sets it only then) gets a bucket of its own. A bucket's unpadded size runs to its last parameter's end; its padded size is a multiple of
-lcm(DP, 128) (with ``pad_buckets_for_high_nccl_busbw`` also of 2**16), and the next bucket starts there.
+(``shared_embedding``; upstream sets it only then) gets a bucket of its own. A bucket's unpadded size runs to its
+last parameter's end; its padded size is a multiple of lcm(DP, 128) (with ``pad_buckets_for_high_nccl_busbw`` also
+of 2**16), and the next bucket starts there.
 
 ``dp_reshardable`` stores, per bucket and state key, the bucket's unpadded elements as one 1-D tensor (each DP rank
 writes the part of its contiguous 1/DP range, padding between parameters included); a parameter's state is

@@ -6,8 +6,9 @@ EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other 
 ``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
 pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
 checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. The same launches also round-trip the
-optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``: non-distributed and distributed). Six ``torch.distributed.run``
-launches, in the order the checkpoints need: upstream saves -> the fork loads and saves -> upstream loads."""
+optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``: non-distributed and distributed). Six
+``torch.distributed.run`` launches, in the order the checkpoints need: upstream saves -> the fork loads and saves ->
+upstream loads."""
 import json
 import os
 import subprocess

@@ -65,8 +65,8 @@ def test_upstream_module_order_puts_linear_proj_first_in_attention(qk_norm):
     by_id = {id(p): n for p, n in zip(params, names)}
     order = [by_id[id(p)] for p in upstream_module_order(list(zip(names, params)))]
     expected = ["embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight",
-                "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.self_attention.linear_proj.bias",
-                "decoder.layers.0.self_attention.linear_qkv.weight"]
+                "decoder.layers.0.self_attention.linear_proj.weight",
+                "decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.0.self_attention.linear_qkv.weight"]
     expected += ["decoder.layers.0.self_attention.q_layernorm.weight"] if qk_norm else []
     expected += ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_proj.weight",
                  "decoder.layers.1.self_attention.linear_qkv.weight"]
