@@ -191,13 +191,29 @@ def sharded_sd_metadata(args) -> dict:
 
 
 def loaded_sd_metadata(checkpoint_dir: str) -> dict:
-    """The content metadata a checkpoint was saved with (what ``sharded_state_dict`` is given for its load); this
-    fork's checkpoints from before it was written: the distributed optimizer's ``fully_sharded_model_space``."""
+    """The content metadata a checkpoint was saved with (what ``sharded_state_dict`` is given for its load; read by
+    rank 0, broadcast); this fork's checkpoints from before it was written: the distributed optimizer's
+    ``fully_sharded_model_space``."""
     from megatron.core.optimizer.distrib_optimizer import FULLY_SHARDED_MODEL_SPACE
 
-    metadata = dict(dist_checkpointing.load_content_metadata(checkpoint_dir) or {})
+    found = [_read_content_metadata(checkpoint_dir) if get_rank() == 0 else None]
+    if get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    metadata = dict(found[0] or {})
     metadata.setdefault("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
     return metadata
+
+
+def _read_content_metadata(checkpoint_dir: str) -> Optional[dict]:
+    """The checkpoint's content metadata, None where it has none or cannot be read (the load then says why)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        with warnings.catch_warnings():  # DCP's note that a local (one-process) read is one
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return dist_checkpointing.load_content_metadata(checkpoint_dir)
+    except (CheckpointingException, OSError):
+        return None
 
 
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration: int,
