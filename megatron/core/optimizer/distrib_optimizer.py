@@ -50,6 +50,7 @@ the checkpoint's own). Plain values in all: ``optimizer.param_groups`` (hyper-pa
 """
 import dataclasses
 import math
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -582,7 +583,25 @@ class DistributedOptimizer(MegatronOptimizer):
             st = self.optimizer.state.get(main)
             if st and "step" in st:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
+        if kind == DP_RESHARDABLE:
+            self._warn_if_mains_differ_from_weights()
         self._copy_main_params_to_model()
+
+    @torch.no_grad()
+    def _warn_if_mains_differ_from_weights(self) -> None:
+        """``dp_reshardable`` is keyed by offsets only: a bucket layout that differed from upstream's in the order of
+        equal-sized parameters would load without an error. The weights (loaded by name, before the optimizer) are
+        the fp32 mains cast to their dtype; a warning names the parameters whose loaded main is not (quantized
+        weights are not compared). Collective over the DP group."""
+        differ = [self.param_to_name.get(s.model_param, "?") for s, main in zip(self.slices, self.main_params)
+                  if not _is_quantized_param(s.model_param) and not torch.equal(
+                      main.detach().to(s.model_param.dtype), s.model_param.detach().reshape(-1)[s.start : s.stop])]
+        count = int(self._dp_sum(len(differ)))
+        if count and self.dp_rank == 0:
+            warnings.warn(f"distributed optimizer checkpoint (dp_reshardable): the loaded fp32 main params of "
+                          f"{count} parameter slices (this rank's first: {differ[:3]}) differ from the "
+                          f"model's weights; if the model was loaded from the same checkpoint, its bucket layout is "
+                          f"not the one computed here (param_layout.py) and the optimizer state is misplaced")
 
     def _load_param_groups(self, groups: List[dict]) -> int:
         """The saved hyper-parameters into this optimizer's param groups (``_matched_groups``; a group's

@@ -7,6 +7,7 @@ bias with the value the saver set."""
 import json
 import os
 import traceback
+import warnings
 
 VOCAB = 128
 SEQ = 16
@@ -483,7 +484,10 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                     osd = opt.sharded_state_dict(model_sd, is_loading=True, **({"metadata": metadata} if kind else {}))
                     state = dist_checkpointing.load({"model": model_sd, "optimizer": osd}, src)
                     inner.load_state_dict(state["model"])
-                    opt.load_state_dict(state["optimizer"])
+                    with warnings.catch_warnings(record=True) as caught:  # e.g. ours on misplaced dp_reshardable state
+                        warnings.simplefilter("always")
+                        opt.load_state_dict(state["optimizer"])
+                    warned = [str(w.message)[:300] for w in caught if "optimizer checkpoint" in str(w.message)]
                     mine = {gname(n): v for n, v in optimizer_state(inner, opt).items()}
                     parts = [None] * dist.get_world_size()  # every rank's comparison, reported by rank 0
                     dist.all_gather_object(parts, _compare_optim(mine, ref))
@@ -492,6 +496,8 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                                   steps=sorted({s for c in parts for s in c.get("steps", [])}),
                                   diffs={k: v for c in parts for k, v in c.get("diffs", {}).items()},
                                   error="; ".join(c["error"] for c in parts if c.get("error")) or None)
+                    if warned:
+                        record.update(ok=False, warnings=warned)
                     defect = UPSTREAM_SAVE_DEFECTS.get((layout, name)) if side == "fork" else None
                     if defect is not None:  # exactly those parameters differ (and every other is exact)
                         wrong = sorted({n for c in parts for n in c.get("wrong_params", [])})

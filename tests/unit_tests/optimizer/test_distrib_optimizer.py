@@ -3,6 +3,7 @@ of the whole, 5 steps equal the replicated optimizer's (fp32), and a checkpoint 
 on 1 (stacked MoE layout + gated fc1) with equal params and an equal next step."""
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -204,7 +205,9 @@ def _load_body(rank, ws, ckpt, out, kind=None):
     assert int(factories) > 0 or kind == "dp_reshardable"  # the gated fc1 state goes through its factory
     loaded = dist_checkpointing.load({"model": sd, "optimizer": osd}, ckpt)
     ddp.load_state_dict(loaded["model"])
-    opt.load_state_dict(loaded["optimizer"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dp_reshardable: the loaded mains are the loaded weights (no warning)
+        opt.load_state_dict(loaded["optimizer"])
     ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)
     for n, p in ddp.module.named_parameters():
         assert torch.equal(p, ref["saved"][n]), n
@@ -307,3 +310,21 @@ def test_param_groups_pair_by_identity_not_position():
     assert [g["wd_mult"] for g in opt.optimizer.param_groups] == before == [1.0, 0.0]
     assert [g["eps"] for g in opt.optimizer.param_groups] == [1e-3, 1e-5]
     assert opt._step_count == 4
+
+
+def test_dp_reshardable_warns_when_loaded_mains_are_not_the_weights(tmp_path):
+    """dp_reshardable is keyed by offsets only; a load whose fp32 mains differ from the (loaded) weights, as a
+    misplaced layout would give, is named in a warning (here: the weights were not loaded from the checkpoint)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    ddp, opt = _build(tiny_config(moe=False), 1, distributed=True)
+    dist_checkpointing.save({"optimizer": opt.sharded_state_dict(ddp.sharded_state_dict(), metadata=metadata)},
+                            str(tmp_path))
+    other, opt2 = _build(tiny_config(moe=False), 5, distributed=True)
+    osd = opt2.sharded_state_dict(other.sharded_state_dict(), is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load({"optimizer": osd}, str(tmp_path))
+    with pytest.warns(UserWarning, match=r"dp_reshardable\): the loaded fp32 main params of \d+ parameter slices"):
+        opt2.load_state_dict(loaded["optimizer"])
+    for p, q in zip(ddp.module.parameters(), other.module.parameters()):  # the mains went into the weights anyway
+        assert torch.equal(p, q)
