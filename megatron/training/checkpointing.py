@@ -180,8 +180,8 @@ def sharded_sd_metadata(args) -> dict:
     ``--dist-ckpt-optim-fully-reshardable``: upstream 0.19.2 loads it whatever its own flags (its load reads this
     metadata), it is keyed by parameter names and reshards over TP/PP/DP. Upstream's default ``dp_reshardable`` is
     keyed by upstream's bucket layout, which this fork reproduces from upstream's rules and module order (checked
-    against upstream for dense, GQA and MoE GPTs without expert parallelism; refused with it): it is loaded, and
-    written only where ``sharded_state_dict`` is asked for it."""
+    against upstream for dense, GQA and MoE GPTs, local layers on CPU): it is loaded, and written only where
+    ``sharded_state_dict`` is asked for it."""
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer and not getattr(args, "use_megatron_fsdp", False):
         from megatron.core.optimizer.distrib_optimizer import FULLY_RESHARDABLE

@@ -41,8 +41,9 @@ the checkpoint's own). Plain values in all: ``optimizer.param_groups`` (hyper-pa
   dtype, grad dtype)>.bucket_idx_<b>.<state>`` of the bucket's unpadded size, with ``per_bucket_numel(_unpadded)``
   and the param groups as ShardedObjects of the same prefix. Written from the gathered whole state (each DP rank its
   1/DP range of each bucket); read whole-bucket on every rank, so another DP size loads it where the buckets are the
-  same (a clear error otherwise). Refused under expert parallelism (upstream's second, chained optimizer and its
-  ``chained_<i>.`` keys); without it upstream's experts are plain parameters and load.
+  same (a clear error otherwise). Under expert parallelism ``{0: dense, 1: expert}`` as upstream's chained
+  optimizers, keys prefixed ``chained_<i>.``, the expert part keyed by the expert tensor x pipeline rank and laid
+  out over the expert-DP group; without it upstream's experts are plain parameters.
 - ``fully_sharded_model_space`` (upstream's default without metadata, deprecated there; this fork's older
   checkpoints): a slice's state is a ``ShardedTensor`` copying the parameter's own with ``flattened_range`` = the
   slice and DP replica coordinate 0, keys ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param key>``; another
@@ -393,21 +394,29 @@ class DistributedOptimizer(MegatronOptimizer):
         default here, ``fully_sharded_model_space`` (see the module docstring)."""
         kind = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
         builders = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_param_state,
-                    FULLY_RESHARDABLE: self._fully_reshardable_param_state,
-                    DP_RESHARDABLE: self._dp_reshardable_param_state}
+                    FULLY_RESHARDABLE: self._fully_reshardable_part,
+                    DP_RESHARDABLE: self._dp_reshardable_part}
         if kind not in builders:
             raise ValueError(f"DistributedOptimizer.sharded_state_dict: distrib_optim_sharding_type {kind!r} is not "
                              f"supported (supported: {sorted(builders)})")
         self.init_state()
-        if kind == FULLY_RESHARDABLE:
-            return builders[kind](model_sharded_state_dict, is_loading)
-        sd = self._common_state(kind)
-        if kind == DP_RESHARDABLE:  # upstream: per model-parallel rank objects, saved by DP rank 0
-            sd.update({k: self._dp_reshardable_object(k, sd[k]) for k in ("optimizer", "grad_scaler") if k in sd})
-        sd["param_state"] = builders[kind](model_sharded_state_dict, is_loading)
-        return sd
+        if kind == FULLY_SHARDED_MODEL_SPACE:
+            return {**self._common_state(kind), "param_state": builders[kind](model_sharded_state_dict)}
+        # upstream's layouts, per optimizer upstream would have (with expert parallelism a dense and an expert one)
+        whole = (None if is_loading and kind == DP_RESHARDABLE else
+                 self._empty_whole_state() if is_loading else self._gathered_whole_state())
+        parts = [builders[kind](model_sharded_state_dict, is_loading, expert, whole)
+                 for expert in self._upstream_optimizers()]
+        if len(parts) == 1:
+            return parts[0]
+        if kind == DP_RESHARDABLE:  # upstream's ChainedOptimizer prefixes the keys of the non-reshardable layouts
+            from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
-    def _fs_model_space_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
+            for i, part in enumerate(parts):
+                add_prefix_for_sharding(part, f"chained_{i}.")
+        return dict(enumerate(parts))
+
+    def _fs_model_space_param_state(self, model_sharded_state_dict: dict) -> dict:
         """``fully_sharded_model_space``: {slice index: {state key: the live slice as a flattened ShardedTensor}}
         (a load fills the live state in place)."""
         param_state = {}
@@ -420,25 +429,21 @@ class DistributedOptimizer(MegatronOptimizer):
             }
         return param_state
 
-    def _fully_reshardable_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
-        """``fully_reshardable``, as upstream's optimizer of this model: common state and ``param_state`` =
-        {index: {``param`` (the fp32 main) / ``exp_avg`` / ...: a whole fp32 tensor shaped like the parameter, placed
-        (and replicated) like the parameter's ShardedTensor}}; with expert parameters {0: the dense part, 1: the
-        expert part}, as upstream's ChainedOptimizer of its dense and expert optimizers (the same tensor keys).
-        Saving all-gathers each state over the parameter's DP group (every rank holds the whole state on CPU, as
-        upstream); loading gives every rank empty whole tensors, sliced by ``load_state_dict``."""
-        whole = self._empty_whole_state() if is_loading else self._gathered_whole_state()
-        parts = []
-        for expert in self._upstream_optimizers():
-            sd = self._common_state(FULLY_RESHARDABLE, expert)
-            sd["param_state"] = {}
-            for i, p in enumerate(self._params_of(expert)):
-                sh = self._param_sharded_tensor(p, model_sharded_state_dict)
-                sd["param_state"][i] = {_upstream_state_key(k): _state_sharded_tensor(
-                    sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
-                    for k, v in whole[p].items()}
-            parts.append(sd)
-        return parts[0] if len(parts) == 1 else dict(enumerate(parts))
+    def _fully_reshardable_part(self, model_sharded_state_dict: dict, is_loading: bool, expert: Optional[bool],
+                                whole: dict) -> dict:
+        """``fully_reshardable``, one of upstream's optimizers (``expert``: see ``_upstream_optimizers``): common
+        state and ``param_state`` = {index: {``param`` (the fp32 main) / ``exp_avg`` / ...: the parameter's whole
+        state, fp32, placed (and replicated) like the parameter's ShardedTensor}}. ``whole``: the gathered whole
+        states (saving: every rank holds them on CPU, as upstream), or empty ones to load into (every rank reads them
+        whole; ``load_state_dict`` keeps its slices)."""
+        sd = self._common_state(FULLY_RESHARDABLE, expert)
+        sd["param_state"] = {}
+        for i, p in enumerate(self._params_of(expert)):
+            sh = self._param_sharded_tensor(p, model_sharded_state_dict)
+            sd["param_state"][i] = {_upstream_state_key(k): _state_sharded_tensor(
+                sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
+                for k, v in whole[p].items()}
+        return sd
 
     def _upstream_optimizers(self) -> List[Optional[bool]]:
         """Upstream's optimizers of this model: [None] (one, every parameter) or, with expert parameters,
@@ -449,49 +454,54 @@ class DistributedOptimizer(MegatronOptimizer):
         return [p for p in self.all_params if expert is None or _upstream_expert(p) == expert]
 
     # ---- dp_reshardable: upstream's bucket layout (param_layout.py) -------------------------------------------
-    def _dp_reshardable_object(self, name: str, value) -> "ShardedObject":
+    def _part_dp(self, expert: Optional[bool]) -> Tuple[int, int]:
+        """(size, rank) of the data-parallel group that upstream's optimizer ``expert`` shards over."""
+        return _dp_group_and_size(expert=True)[1:] if expert else (self.dp_size, self.dp_rank)
+
+    def _dp_reshardable_object(self, name: str, value, expert: Optional[bool]) -> "ShardedObject":
         from megatron.core.dist_checkpointing import ShardedObject
 
-        return ShardedObject(f"{_dp_reshardable_prefix()}.{name}", value, (1,), (0,), replica_id=(0, 0, self.dp_rank))
+        return ShardedObject(f"{_dp_reshardable_prefix(expert)}.{name}", value, (1,), (0,),
+                             replica_id=(0, 0, self._part_dp(expert)[1]))
 
-    def _upstream_buffers(self) -> List[BufferLayout]:
-        """Upstream's buffers of this model (every chunk's, in order), as its DistributedDataParallel would lay
-        them out here: ``dp_reshardable`` keys and offsets follow them."""
-        if any(_upstream_expert(p) for p in self.all_params):
-            raise NotImplementedError(
-                "distrib_optim_sharding_type 'dp_reshardable' with expert-parallel (MoE) parameters: upstream keeps "
-                "their state in a second chained optimizer; use 'fully_reshardable' "
-                "(--dist-ckpt-optim-fully-reshardable) for MoE models")
+    def _upstream_buffers(self, expert: Optional[bool]) -> List[BufferLayout]:
+        """The buffers of upstream's optimizer ``expert`` (every chunk's, in order), as its DistributedDataParallel
+        would lay them out here: ``dp_reshardable`` keys and offsets follow them."""
         cfg = self.ddp_config
         out = []
-        for i, params in enumerate(self.chunk_params):
+        for i, chunk in enumerate(self.chunk_params):
+            params = [p for p in chunk if expert is None or _upstream_expert(p) == expert]
             bucket_size = _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0)
-            out += buffer_layouts(params, self.dp_size, self.dp_size, _is_quantized_param, _upstream_expert,
+            out += buffer_layouts(params, self.dp_size, self._part_dp(True)[0], _is_quantized_param, _upstream_expert,
                                   self.grad_reduce_in_fp32, bucket_size,
                                   bool(getattr(cfg, "pad_buckets_for_high_nccl_busbw", False)),
                                   parallel_state.get_pipeline_model_parallel_world_size() > 1)
         return out
 
-    def _dp_reshardable_param_state(self, model_sharded_state_dict: dict, is_loading: bool) -> dict:
-        """``dp_reshardable`` (upstream's default): per buffer, bucket and state (``param`` = the fp32 main,
-        ``exp_avg``, ...) one 1-D fp32 tensor of the bucket's unpadded elements, key ``optimizer.distributed.
-        dp_group_idx_<model-parallel rank>.gbuf_idx_<g>.dtype_<(param dtype, grad dtype)>.bucket_idx_<b>.<state>``;
-        ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` beside them. Saving: this DP rank writes the part of
-        its 1/DP range of each bucket (from the gathered whole state); loading: every rank reads whole buckets and
-        ``load_state_dict`` takes its slices, so any DP size loads it where the buckets are the same."""
+    def _dp_reshardable_part(self, model_sharded_state_dict: dict, is_loading: bool, expert: Optional[bool],
+                             whole: Optional[dict]) -> dict:
+        """``dp_reshardable`` (upstream's default), one of upstream's optimizers: its param groups (and grad
+        scaler) as ShardedObjects, and per buffer, bucket and state (``param`` = the fp32 main, ``exp_avg``, ...) one
+        1-D fp32 tensor of the bucket's unpadded elements, key ``optimizer.distributed.dp_group_idx_<model-parallel
+        rank>.gbuf_idx_<g>.dtype_<(param dtype, grad dtype)>.bucket_idx_<b>.<state>``, with ``per_bucket_numel`` /
+        ``per_bucket_numel_unpadded`` beside them. Saving: this DP rank writes the part of its 1/DP range of each
+        bucket (from the gathered ``whole`` state); loading: every rank reads whole buckets and ``load_state_dict``
+        takes its slices, so any DP size loads it where the buckets are the same."""
         from megatron.core.dist_checkpointing import ShardedTensor
 
-        buffers = self._upstream_buffers()
-        whole = None if is_loading else self._gathered_whole_state()
-        replica_id = (0, 0, self.dp_rank if is_loading else 0)  # saved: each rank's range is its own
-        prefix = _dp_reshardable_prefix()
+        sd = self._common_state(DP_RESHARDABLE, expert)
+        sd.update({k: self._dp_reshardable_object(k, sd[k], expert) for k in ("optimizer", "grad_scaler") if k in sd})
+        buffers = self._upstream_buffers(expert)
+        dp_size, dp_rank = self._part_dp(expert)
+        replica_id = (0, 0, dp_rank if is_loading else 0)  # saved: each rank's range is its own
+        prefix = _dp_reshardable_prefix(expert)
         state = {name: self._dp_reshardable_object(name, [{b.dtype_key: [getattr(k, attr) for k in b.buckets]}
-                                                           for b in buffers])
+                                                           for b in buffers], expert)
                  for name, attr in (("per_bucket_numel", "numel"), ("per_bucket_numel_unpadded", "numel_unpadded"))}
         for g, buf in enumerate(buffers):
             buckets = []
             for b, bucket in enumerate(buf.buckets):
-                lo, hi = (0, bucket.numel_unpadded) if is_loading else _rank_range(bucket, self.dp_size, self.dp_rank)
+                lo, hi = (0, bucket.numel_unpadded) if is_loading else _rank_range(bucket, dp_size, dp_rank)
                 tensors = {}
                 for key in self._state_keys():
                     name = _upstream_state_key(key)
@@ -503,12 +513,14 @@ class DistributedOptimizer(MegatronOptimizer):
                             (hi - lo,), (bucket.numel_unpadded,), (lo,), None, replica_id=replica_id)
                 buckets.append(tensors)
             state[g] = {buf.dtype_key: buckets}
-        return state
+        sd["param_state"] = state
+        return sd
 
-    def _dp_reshardable_location(self, param_state: dict) -> Dict[torch.nn.Parameter, Tuple[dict, int]]:
-        """{parameter: (its bucket's loaded tensors, its start in the bucket)}; the checkpoint's bucket sizes must
-        be this model's (ValueError naming both otherwise)."""
-        buffers = self._upstream_buffers()
+    def _dp_reshardable_location(self, param_state: dict,
+                                 expert: Optional[bool]) -> Dict[torch.nn.Parameter, Tuple[dict, int]]:
+        """{parameter: (its bucket's loaded tensors, its start in the bucket)} of upstream's optimizer ``expert``;
+        the checkpoint's bucket sizes must be this model's (ValueError naming both otherwise)."""
+        buffers = self._upstream_buffers(expert)
         mine = [{b.dtype_key: [k.numel_unpadded for k in b.buckets]} for b in buffers]
         saved = param_state.get("per_bucket_numel_unpadded")
         if saved != mine:
@@ -568,9 +580,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (supported: "
                 f"{sorted(readers)}); a checkpoint saved without --use-distributed-optimizer loads without it"
             )
-        if len(parts) > 1 and kind != FULLY_RESHARDABLE:
+        if len(parts) > 1 and kind == FULLY_SHARDED_MODEL_SPACE:
             raise ValueError(f"distributed optimizer checkpoint: a chained (dense + expert) optimizer's state in "
-                             f"param_state_sharding_type {kind!r}; only 'fully_reshardable' loads chained")
+                             f"param_state_sharding_type {kind!r}; chained ones load in upstream's layouts only")
         self._load_grad_scaler(parts[0])
         step = self._load_param_groups([g for part in parts for g in part["optimizer"]["param_groups"]])
         self.init_state()
@@ -632,10 +644,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _fully_reshardable_reader(self, param_states: List[dict]):
         """``fully_reshardable``: the slice's range of its parameter's whole tensor (``param``: upstream's name of
         the fp32 main param; its loader also accepts ``fp32_param``); one part, or a dense and an expert one."""
-        parts = [None] if len(param_states) == 1 else [False, True]
-        if len(param_states) > 2 or (parts != [None] and parts != self._upstream_optimizers()):
-            raise ValueError(f"distributed optimizer checkpoint (fully_reshardable): {len(param_states)} chained "
-                             f"optimizers' state, this model's upstream optimizers {len(self._upstream_optimizers())}")
+        parts = self._saved_parts(param_states, FULLY_RESHARDABLE)
         where = {p: (ps, i) for ps, expert in zip(param_states, parts) for i, p in enumerate(self._params_of(expert))}
 
         def read(i: int, key: str) -> torch.Tensor:
@@ -654,10 +663,22 @@ class DistributedOptimizer(MegatronOptimizer):
 
         return read
 
+    def _saved_parts(self, param_states: List[dict], kind: str) -> List[Optional[bool]]:
+        """Which of upstream's optimizers each saved part is: [None] (one), or [False, True] (chained dense +
+        expert); a fully_reshardable checkpoint of one optimizer also loads into a model upstream would chain."""
+        parts = [None] if len(param_states) == 1 else [False, True]
+        mine = self._upstream_optimizers()
+        if len(param_states) > 2 or (parts != mine and (kind == DP_RESHARDABLE or parts != [None])):
+            raise ValueError(f"distributed optimizer checkpoint ({kind}): the state of {len(param_states)} (chained) "
+                             f"optimizers, upstream's optimizers of this model {len(mine)} (expert parallelism "
+                             f"differs)")
+        return parts
+
     def _dp_reshardable_reader(self, param_states: List[dict]):
         """``dp_reshardable``: the slice's range of its bucket's tensor (the buckets checked against this model's)."""
-        (param_state,) = param_states
-        locations = self._dp_reshardable_location(param_state)
+        locations = {}
+        for param_state, expert in zip(param_states, self._saved_parts(param_states, DP_RESHARDABLE)):
+            locations.update(self._dp_reshardable_location(param_state, expert))
 
         def read(i: int, key: str) -> torch.Tensor:
             s = self.slices[i]
@@ -718,10 +739,11 @@ def _matched_groups(live: List[dict], saved: List[dict]) -> List[dict]:
     return list(saved)
 
 
-def _dp_reshardable_prefix() -> str:
+def _dp_reshardable_prefix(expert: Optional[bool] = None) -> str:
     """Upstream's prefix of ``dp_reshardable`` keys: ``dp_group_idx`` is this rank's index in its model-parallel
-    (TP x PP) group."""
-    group = parallel_state.get_model_parallel_group(check_initialized=False)
+    (TP x PP) group, for the expert optimizer in its expert tensor x pipeline group."""
+    group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False) if expert
+             else parallel_state.get_model_parallel_group(check_initialized=False))
     rank = get_rank(group) if group is not None and is_distributed() else 0
     return f"optimizer.distributed.dp_group_idx_{rank}"
 

@@ -327,7 +327,7 @@ OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense",
                        ("dense", "bf16", "dp_reshardable"), ("moe", "bf16", "fully_reshardable"),
                        ("moe", "bf16", "dp_reshardable")),
                "tp2": (("gqa", "bf16", None), ("gqa", "bf16", "fully_reshardable"), ("gqa", "bf16", "dp_reshardable")),
-               "tp2_sp_ep2": (("moe", "bf16", "fully_reshardable"),),
+               "tp2_sp_ep2": (("moe", "bf16", "fully_reshardable"), ("moe", "bf16", "dp_reshardable")),
                "pp2": (("dense", "bf16", None), ("dense", "bf16", "dp_reshardable"),
                        ("dense", "bf16", "fully_reshardable"))}
 OPTIM_STEPS = 2

@@ -107,7 +107,7 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     parameter name on every rank, at TP1 x DP2 (bf16 dense, fp32 GQA), TP2 x DP2 (bf16 GQA) and PP2 (bf16 dense,
     tied embeddings: the last stage's copy too). The distributed optimizer too (``_distopt_<sharding type>``, bf16:
     dense at TP1 x DP2 and PP2, GQA at TP2 x DP2, MoE at TP1 x DP2 (EP1: upstream's experts in its one optimizer)
-    and at TP2 + SP + EP2 (upstream's chained dense + expert optimizers; fully_reshardable only); the whole state
+    and at TP2 + SP + EP2 (upstream's chained dense + expert optimizers, ``chained_<i>.`` keys); the whole state
     compared, assembled from every DP / expert-DP rank's part): in upstream's ``dp_reshardable`` (its default:
     bucket-space tensors) and ``fully_reshardable`` layouts, the sharding type read back from the checkpoint's
     content metadata."""
@@ -128,7 +128,8 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     assert distributed == {(side, *case) for side in ("upstream", "fork") for case in (
         ("tp1", "dense", "dp_reshardable"), ("tp1", "dense", "fully_reshardable"), ("tp1", "moe", "dp_reshardable"),
         ("tp1", "moe", "fully_reshardable"), ("tp2", "gqa", "dp_reshardable"), ("tp2", "gqa", "fully_reshardable"),
-        ("tp2_sp_ep2", "moe", "fully_reshardable"), ("pp2", "dense", "dp_reshardable"),
+        ("tp2_sp_ep2", "moe", "fully_reshardable"), ("tp2_sp_ep2", "moe", "dp_reshardable"),
+        ("pp2", "dense", "dp_reshardable"),
         ("pp2", "dense", "fully_reshardable"))}, distributed
     # upstream's own defect (roundtrip_cases.UPSTREAM_SAVE_DEFECTS): its fully_reshardable save at PP2 holds wrong
     # state for the tied embeddings (their own bucket), and only for them; its load of ours is exact

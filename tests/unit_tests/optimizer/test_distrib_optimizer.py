@@ -90,7 +90,7 @@ def test_matches_replicated_optimizer_and_state_is_sharded(ws):
 
 # ---- checkpoint: save on 2 ranks, load on 4 and on 1 ------------------------------------------------------------
 def _ckpt_cfg(kind=None):
-    # no biases: see _equivalence_body; dp_reshardable: dense (its MoE layout is upstream's second optimizer's)
+    # no biases: see _equivalence_body; dp_reshardable: dense, MoE in its _chained case
     return tiny_config(moe=kind != "dp_reshardable", gated_linear_unit=True, add_bias_linear=False)
 
 
@@ -99,17 +99,18 @@ def _full_params(ddp):
 
 
 def _metadata(kind):
-    if kind == "fully_reshardable_chained":
+    if kind and kind.endswith("_chained"):
         # upstream's layout under expert parallelism (its experts in an optimizer of their own), here at EP=1
         from megatron.core.optimizer import distrib_optimizer
 
         distrib_optimizer._upstream_expert_layout = lambda: True  # this test process only
-        kind = "fully_reshardable"
+        kind = kind[: -len("_chained")]
     return None if kind is None else {"distrib_optim_sharding_type": kind}
 
 
 def _save_body(rank, ws, ckpt, out, kind=None):
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     from megatron.core.optimizer import distrib_optimizer
 
@@ -122,6 +123,13 @@ def _save_body(rank, ws, ckpt, out, kind=None):
     if kind == "dp_reshardable":
         assert osd["param_state_sharding_type"] == kind
         _check_dp_reshardable(opt, osd)
+    elif kind == "dp_reshardable_chained":  # as upstream's ChainedOptimizer: {0: dense, 1: expert}, keys prefixed
+        assert sorted(osd) == [0, 1]
+        for i, (expert, part) in enumerate(((False, osd[0]), (True, osd[1]))):
+            assert part["param_state_sharding_type"] == "dp_reshardable"
+            assert {g["is_expert_parallel"] for g in part["optimizer"].data["param_groups"]} == {expert}
+            keys = {t.key for t in nested_values(part) if hasattr(t, "key")}
+            assert keys and all(k.startswith(f"chained_{i}.optimizer.distributed.dp_group_idx_0.") for k in keys)
     elif kind and kind.startswith("fully_reshardable"):  # whole fp32 states named like the parameter, main = param
         _check_fully_reshardable(opt, osd, sd, chained=kind.endswith("chained"))
     else:
@@ -169,7 +177,7 @@ def _check_fully_reshardable(opt, osd, sd, chained: bool):
 def _check_dp_reshardable(opt, osd):
     """Upstream's bucket-space keys: per state one 1-D fp32 tensor of the bucket's unpadded size, this rank's part
     of its 1/DP range, holding its own slices' state at upstream's offsets."""
-    (buf,) = opt._upstream_buffers()  # one dtype, no overlap-grad-reduce: one buffer of one bucket
+    (buf,) = opt._upstream_buffers(None)  # one dtype, no overlap-grad-reduce: one buffer of one bucket
     (bucket,) = buf.buckets
     prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0"
     tensors = osd["param_state"][0][(torch.float32, torch.float32)][0]
@@ -202,7 +210,8 @@ def _load_body(rank, ws, ckpt, out, kind=None):
     osd = opt.sharded_state_dict(sd, is_loading=True, metadata=_metadata(kind))
     factories = torch.tensor([sum(isinstance(t, ShardedTensorFactory) for t in nested_values(osd))])
     dist.all_reduce(factories)
-    assert int(factories) > 0 or kind == "dp_reshardable"  # the gated fc1 state goes through its factory
+    # the gated fc1 state goes through its factory (model-space layouts)
+    assert int(factories) > 0 or kind.startswith("dp_reshardable")
     loaded = dist_checkpointing.load({"model": sd, "optimizer": osd}, ckpt)
     ddp.load_state_dict(loaded["model"])
     with warnings.catch_warnings():
@@ -223,12 +232,13 @@ def _load_body(rank, ws, ckpt, out, kind=None):
     assert moved > 1e-4
 
 
-@pytest.mark.parametrize("kind", [None, "fully_reshardable", "fully_reshardable_chained", "dp_reshardable"])
+@pytest.mark.parametrize("kind", [None, "fully_reshardable", "fully_reshardable_chained", "dp_reshardable",
+                                  "dp_reshardable_chained"])
 def test_checkpoint_saved_on_2_ranks_loads_on_4_and_1(tmp_path, kind):
     """Every layout: upstream's default without metadata (``fully_sharded_model_space``), ``fully_reshardable``
-    (what ``--dist-ckpt-optim-fully-reshardable`` writes; ``_chained``: as upstream's chained dense + expert
-    optimizers under expert parallelism) and ``dp_reshardable`` (upstream's training default; another DP size
-    loads it, the buckets being the same)."""
+    (what ``--dist-ckpt-optim-fully-reshardable`` writes) and ``dp_reshardable`` (upstream's training default;
+    another DP size loads it, the buckets being the same); ``_chained``: MoE as upstream's chained dense + expert
+    optimizers under expert parallelism."""
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     run_distributed(_save_body, 2, ckpt, str(tmp_path), kind)
@@ -268,16 +278,9 @@ def test_reload_model_params_after_a_model_only_load():
     run_distributed(_reload_body, 2)
 
 
-def test_dp_reshardable_refusals_name_the_layout(monkeypatch):
-    """MoE (expert parameters: upstream keeps them in a second chained optimizer) is refused for dp_reshardable,
-    naming the flag that works; a checkpoint whose buckets differ from this model's layout is refused naming both."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    moe, moe_opt = _build(tiny_config(moe=True), 1, distributed=True)
-    monkeypatch.setattr(distrib_optimizer, "_upstream_expert_layout", lambda: True)  # as under expert parallelism
-    with pytest.raises(NotImplementedError, match="'dp_reshardable' with expert-parallel.*--dist-ckpt-optim-fully"):
-        moe_opt.sharded_state_dict(moe.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-    monkeypatch.undo()
+def test_dp_reshardable_refusals_name_the_layout():
+    """A checkpoint whose buckets differ from this model's layout is refused naming both; unknown layouts by
+    name."""
     ddp, opt = _build(tiny_config(moe=False), 1, distributed=True)
     sd = opt.sharded_state_dict(ddp.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     mine = sd["param_state"]["per_bucket_numel_unpadded"].data
