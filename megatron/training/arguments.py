@@ -377,6 +377,11 @@ def _add_checkpointing_args(parser):
                    choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                             "return_unexpected", "return_all", "ignore_all"],
                    help="Handling of key mismatches on a dist checkpoint load.")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="Distributed optimizer: save its state in upstream's fully_reshardable layout (whole fp32 "
+                        "states per parameter; loads at any TP/PP/DP). This fork writes that layout in any case "
+                        "(upstream's default without the flag, dp_reshardable, is loaded); a load follows the "
+                        "checkpoint's own layout whatever this flag says.")
     g.add_argument("--check-weights-finite", action="store_true",
                    help="Right after a checkpoint load, stop with an error naming the first model tensor that "
                         "holds NaN or Inf.")

@@ -10,6 +10,12 @@ State dict keys (upstream's): ``model`` (the model's ``sharded_state_dict()``), 
 written by data-parallel rank 0, ``replica_id`` = DP rank, so a different DP size loads it), ``iteration``,
 ``args`` (with ``consumed_train_samples``), ``checkpoint_version``, ``num_floating_point_operations_so_far``.
 
+Content metadata (upstream's ``_build_sharded_state_dict_metadata``, stored in the common state): the distributed
+optimizer's ``distrib_optim_sharding_type`` (written: ``fully_reshardable``, see ``sharded_sd_metadata``),
+``singleton_local_shards`` False and ``chained_optim_avoid_prefix`` True. A load passes the checkpoint's own content
+metadata to ``optimizer.sharded_state_dict`` (as upstream), so the layout a checkpoint was written in is the one read;
+a checkpoint without it (this fork's older ones) is read as ``fully_sharded_model_space``.
+
 A save is written to ``<save>/iter_N.partial`` and renamed to ``iter_N`` only after every rank finished (a success
 flag is all-reduced); the tracker is advanced after the rename, so a save that fails or is killed midway leaves the
 previous checkpoint as the latest, and its leftovers are removed by the next save. Rank 0 holds an exclusive lock on
@@ -168,6 +174,48 @@ def _model_sharded_state_dict(model_chunk) -> dict:
     return unwrap_model(model_chunk).sharded_state_dict()
 
 
+def sharded_sd_metadata(args) -> dict:
+    """The content metadata a save writes and passes to ``sharded_state_dict`` (upstream's keys). The distributed
+    optimizer without Megatron-FSDP is written in upstream's ``fully_reshardable`` layout with or without
+    ``--dist-ckpt-optim-fully-reshardable``: upstream 0.19.2 loads it whatever its own flags (its load reads this
+    metadata), it is keyed by parameter names and reshards over TP/PP/DP. Upstream's default ``dp_reshardable`` is
+    keyed by upstream's bucket layout, which this fork reproduces from upstream's rules and module order (checked
+    against upstream for dense, GQA and MoE GPTs, local layers on CPU): it is loaded, and written only where
+    ``sharded_state_dict`` is asked for it."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer and not getattr(args, "use_megatron_fsdp", False):
+        from megatron.core.optimizer.distrib_optimizer import FULLY_RESHARDABLE
+
+        metadata["distrib_optim_sharding_type"] = FULLY_RESHARDABLE
+    return metadata
+
+
+def loaded_sd_metadata(checkpoint_dir: str) -> dict:
+    """The content metadata a checkpoint was saved with (what ``sharded_state_dict`` is given for its load; read by
+    rank 0, broadcast); this fork's checkpoints from before it was written: the distributed optimizer's
+    ``fully_sharded_model_space``."""
+    from megatron.core.optimizer.distrib_optimizer import FULLY_SHARDED_MODEL_SPACE
+
+    found = [_read_content_metadata(checkpoint_dir) if get_rank() == 0 else None]
+    if get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    metadata = dict(found[0] or {})
+    metadata.setdefault("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
+    return metadata
+
+
+def _read_content_metadata(checkpoint_dir: str) -> Optional[dict]:
+    """The checkpoint's content metadata, None where it has none or cannot be read (the load then says why)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        with warnings.catch_warnings():  # DCP's note that a local (one-process) read is one
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return dist_checkpointing.load_content_metadata(checkpoint_dir)
+    except (CheckpointingException, OSError):
+        return None
+
+
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration: int,
                         is_loading: bool = False, optim_sd_kwargs=None, num_floating_point_operations_so_far=0):
     chunks = _chunks(model)
@@ -263,8 +311,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     strategy = _save_strategy(args)
     try:
         rng_state = None if args.no_save_rng else get_rng_state()
+        metadata = sharded_sd_metadata(args)
         state_dict = generate_state_dict(
             args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
+            optim_sd_kwargs=dict(metadata=metadata),
             num_floating_point_operations_so_far=num_floating_point_operations_so_far,
         )
         non_finite = _non_finite_state(args, state_dict)
@@ -273,7 +323,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         _saved_once = True
         request = dist_checkpointing.save(
             state_dict, partial_dir, sharded_strategy=strategy, async_sharded_save=async_save,
-            validate_access_integrity=validate,
+            validate_access_integrity=validate, content_metadata=metadata,
             preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or preprocess_common_state_dict)
     except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         error, cause = e, safety.describe_save_failure(e, partial_dir)
@@ -720,6 +770,7 @@ def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, sk
     state_dict = generate_state_dict(
         args, model, optimizer if load_optim else None, opt_param_scheduler if load_optim else None,
         get_rng_state() if load_rng else None, iteration, is_loading=True,
+        optim_sd_kwargs=dict(metadata=loaded_sd_metadata(checkpoint_dir)) if load_optim else None,
     )
     for key in ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far"):
         state_dict.pop(key, None)  # common state comes from the checkpoint

@@ -6,6 +6,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.param_layout import upstream_module_order
 
 HAVE_EMERGING_OPTIMIZERS = False  # upstream's Muon / Lion etc. are not part of this fork
 
@@ -141,6 +142,9 @@ def get_megatron_optimizer(
             make_optimizer, config, groups, names, grad_scaler=grad_scaler,
             grad_reduce_in_fp32=any(c.grad_reduce_in_fp32 for c in ddp_configs),
             check_for_nan_in_grad=any(c.check_for_nan_in_grad for c in ddp_configs),
+            chunk_params=[upstream_module_order([(n, p) for n, p in _named_params(c) if p.requires_grad])
+                          for c in model_chunks],
+            ddp_config=ddp_configs[0],
         )
     if any(c.use_distributed_optimizer and not c.use_megatron_fsdp for c in ddp_configs):
         raise ValueError(

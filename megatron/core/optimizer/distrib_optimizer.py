@@ -24,21 +24,34 @@ torch 2.13 has both, and where a backend lacks them the code falls back to ``all
 says ``use_distributed_optimizer`` (this optimizer reduces); building this optimizer on a model whose DDP config
 says otherwise is refused.
 
-Checkpoint (upstream's ``fully_sharded_model_space``): the optimizer state of a parameter slice is a
-``ShardedTensor`` that copies the parameter's own ShardedTensor (key ``optimizer.state.<exp_avg|exp_avg_sq|
-fp32_param>.<param key>``, the model's prepended/stacked axes and offsets) with ``flattened_range`` = the slice
-and the DP replica coordinate 0 (each rank's slices are distinct). A load on another DP size asks for its own
-slices of the same keys, so the state reshards. Plain values: ``optimizer.param_groups`` (hyper-parameters and
-``step``), ``param_state_sharding_type``, and ``grad_scaler`` with fp16.
+Checkpoint: upstream 0.19.2's layouts, chosen as upstream by ``metadata['distrib_optim_sharding_type']`` of
+``sharded_state_dict`` (the training loop passes it and stores it as the checkpoint's content metadata; a load passes
+the checkpoint's own). Plain values in all: ``optimizer.param_groups`` (hyper-parameters and ``step``),
+``param_state_sharding_type``, and ``grad_scaler`` with fp16.
 
-Upstream megatron-core 0.19.2 writes this format from ``DistributedOptimizer.sharded_state_dict`` called without
-metadata (its default there, marked deprecated), but its training loop passes ``distrib_optim_sharding_type``:
-``dp_reshardable`` by default (bucket-space tensors, keyed by its own buffer layout) and ``fully_reshardable`` with
-``--dist-ckpt-optim-fully-reshardable``. Neither of those loads here: ``load_state_dict`` refuses them, naming
-``param_state_sharding_type``.
+- ``fully_reshardable`` (what the training loop writes, with or without ``--dist-ckpt-optim-fully-reshardable``):
+  per parameter its whole state, fp32, shaped and placed like the parameter's ShardedTensor (same replica id), keys
+  ``optimizer.state.<param|exp_avg|exp_avg_sq>.<param key>`` (``param``: the fp32 main). A save all-gathers each
+  state over the DP group onto CPU (every rank holds the whole state for a moment, as upstream's default); a load
+  reads whole tensors on every rank and keeps its slices, so any TP/PP/DP size loads it. Under expert parallelism
+  (where upstream optimizes expert weights in an optimizer of their own, chained) it is ``{0: the dense part, 1: the
+  expert part}``, each with its own param groups, as upstream's ChainedOptimizer; a load reads either form.
+- ``dp_reshardable`` (upstream's training default): per bucket of upstream's buffer layout (``param_layout.py``) and
+  state, one 1-D fp32 tensor ``optimizer.distributed.dp_group_idx_<model-parallel rank>.gbuf_idx_<g>.dtype_<(param
+  dtype, grad dtype)>.bucket_idx_<b>.<state>`` of the bucket's unpadded size, with ``per_bucket_numel(_unpadded)``
+  and the param groups as ShardedObjects of the same prefix. Written from the gathered whole state (each DP rank its
+  1/DP range of each bucket); read whole-bucket on every rank, so another DP size loads it where the buckets are the
+  same (a clear error otherwise). Under expert parallelism ``{0: dense, 1: expert}`` as upstream's chained
+  optimizers, keys prefixed ``chained_<i>.``, the expert part keyed by the expert tensor x pipeline rank and laid
+  out over the expert-DP group; without it upstream's experts are plain parameters.
+- ``fully_sharded_model_space`` (upstream's default without metadata, deprecated there; this fork's older
+  checkpoints): a slice's state is a ``ShardedTensor`` copying the parameter's own with ``flattened_range`` = the
+  slice and DP replica coordinate 0, keys ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<param key>``; another
+  DP size asks for its own slices of the same keys.
 """
 import dataclasses
 import math
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -54,6 +67,7 @@ from megatron.core.fp8_utils import (
     quantize_master_shards,
     rowwise_bytes,
 )
+from megatron.core.optimizer.param_layout import BucketLayout, BufferLayout, buffer_layouts
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     _is_dtensor,
@@ -62,7 +76,9 @@ from megatron.core.optimizer.optimizer import (
     scale_tensors_,
 )
 
-SHARDING_TYPE = "fully_sharded_model_space"
+FULLY_SHARDED_MODEL_SPACE = "fully_sharded_model_space"  # upstream's names of the layouts
+FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
 
 
 @dataclasses.dataclass
@@ -127,8 +143,14 @@ class DistributedOptimizer(MegatronOptimizer):
     """
 
     def __init__(self, make_optimizer, config, groups: List[dict], param_to_name: Dict, grad_scaler=None,
-                 grad_reduce_in_fp32: bool = False, check_for_nan_in_grad: bool = False):
+                 grad_reduce_in_fp32: bool = False, check_for_nan_in_grad: bool = False,
+                 chunk_params: Optional[List[List[torch.nn.Parameter]]] = None, ddp_config=None):
         self.group, self.dp_size, self.dp_rank = _dp_group_and_size()
+        # what upstream's buffer layout follows (``dp_reshardable``): each model chunk's trainable parameters in
+        # module order, and the DDP config's bucketing
+        self.chunk_params = chunk_params if chunk_params is not None else [list(param_to_name)]
+        self.ddp_config = ddp_config
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.all_params = [p for g in groups for p in g["params"]]
         for p in self.all_params:
             name = param_to_name.get(p, "<unnamed>")
@@ -161,7 +183,7 @@ class DistributedOptimizer(MegatronOptimizer):
             group, size, rank = _dp_group_and_size(expert)
             for quantized in (False, True):
                 params = [p for p in self.all_params
-                          if _is_quantized_param(p) == quantized and (not getattr(p, "allreduce", True)) == expert]
+                          if _is_quantized_param(p) == quantized and _is_expert(p) == expert]
                 if not params:
                     continue
                 offsets, total = {}, 0
@@ -335,10 +357,13 @@ class DistributedOptimizer(MegatronOptimizer):
         return result
 
     # ---- state -------------------------------------------------------------------------------------------
-    def _param_groups_state(self) -> dict:
+    def _param_groups_state(self, expert: Optional[bool] = None) -> dict:
+        """The param groups without their params, each with ``step``; ``expert`` True / False: only the expert /
+        dense groups (``is_expert_parallel``)."""
         groups = []
         for g in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": self._step_count})
+            if expert is None or (bool(g.get("is_expert_parallel", False)) and _upstream_expert_layout()) == expert:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": self._step_count})
         return {"param_groups": groups}
 
     def _slice_state(self, main) -> Dict[str, torch.Tensor]:
@@ -347,68 +372,423 @@ class DistributedOptimizer(MegatronOptimizer):
         out.update({k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0})
         return out
 
-    def state_dict(self) -> dict:
-        """This rank's part (plain tensors): param groups, the owned slices' state, the grad scaler."""
-        sd = {"optimizer": self._param_groups_state(), "param_state_sharding_type": SHARDING_TYPE,
-              "param_state": {i: {k: v.clone() for k, v in self._slice_state(m).items()}
-                              for i, m in enumerate(self.main_params)}}
+    def _common_state(self, kind: str, expert: Optional[bool] = None) -> dict:
+        """The plain values of every layout: param groups (with ``step``; ``expert``: see ``_param_groups_state``),
+        the sharding type, the grad scaler."""
+        sd = {"optimizer": self._param_groups_state(expert), "param_state_sharding_type": kind}
         if self.grad_scaler is not None:
             sd["grad_scaler"] = self.grad_scaler.state_dict()
         return sd
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
-        """See the module docstring. The ShardedTensors hold the live state tensors (a load fills them in place)."""
+    def state_dict(self) -> dict:
+        """This rank's part (plain tensors): param groups, the owned slices' state, the grad scaler."""
         self.init_state()
+        sd = self._common_state(FULLY_SHARDED_MODEL_SPACE)
+        sd["param_state"] = {i: {k: v.clone() for k, v in self._slice_state(m).items()}
+                             for i, m in enumerate(self.main_params)}
+        return sd
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           sharding_type: Optional[str] = None, metadata: Optional[dict] = None) -> dict:
+        """The layout ``sharding_type`` names, else ``metadata['distrib_optim_sharding_type']``, else upstream's
+        default here, ``fully_sharded_model_space`` (see the module docstring)."""
+        kind = sharding_type or (metadata or {}).get("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
+        builders = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_param_state,
+                    FULLY_RESHARDABLE: self._fully_reshardable_part,
+                    DP_RESHARDABLE: self._dp_reshardable_part}
+        if kind not in builders:
+            raise ValueError(f"DistributedOptimizer.sharded_state_dict: distrib_optim_sharding_type {kind!r} is not "
+                             f"supported (supported: {sorted(builders)})")
+        self.init_state()
+        if kind == FULLY_SHARDED_MODEL_SPACE:
+            return {**self._common_state(kind), "param_state": builders[kind](model_sharded_state_dict)}
+        # upstream's layouts, per optimizer upstream would have (with expert parallelism a dense and an expert one)
+        whole = (None if is_loading and kind == DP_RESHARDABLE else
+                 self._empty_whole_state() if is_loading else self._gathered_whole_state())
+        parts = [builders[kind](model_sharded_state_dict, is_loading, expert, whole)
+                 for expert in self._upstream_optimizers()]
+        if len(parts) == 1:
+            return parts[0]
+        if kind == DP_RESHARDABLE:  # upstream's ChainedOptimizer prefixes the keys of the non-reshardable layouts
+            from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+            for i, part in enumerate(parts):
+                add_prefix_for_sharding(part, f"chained_{i}.")
+        return dict(enumerate(parts))
+
+    def _fs_model_space_param_state(self, model_sharded_state_dict: dict) -> dict:
+        """``fully_sharded_model_space``: {slice index: {state key: the live slice as a flattened ShardedTensor}}
+        (a load fills the live state in place)."""
         param_state = {}
         for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             sh = self._param_sharded_tensor(s.model_param, model_sharded_state_dict)
+            replica_id = _dp_replica_zero(sh.replica_id)
             param_state[i] = {
-                k: _flat_state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", v, slice(s.start, s.stop))
+                k: _state_sharded_tensor(sh, f"optimizer.state.{k}.{sh.key}", v, replica_id, slice(s.start, s.stop))
                 for k, v in self._slice_state(main).items()
             }
-        sd = {"optimizer": self._param_groups_state(), "param_state": param_state,
-              "param_state_sharding_type": SHARDING_TYPE}
-        if self.grad_scaler is not None:
-            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return param_state
+
+    def _fully_reshardable_part(self, model_sharded_state_dict: dict, is_loading: bool, expert: Optional[bool],
+                                whole: dict) -> dict:
+        """``fully_reshardable``, one of upstream's optimizers (``expert``: see ``_upstream_optimizers``): common
+        state and ``param_state`` = {index: {``param`` (the fp32 main) / ``exp_avg`` / ...: the parameter's whole
+        state, fp32, placed (and replicated) like the parameter's ShardedTensor}}. ``whole``: the gathered whole
+        states (saving: every rank holds them on CPU, as upstream), or empty ones to load into (every rank reads them
+        whole; ``load_state_dict`` keeps its slices)."""
+        sd = self._common_state(FULLY_RESHARDABLE, expert)
+        sd["param_state"] = {}
+        for i, p in enumerate(self._params_of(expert)):
+            sh = self._param_sharded_tensor(p, model_sharded_state_dict)
+            sd["param_state"][i] = {_upstream_state_key(k): _state_sharded_tensor(
+                sh, f"optimizer.state.{_upstream_state_key(k)}.{sh.key}", v, sh.replica_id)
+                for k, v in whole[p].items()}
         return sd
+
+    def _upstream_optimizers(self) -> List[Optional[bool]]:
+        """Upstream's optimizers of this model: [None] (one, every parameter) or, with expert parameters,
+        [False, True] (its dense and its expert optimizer, chained)."""
+        return [False, True] if any(_upstream_expert(p) for p in self.all_params) else [None]
+
+    def _params_of(self, expert: Optional[bool]) -> List[torch.nn.Parameter]:
+        return [p for p in self.all_params if expert is None or _upstream_expert(p) == expert]
+
+    # ---- dp_reshardable: upstream's bucket layout (param_layout.py) -------------------------------------------
+    def _part_dp(self, expert: Optional[bool]) -> Tuple[int, int]:
+        """(size, rank) of the data-parallel group that upstream's optimizer ``expert`` shards over."""
+        return _dp_group_and_size(expert=True)[1:] if expert else (self.dp_size, self.dp_rank)
+
+    def _dp_reshardable_object(self, name: str, value, expert: Optional[bool]) -> "ShardedObject":
+        from megatron.core.dist_checkpointing import ShardedObject
+
+        return ShardedObject(f"{_dp_reshardable_prefix(expert)}.{name}", value, (1,), (0,),
+                             replica_id=(0, 0, self._part_dp(expert)[1]))
+
+    def _upstream_buffers(self, expert: Optional[bool]) -> List[BufferLayout]:
+        """The buffers of upstream's optimizer ``expert`` (every chunk's, in order), as its DistributedDataParallel
+        would lay them out here: ``dp_reshardable`` keys and offsets follow them."""
+        cfg = self.ddp_config
+        out = []
+        for i, chunk in enumerate(self.chunk_params):
+            params = [p for p in chunk if expert is None or _upstream_expert(p) == expert]
+            bucket_size = _upstream_bucket_size(cfg, self.dp_size, first_chunk=i == 0)
+            out += buffer_layouts(params, self.dp_size, self._part_dp(True)[0], _is_quantized_param, _upstream_expert,
+                                  self.grad_reduce_in_fp32, bucket_size,
+                                  bool(getattr(cfg, "pad_buckets_for_high_nccl_busbw", False)),
+                                  parallel_state.get_pipeline_model_parallel_world_size() > 1)
+        return out
+
+    def _dp_reshardable_part(self, model_sharded_state_dict: dict, is_loading: bool, expert: Optional[bool],
+                             whole: Optional[dict]) -> dict:
+        """``dp_reshardable`` (upstream's default), one of upstream's optimizers: its param groups (and grad
+        scaler) as ShardedObjects, and per buffer, bucket and state (``param`` = the fp32 main, ``exp_avg``, ...) one
+        1-D fp32 tensor of the bucket's unpadded elements, key ``optimizer.distributed.dp_group_idx_<model-parallel
+        rank>.gbuf_idx_<g>.dtype_<(param dtype, grad dtype)>.bucket_idx_<b>.<state>``, with ``per_bucket_numel`` /
+        ``per_bucket_numel_unpadded`` beside them. Saving: this DP rank writes the part of its 1/DP range of each
+        bucket (from the gathered ``whole`` state); loading: every rank reads whole buckets and ``load_state_dict``
+        takes its slices, so any DP size loads it where the buckets are the same."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        sd = self._common_state(DP_RESHARDABLE, expert)
+        sd.update({k: self._dp_reshardable_object(k, sd[k], expert) for k in ("optimizer", "grad_scaler") if k in sd})
+        buffers = self._upstream_buffers(expert)
+        dp_size, dp_rank = self._part_dp(expert)
+        replica_id = (0, 0, dp_rank if is_loading else 0)  # saved: each rank's range is its own
+        prefix = _dp_reshardable_prefix(expert)
+        state = {name: self._dp_reshardable_object(name, [{b.dtype_key: [getattr(k, attr) for k in b.buckets]}
+                                                           for b in buffers], expert)
+                 for name, attr in (("per_bucket_numel", "numel"), ("per_bucket_numel_unpadded", "numel_unpadded"))}
+        for g, buf in enumerate(buffers):
+            buckets = []
+            for b, bucket in enumerate(buf.buckets):
+                lo, hi = (0, bucket.numel_unpadded) if is_loading else _rank_range(bucket, dp_size, dp_rank)
+                tensors = {}
+                for key in self._state_keys():
+                    name = _upstream_state_key(key)
+                    data = (torch.empty(hi - lo, dtype=torch.float32) if is_loading
+                            else _bucket_values(bucket, whole, key)[lo:hi])
+                    if hi > lo:
+                        tensors[name] = ShardedTensor(
+                            f"{prefix}.gbuf_idx_{g}.dtype_{buf.dtype_key}.bucket_idx_{b}.{name}", data, torch.float32,
+                            (hi - lo,), (bucket.numel_unpadded,), (lo,), None, replica_id=replica_id)
+                buckets.append(tensors)
+            state[g] = {buf.dtype_key: buckets}
+        sd["param_state"] = state
+        return sd
+
+    def _dp_reshardable_location(self, param_state: dict,
+                                 expert: Optional[bool]) -> Dict[torch.nn.Parameter, Tuple[dict, int]]:
+        """{parameter: (its bucket's loaded tensors, its start in the bucket)} of upstream's optimizer ``expert``;
+        the checkpoint's bucket sizes must be this model's (ValueError naming both otherwise)."""
+        buffers = self._upstream_buffers(expert)
+        mine = [{b.dtype_key: [k.numel_unpadded for k in b.buckets]} for b in buffers]
+        saved = param_state.get("per_bucket_numel_unpadded")
+        if saved != mine:
+            raise ValueError(
+                f"distributed optimizer checkpoint (dp_reshardable): its buckets hold {saved} elements (per buffer, "
+                f"unpadded), upstream's layout of this model {mine}; dp_reshardable loads only into the same model, "
+                f"tensor/pipeline parallel sizes and bucketing (--overlap-grad-reduce, --ddp-bucket-size) it was "
+                f"saved with (any data-parallel size); save with --dist-ckpt-optim-fully-reshardable to reshard")
+        out = {}
+        for g, buf in enumerate(buffers):
+            for b, bucket in enumerate(buf.buckets):
+                for p, start, _ in bucket.params:
+                    out[p] = (param_state[g][buf.dtype_key][b], start)
+        return out
+
+    def _state_keys(self) -> List[str]:
+        """The keys of a slice's state (``fp32_param`` and the optimizer's tensors): the same for every slice."""
+        if self.main_params:
+            return list(self._slice_state(self.main_params[0]))
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # a rank without slices: the same
+            return ["fp32_param", "exp_avg", "exp_avg_sq"]
+        momentum = any(g.get("momentum", 0) for g in self.optimizer.param_groups)
+        return ["fp32_param"] + (["momentum_buffer"] if momentum else [])
+
+    def _empty_whole_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        return {p: {k: torch.empty(p.shape, dtype=torch.float32) for k in self._state_keys()}
+                for p in self.all_params}
+
+    @torch.no_grad()
+    def _gathered_whole_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        """{parameter: {state key: its whole state, fp32 on CPU, shaped like the parameter}}: per index space and
+        key, the ranks' shards all-gathered over the space's group (a collective; ``_gathered_to_cpu``)."""
+        out = {p: {} for p in self.all_params}
+        for k, space in enumerate(self.spaces):
+            owned = [(s, self._slice_state(main)) for s, main in zip(self.slices, self.main_params) if s.space == k]
+            for key in self._state_keys():
+                shard = torch.zeros(space.shard_numel, dtype=torch.float32, device=self.device)
+                for s, state in owned:
+                    shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(state[key])
+                full = _gathered_to_cpu(shard, space)
+                for p in space.params:
+                    o = space.offsets[p]
+                    out[p][key] = full[o : o + p.numel()].clone().view(p.shape)
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict()`` / what ``dist_checkpointing.load`` returned for ``sharded_state_dict``; then
         all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
-        kind = state_dict.get("param_state_sharding_type")
-        if kind != SHARDING_TYPE:
+        parts = _upstream_parts(state_dict)
+        kind = parts[0].get("param_state_sharding_type")
+        readers = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_reader,
+                   FULLY_RESHARDABLE: self._fully_reshardable_reader,
+                   DP_RESHARDABLE: self._dp_reshardable_reader}
+        if kind not in readers:
             raise ValueError(
-                f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (only "
-                f"{SHARDING_TYPE!r}); a checkpoint saved without --use-distributed-optimizer loads without it"
+                f"distributed optimizer checkpoint: param_state_sharding_type {kind!r} is not supported (supported: "
+                f"{sorted(readers)}); a checkpoint saved without --use-distributed-optimizer loads without it"
             )
-        self._load_grad_scaler(state_dict)
-        groups = state_dict["optimizer"]["param_groups"]
-        if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"distributed optimizer checkpoint has {len(groups)} param groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}")
+        if len(parts) > 1 and kind == FULLY_SHARDED_MODEL_SPACE:
+            raise ValueError(f"distributed optimizer checkpoint: a chained (dense + expert) optimizer's state in "
+                             f"param_state_sharding_type {kind!r}; chained ones load in upstream's layouts only")
+        self._load_grad_scaler(parts[0])
+        step = self._load_param_groups([g for part in parts for g in part["optimizer"]["param_groups"]])
         self.init_state()
-        step = 0
-        for mine, saved in zip(self.optimizer.param_groups, groups):
-            step = int(saved.get("step", 0))
-            mine.update({k: v for k, v in saved.items() if k not in ("params", "step")})
-        self._step_count = step
-        param_state = state_dict["param_state"]
+        read = readers[kind]([part["param_state"] for part in parts])
         for i, main in enumerate(self.main_params):
-            if i not in param_state:
-                raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
-                               f"({self.param_to_name.get(self.slices[i].model_param)})")
-            saved = param_state[i]
             for k, dest in self._slice_state(main).items():
-                if k not in saved:
-                    raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {k!r}")
-                value = saved[k]
+                value = read(i, k)
                 if value is not dest:
                     dest.copy_(value.reshape(dest.shape))
             st = self.optimizer.state.get(main)
             if st and "step" in st:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
+        if kind == DP_RESHARDABLE:
+            self._warn_if_mains_differ_from_weights()
         self._copy_main_params_to_model()
+
+    @torch.no_grad()
+    def _warn_if_mains_differ_from_weights(self) -> None:
+        """``dp_reshardable`` is keyed by offsets only: a bucket layout that differed from upstream's in the order of
+        equal-sized parameters would load without an error. The weights (loaded by name, before the optimizer) are
+        the fp32 mains cast to their dtype; a warning names the parameters whose loaded main is not (quantized
+        weights are not compared). Collective over the DP group."""
+        differ = [self.param_to_name.get(s.model_param, "?") for s, main in zip(self.slices, self.main_params)
+                  if not _is_quantized_param(s.model_param) and not torch.equal(
+                      main.detach().to(s.model_param.dtype), s.model_param.detach().reshape(-1)[s.start : s.stop])]
+        count = int(self._dp_sum(len(differ)))
+        if count and self.dp_rank == 0:
+            warnings.warn(f"distributed optimizer checkpoint (dp_reshardable): the loaded fp32 main params of "
+                          f"{count} parameter slices (this rank's first: {differ[:3]}) differ from the "
+                          f"model's weights; if the model was loaded from the same checkpoint, its bucket layout is "
+                          f"not the one computed here (param_layout.py) and the optimizer state is misplaced")
+
+    def _load_param_groups(self, groups: List[dict]) -> int:
+        """The saved hyper-parameters into this optimizer's param groups (``_matched_groups``; a group's
+        ``is_expert_parallel`` stays its own); returns the saved step."""
+        step = 0
+        for mine, saved in zip(self.optimizer.param_groups, _matched_groups(self.optimizer.param_groups, groups)):
+            step = int(saved.get("step", 0))
+            mine.update({k: v for k, v in saved.items() if k not in ("params", "step", "is_expert_parallel")})
+        self._step_count = step
+        return step
+
+    # Readers of a loaded ``param_state``: ``read(slice index, state key)`` -> the slice's loaded state.
+    def _fs_model_space_reader(self, param_states: List[dict]):
+        """``fully_sharded_model_space``: the loaded slices themselves."""
+        (param_state,) = param_states
+
+        def read(i: int, key: str) -> torch.Tensor:
+            saved = param_state.get(i)
+            if saved is None:
+                raise KeyError(f"distributed optimizer checkpoint: no param_state for slice {i} "
+                               f"({self.param_to_name.get(self.slices[i].model_param)})")
+            if key not in saved:
+                raise KeyError(f"distributed optimizer checkpoint: param_state[{i}] has no {key!r}")
+            return saved[key]
+
+        return read
+
+    def _fully_reshardable_reader(self, param_states: List[dict]):
+        """``fully_reshardable``: the slice's range of its parameter's whole tensor (``param``: upstream's name of
+        the fp32 main param; its loader also accepts ``fp32_param``); one part, or a dense and an expert one."""
+        parts = self._saved_parts(param_states, FULLY_RESHARDABLE)
+        where = {p: (ps, i) for ps, expert in zip(param_states, parts) for i, p in enumerate(self._params_of(expert))}
+
+        def read(i: int, key: str) -> torch.Tensor:
+            s = self.slices[i]
+            param_state, index = where[s.model_param]
+            saved = param_state.get(index)
+            name = self.param_to_name.get(s.model_param)
+            if saved is None:
+                raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): no param_state for parameter "
+                               f"{index} ({name})")
+            found = [k for k in (_upstream_state_key(key), key) if k in saved]
+            if not found:
+                raise KeyError(f"distributed optimizer checkpoint (fully_reshardable): param_state[{index}] ({name}) "
+                               f"has no {_upstream_state_key(key)!r}")
+            return saved[found[0]].reshape(-1)[s.start : s.stop]
+
+        return read
+
+    def _saved_parts(self, param_states: List[dict], kind: str) -> List[Optional[bool]]:
+        """Which of upstream's optimizers each saved part is: [None] (one), or [False, True] (chained dense +
+        expert); a fully_reshardable checkpoint of one optimizer also loads into a model upstream would chain."""
+        parts = [None] if len(param_states) == 1 else [False, True]
+        mine = self._upstream_optimizers()
+        if len(param_states) > 2 or (parts != mine and (kind == DP_RESHARDABLE or parts != [None])):
+            raise ValueError(f"distributed optimizer checkpoint ({kind}): the state of {len(param_states)} (chained) "
+                             f"optimizers, upstream's optimizers of this model {len(mine)} (expert parallelism "
+                             f"differs)")
+        return parts
+
+    def _dp_reshardable_reader(self, param_states: List[dict]):
+        """``dp_reshardable``: the slice's range of its bucket's tensor (the buckets checked against this model's)."""
+        locations = {}
+        for param_state, expert in zip(param_states, self._saved_parts(param_states, DP_RESHARDABLE)):
+            locations.update(self._dp_reshardable_location(param_state, expert))
+
+        def read(i: int, key: str) -> torch.Tensor:
+            s = self.slices[i]
+            tensors, start = locations[s.model_param]
+            name = _upstream_state_key(key)
+            if name not in tensors:
+                raise KeyError(f"distributed optimizer checkpoint (dp_reshardable): no {name!r} in the bucket of "
+                               f"{self.param_to_name.get(s.model_param)}")
+            return tensors[name][start + s.start : start + s.stop]
+
+        return read
+
+
+def _is_expert(p) -> bool:
+    """An expert-parallel parameter (``allreduce=False``): upstream optimizes those in an optimizer of their own."""
+    return not getattr(p, "allreduce", True)
+
+
+def _upstream_expert_layout() -> bool:
+    """Whether upstream gives expert weights an optimizer (and buffers) of their own: with expert parallelism, or an
+    expert tensor-parallel size other than the tensor-parallel size; else its experts are plain parameters."""
+    return (parallel_state.get_expert_model_parallel_world_size() > 1
+            or parallel_state.get_expert_tensor_parallel_world_size()
+            != parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _upstream_expert(p) -> bool:
+    """An expert weight in upstream's optimizer of expert weights (``_upstream_expert_layout``)."""
+    return _is_expert(p) and _upstream_expert_layout()
+
+
+def _upstream_parts(state_dict: dict) -> List[dict]:
+    """A loaded optimizer state as upstream's optimizers: [it], or, for a ChainedOptimizer's ({0: dense, 1:
+    expert}, upstream's MoE models), its parts in order."""
+    if "param_state_sharding_type" not in state_dict and state_dict and all(isinstance(k, int) for k in state_dict):
+        return [state_dict[k] for k in sorted(state_dict)]
+    return [state_dict]
+
+
+GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "max_lr", "min_lr")
+
+
+def _matched_groups(live: List[dict], saved: List[dict]) -> List[dict]:
+    """The saved param group of each live one: the one with the same ``GROUP_IDENTIFIER_KEYS`` values, as upstream
+    pairs them (the saving run may have ordered its groups differently; ``is_expert_parallel`` as upstream's layout
+    has it: without expert parallelism upstream's experts share the dense groups), else, where those do not pair
+    the groups (e.g. another --lr), the one at the same position. ValueError naming the counts if neither does."""
+    def ident(g):
+        expert = bool(g.get("is_expert_parallel", False)) and _upstream_expert_layout()
+        return tuple(expert if k == "is_expert_parallel" else g.get(k) for k in GROUP_IDENTIFIER_KEYS)
+
+    by_ident = {ident(g): g for g in saved}
+    if len(by_ident) == len(saved) and all(ident(g) in by_ident for g in live):
+        return [by_ident[ident(g)] for g in live]
+    if len(saved) != len(live):
+        raise ValueError(f"distributed optimizer checkpoint has {len(saved)} param groups, this optimizer "
+                         f"{len(live)}, and they do not pair by {GROUP_IDENTIFIER_KEYS}")
+    return list(saved)
+
+
+def _dp_reshardable_prefix(expert: Optional[bool] = None) -> str:
+    """Upstream's prefix of ``dp_reshardable`` keys: ``dp_group_idx`` is this rank's index in its model-parallel
+    (TP x PP) group, for the expert optimizer in its expert tensor x pipeline group."""
+    group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False) if expert
+             else parallel_state.get_model_parallel_group(check_initialized=False))
+    rank = get_rank(group) if group is not None and is_distributed() else 0
+    return f"optimizer.distributed.dp_group_idx_{rank}"
+
+
+def _upstream_bucket_size(ddp_config, dp_size: int, first_chunk: bool) -> Optional[int]:
+    """The bucket size upstream's DistributedDataParallel uses: none (one bucket per buffer) without
+    ``overlap_grad_reduce``, past the first pipeline stage or for later model chunks; else ``bucket_size`` or its
+    default max(4e7, 1e6 x DP)."""
+    if ddp_config is None or not getattr(ddp_config, "overlap_grad_reduce", False) or not first_chunk:
+        return None
+    if parallel_state.get_pipeline_model_parallel_rank() > 0:
+        return None
+    return ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
+
+
+GATHER_CHUNK_NUMEL = 2**26  # the most elements (all ranks' together) a whole-state save gathers on the device at once
+
+
+def _gathered_to_cpu(shard: torch.Tensor, space: _Space) -> torch.Tensor:
+    """Every rank's ``shard`` of ``space`` (rank order) on CPU, all-gathered piece by piece, so the device holds at
+    most ``GATHER_CHUNK_NUMEL`` gathered elements at a time."""
+    if space.size == 1:
+        return shard.cpu()
+    full = torch.empty(space.size, space.shard_numel, dtype=shard.dtype)
+    step = max(1, GATHER_CHUNK_NUMEL // space.size)
+    for start in range(0, space.shard_numel, step):
+        piece = shard[start : start + step].contiguous()
+        gathered = torch.empty(piece.numel() * space.size, dtype=shard.dtype, device=shard.device)
+        _all_gather(gathered, piece, space.group)
+        full[:, start : start + piece.numel()] = gathered.view(space.size, -1).cpu()
+    return full.view(-1)
+
+
+def _rank_range(bucket: BucketLayout, dp_size: int, dp_rank: int) -> Tuple[int, int]:
+    """This DP rank's contiguous range of a bucket (1/DP of its padded size), cut at its unpadded end."""
+    local = bucket.numel // dp_size
+    return min(dp_rank * local, bucket.numel_unpadded), min((dp_rank + 1) * local, bucket.numel_unpadded)
+
+
+def _bucket_values(bucket: BucketLayout, whole: dict, key: str) -> torch.Tensor:
+    """State ``key`` of a bucket's parameters laid out as in the bucket (zeros between them)."""
+    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+    for p, start, end in bucket.params:
+        flat[start:end].copy_(whole[p][key].reshape(-1))
+    return flat
 
 
 def _flat_values(p: torch.Tensor) -> torch.Tensor:
@@ -416,14 +796,24 @@ def _flat_values(p: torch.Tensor) -> torch.Tensor:
     return dequantize(p.detach()).reshape(-1)
 
 
-def _flat_state_sharded_tensor(sh, key: str, data: torch.Tensor, flat: slice):
-    """``sh`` (the parameter's ShardedTensor or ShardedTensorFactory) describing the 1-D ``data`` = the flat slice
-    ``flat`` of an optimizer state tensor shaped like the parameter, under ``key``, DP replica coordinate 0."""
+def _upstream_state_key(key: str) -> str:
+    """The name upstream's ``fully_reshardable`` layout gives a state: ``param`` for the fp32 main param."""
+    return "param" if key == "fp32_param" else key
+
+
+def _dp_replica_zero(replica_id):
+    """``replica_id`` with its DP coordinate (the last) 0: each rank's slices are distinct."""
+    return (*replica_id[:-1], 0) if isinstance(replica_id, tuple) else 0
+
+
+def _state_sharded_tensor(sh, key: str, data: torch.Tensor, replica_id, flat: Optional[slice] = None):
+    """``sh`` (the parameter's ShardedTensor or ShardedTensorFactory) describing the optimizer state ``data``
+    under ``key`` and ``replica_id``: whole (shaped like the parameter), or the flat slice ``flat`` of it (1-D)."""
     from megatron.core.dist_checkpointing import ShardedTensorFactory
 
-    rid = sh.replica_id
-    replica_id = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
-    kwargs = dict(key=key, data=data, flattened_range=flat, replica_id=replica_id)
+    kwargs = dict(key=key, data=data, replica_id=replica_id)
+    if flat is not None:
+        kwargs["flattened_range"] = flat
     if not isinstance(sh, ShardedTensorFactory):
         kwargs["dtype"] = data.dtype
     return dataclasses.replace(sh, **kwargs)

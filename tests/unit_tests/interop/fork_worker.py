@@ -32,14 +32,26 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
     with device:
         built = GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
                          **rc.MODELS[model]["gpt"], **rc.stage_kwargs())
-    return built.bfloat16() if dtype == torch.bfloat16 else built  # every parameter bf16, as upstream's
+    if dtype == torch.bfloat16:
+        built.bfloat16()  # every parameter bf16, as upstream's
+        for m in built.modules():  # the routers' expert bias stays fp32 (as built, and as upstream's router keeps it)
+            if getattr(m, "expert_bias", None) is not None:
+                m.expert_bias.data = m.expert_bias.data.float()
+    return built
 
 
-def build_optimizer(model, precision: str):
-    """Our non-distributed optimizer (bf16: fp32 main params beside the bf16 weights)."""
+def build_optimizer(model, precision: str, distributed: bool = False):
+    """Our optimizer (bf16: fp32 main params beside the bf16 weights); ``distributed``: the DistributedOptimizer
+    over the model wrapped in our DistributedDataParallel (--use-distributed-optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    return get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", **rc.OPTIM_KW), [model])
+    chunk = model
+    if distributed:
+        chunk = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                        model)
+    return get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", use_distributed_optimizer=distributed,
+                                                  **rc.OPTIM_KW), [chunk])
 
 
 def set_grad(param, grad) -> None:
@@ -47,8 +59,19 @@ def set_grad(param, grad) -> None:
 
 
 def optimizer_state(model, opt) -> dict:
-    """{param name: exp_avg, exp_avg_sq, fp32_param (bf16), step} of our optimizer."""
+    """{param name: exp_avg, exp_avg_sq, fp32_param (bf16), step} of our optimizer (distributed: whole, from
+    every DP rank's slices)."""
+    from megatron.core.optimizer import DistributedOptimizer
+
     names = {p: n for n, p in model.named_parameters()}
+    if isinstance(opt, DistributedOptimizer):
+        pieces = {n: (tuple(p.shape), []) for p, n in names.items()}
+        for s, main in zip(opt.slices, opt.main_params):
+            st = opt.optimizer.state[main]
+            pieces[names[s.model_param]][1].append((s.start, s.stop, dict(
+                fp32_param=main.detach().clone(), exp_avg=st["exp_avg"].clone(), exp_avg_sq=st["exp_avg_sq"].clone(),
+                step=float(st["step"]))))
+        return rc.whole_state(pieces, experts={n for p, n in names.items() if not getattr(p, "allreduce", True)})
     mains = opt.main_params if opt.main_params is not None else opt.model_params
     out = {}
     for mp, main in zip(opt.model_params, mains):

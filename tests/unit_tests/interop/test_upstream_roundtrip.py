@@ -6,8 +6,9 @@ EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other 
 ``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
 pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
 checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. The same launches also round-trip the
-non-distributed optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``). Six ``torch.distributed.run``
-launches, in the order the checkpoints need: upstream saves -> the fork loads and saves -> upstream loads."""
+optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``: non-distributed and distributed). Six
+``torch.distributed.run`` launches, in the order the checkpoints need: upstream saves -> the fork loads and saves ->
+upstream loads."""
 import json
 import os
 import subprocess
@@ -104,7 +105,12 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     two steps with known gradients, ``{model, optimizer}`` saved with ``optimizer.sharded_state_dict``; the other
     side loads both and every exp_avg, exp_avg_sq, fp32 main param (bf16) and step equals the saver's exactly, by
     parameter name on every rank, at TP1 x DP2 (bf16 dense, fp32 GQA), TP2 x DP2 (bf16 GQA) and PP2 (bf16 dense,
-    tied embeddings: the last stage's copy too)."""
+    tied embeddings: the last stage's copy too). The distributed optimizer too (``_distopt_<sharding type>``, bf16:
+    dense at TP1 x DP2 and PP2, GQA at TP2 x DP2, MoE at TP1 x DP2 (EP1: upstream's experts in its one optimizer)
+    and at TP2 + SP + EP2 (upstream's chained dense + expert optimizers, ``chained_<i>.`` keys); the whole state
+    compared, assembled from every DP / expert-DP rank's part): in upstream's ``dp_reshardable`` (its default:
+    bucket-space tensors) and ``fully_reshardable`` layouts, the sharding type read back from the checkpoint's
+    content metadata."""
     workdir = roundtrip_cpu[0]
     records = []
     for side in ("upstream", "fork"):
@@ -117,14 +123,26 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     bad = [r for r in records if not r["ok"]]
     assert not bad, bad
     loaded = [r for r in records if r["phase"] == "load"]
+    distributed = {(r["side"], r["layout"], r["case"].split("_")[1], r["case"].split("_distopt_")[1])
+                   for r in loaded if "_distopt_" in r["case"]}
+    assert distributed == {(side, *case) for side in ("upstream", "fork") for case in (
+        ("tp1", "dense", "dp_reshardable"), ("tp1", "dense", "fully_reshardable"), ("tp1", "moe", "dp_reshardable"),
+        ("tp1", "moe", "fully_reshardable"), ("tp2", "gqa", "dp_reshardable"), ("tp2", "gqa", "fully_reshardable"),
+        ("tp2_sp_ep2", "moe", "fully_reshardable"), ("tp2_sp_ep2", "moe", "dp_reshardable"),
+        ("pp2", "dense", "dp_reshardable"),
+        ("pp2", "dense", "fully_reshardable"))}, distributed
+    # upstream's own defect (roundtrip_cases.UPSTREAM_SAVE_DEFECTS): its fully_reshardable save at PP2 holds wrong
+    # state for the tied embeddings (their own bucket), and only for them; its load of ours is exact
+    defects = {(r["layout"], r["case"]): r["upstream_save_defect"] for r in loaded if "upstream_save_defect" in r}
+    assert defects == {k: v for k, v in rc.UPSTREAM_SAVE_DEFECTS.items()}, defects
     for r in loaded:
-        bf16 = r["case"].endswith("_bf16")
+        bf16 = "_bf16" in r["case"]
         assert r["compared"] == sorted(["exp_avg", "exp_avg_sq", "step"] + ["fp32_param"] * bf16), r
         assert r["steps"] == [float(rc.OPTIM_STEPS)] and r["params"] > 20 and r["diffs"] == {}, r
         assert r["ranks"] == rc.LAYOUTS[r["layout"]][0], r  # every rank compared its own shards
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
         (side, layout, name) for side in ("upstream", "fork") for layout in rc.OPTIM_CASES
-        for _, _, name in rc.optim_jobs(layout)}
+        for *_, name in rc.optim_jobs(layout)}
 
 
 @pytest.mark.gpu

@@ -15,7 +15,10 @@ exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exch
 For its optimizer (``build_optimizer``; without TE / Apex it falls back to torch's AdamW and to its local
 multi-tensor helpers): tensors made with ``device="cuda"`` (its loss scale of one, the grad norm) are made on CPU,
 and a CPU tensor's ``type()`` names the CUDA type (its parameter / gradient type checks: "torch.cuda.BFloat16Tensor").
-Nothing else stops it on CPU."""
+Its DistributedOptimizer over torch's AdamW (its CPU fallback; TE's FusedAdam on the GPU keeps no per-parameter step)
+gets zero Adam state before a load (``_init_adam_state``), and its loaders of a parameter's state leave that state's
+``step`` alone (``load_state_dict`` has set it from the param groups already; the loaders provide no ``step`` and
+failed on it). Nothing else stops it on CPU."""
 import sys
 import warnings
 
@@ -69,6 +72,27 @@ def _shim_cuda():
         return tensor_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = _type
+    _shim_adam_step()
+
+
+def _shim_adam_step():
+    """Its DistributedOptimizer sets a parameter's loaded state key by key, over the optimizer's own keys; torch's
+    AdamW has ``step`` among them, which a loaded state never holds: that key is left as ``load_state_dict`` set it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state[main].pop("step", None)
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                self.optimizer.state[main]["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set
 
 
 def build_model(model: str, layout: str, recipe=False, dtype=None):
@@ -113,15 +137,32 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
     return built.cuda() if recipe is not False else built
 
 
-def build_optimizer(model, precision: str):
-    """Upstream's non-distributed optimizer: ``get_megatron_optimizer`` over the model wrapped in its
-    DistributedDataParallel (bf16: Float16OptimizerWithFloat16Params, fp32: FP32Optimizer; torch's AdamW without TE /
-    Apex), in a ChainedOptimizer of one."""
+def build_optimizer(model, precision: str, distributed: bool = False):
+    """Upstream's optimizer: ``get_megatron_optimizer`` over the model wrapped in its DistributedDataParallel
+    (bf16: Float16OptimizerWithFloat16Params, fp32: FP32Optimizer; ``distributed``: its DistributedOptimizer;
+    torch's AdamW without TE / Apex), in a ChainedOptimizer of one."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    return get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", **rc.OPTIM_KW), [ddp])
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed), model)
+    opt = get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", use_distributed_optimizer=distributed,
+                                                 **rc.OPTIM_KW), [ddp])
+    if distributed:
+        _init_adam_state(opt)
+    return opt
+
+
+def _init_adam_state(opt) -> None:
+    """Zero Adam state with step 0 (what torch's AdamW makes on its first step, so a step is unchanged): its
+    DistributedOptimizer's ``state_dict()``, which ``sharded_state_dict`` calls before a load, reads the step from
+    the state of torch's AdamW, its CPU fallback (on the GPU TE's FusedAdam keeps it in the param groups)."""
+    for inner in opt.chained_optimizers:
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                st = inner.optimizer.state[p]
+                if not st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
 
 def set_grad(param, grad) -> None:
@@ -129,11 +170,16 @@ def set_grad(param, grad) -> None:
 
 
 def optimizer_state(model, opt) -> dict:
-    """{param name: exp_avg, exp_avg_sq, fp32_param (bf16), step} of upstream's optimizer."""
+    """{param name: exp_avg, exp_avg_sq, fp32_param (bf16), step} of upstream's optimizer (distributed: whole,
+    from every DP rank's ranges)."""
     from itertools import chain
 
-    (inner,) = opt.chained_optimizers
     names = {p: n for n, p in model.named_parameters()}
+    if hasattr(opt.chained_optimizers[0], "gbuf_ranges"):  # its DistributedOptimizer(s): MoE chains dense + expert
+        return rc.whole_state({n: (tuple(p.shape), [r for inner in opt.chained_optimizers
+                                                     for r in _owned_range(inner, p)]) for p, n in names.items()},
+                              experts={n for p, n in names.items() if not getattr(p, "allreduce", True)})
+    (inner,) = opt.chained_optimizers
     if hasattr(inner, "float16_groups"):
         pairs = list(zip(chain(*inner.float16_groups), chain(*inner.fp32_from_float16_groups)))
         pairs += [(p, p) for p in chain(*inner.fp32_from_fp32_groups)]
@@ -146,6 +192,19 @@ def optimizer_state(model, opt) -> dict:
                               step=float(st["step"]), **({"fp32_param": main.detach().clone()} if main is not mp
                                                          else {}))
     return out
+
+
+def _owned_range(inner, param) -> list:
+    """[(start, stop, {fp32_param, exp_avg, exp_avg_sq, step})] of the flat range of ``param`` this DP rank owns in
+    upstream's DistributedOptimizer ``inner`` (empty where it owns none or ``inner`` does not optimize it)."""
+    try:
+        rng = inner._get_model_param_range_map(param)["param"]
+    except KeyError:
+        return []
+    st = {k: v.detach().clone() if v.dim() else float(v)
+          for k, v in inner._get_main_param_and_optimizer_states(param).items()}
+    st["fp32_param"] = st.pop("param")
+    return [(rng.start, rng.end, st)]
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:

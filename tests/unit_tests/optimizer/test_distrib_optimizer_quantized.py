@@ -157,7 +157,7 @@ def test_distributed_optimizer_fp8_param_gather_flags():
     assert args.use_distributed_optimizer and args.fp8_param_gather and not args.use_megatron_fsdp
 
 
-def _save_body(rank, ws, ckpt, out):
+def _save_body(rank, ws, ckpt, out, metadata=None):
     from megatron.core import dist_checkpointing
 
     ddp, opt = _build("tensorwise", distributed=True)
@@ -167,12 +167,12 @@ def _save_body(rank, ws, ckpt, out):
             p.grad = _grads(ddp.module, step, rank)[n]
         assert opt.step()[0]
     sd = ddp.sharded_state_dict()
-    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, ckpt)
+    dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd, metadata=metadata)}, ckpt)
     if rank == 0:
         torch.save(_quantized_state(ddp.module), out)
 
 
-def _load_body(rank, ws, ckpt, out, stream):
+def _load_body(rank, ws, ckpt, out, stream, metadata=None):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
@@ -181,7 +181,8 @@ def _load_body(rank, ws, ckpt, out, stream):
     sd = ddp.sharded_state_dict()
     weights = [ddp.module.fc1.weight, ddp.module.fc2.weight]
     FakeQuantizedTensor.dequantize_calls = 0
-    loaded = dist_checkpointing.load({"model": sd, "optimizer": opt.sharded_state_dict(sd, is_loading=True)}, ckpt,
+    osd = opt.sharded_state_dict(sd, is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load({"model": sd, "optimizer": osd}, ckpt,
                                      TorchDistLoadShardedStrategy(stream_ckpt_dequant=stream))
     if stream:  # streamed into the FP8 weights themselves, never dequantized upfront
         assert loaded["model"]["fc1.weight"] is weights[0] and FakeQuantizedTensor.dequantize_calls == 0
@@ -193,15 +194,17 @@ def _load_body(rank, ws, ckpt, out, stream):
             assert torch.equal(got[n][k], want[n][k]), (ws, stream, n, k)
 
 
+@pytest.mark.parametrize("kind", [None, "fully_reshardable", "dp_reshardable"])
 @pytest.mark.parametrize("load_ws,stream", [(1, True), (4, False)])
-def test_checkpoint_reshards_across_dp_sizes(tmp_path, load_ws, stream):
+def test_checkpoint_reshards_across_dp_sizes(tmp_path, load_ws, stream, kind):
     """Saved at DP=2, loaded at DP=1 (streaming into the FP8 weights) and at DP=4: the weights' FP8 bytes and scale
-    equal the saving run's (fully_sharded_model_space: the fp32 main slices reshard, then each rank quantizes its
-    new slices)."""
+    equal the saving run's (the fp32 main state reshards, then each rank quantizes its new slices), in every layout
+    (None: fully_sharded_model_space; dp_reshardable: the FP8 weights in upstream's uint8 buffer of their own)."""
     (tmp_path / "ckpt").mkdir()
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "want.pt")
-    run_distributed(_save_body, 2, ckpt, out)
-    run_distributed(_load_body, load_ws, ckpt, out, stream)
+    metadata = {"distrib_optim_sharding_type": kind} if kind else None
+    run_distributed(_save_body, 2, ckpt, out, metadata)
+    run_distributed(_load_body, load_ws, ckpt, out, stream, metadata)
 
 
 @pytest.mark.parametrize("new_te", [True, False])
