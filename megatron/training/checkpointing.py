@@ -247,6 +247,50 @@ def _parallelization_group():
     return group
 
 
+def _dist_save(args, model, optimizer, opt_param_scheduler, iteration, directory, strategy, async_save, validate,
+               num_floating_point_operations_so_far=0, preprocess_common_state_dict_fn=None, check_finite=True):
+    """``dist_checkpointing.save`` of the training state into ``directory`` (collective): ``(AsyncRequest or None,
+    the name of a non-finite tensor or None)``."""
+    rng_state = None if args.no_save_rng else get_rng_state()
+    metadata = sharded_sd_metadata(args)
+    state_dict = generate_state_dict(
+        args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
+        optim_sd_kwargs=dict(metadata=metadata),
+        num_floating_point_operations_so_far=num_floating_point_operations_so_far,
+    )
+    non_finite = _non_finite_state(args, state_dict) if check_finite else None
+    request = dist_checkpointing.save(
+        state_dict, directory, sharded_strategy=strategy, async_sharded_save=async_save,
+        validate_access_integrity=validate, content_metadata=metadata,
+        preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or preprocess_common_state_dict)
+    return request, non_finite
+
+
+def warm_up_async_save(model, optimizer, opt_param_scheduler) -> None:
+    """``--async-save``, before training (collective): stage the training state once into the host buffers every
+    asynchronous save reuses (``strategies/host_staging.py``), writing nothing, so the run's first save does not
+    spend its blocked time allocating (and, on CUDA, page-locking) them. The optimizer state is created as a save
+    would create it (zeros, the values torch's lazy init gives: the first step is unchanged)."""
+    from megatron.core.dist_checkpointing.strategies.host_staging import release_host_stagers
+
+    args = get_args()
+    start = time.time()
+    unused_dir = os.path.join(args.save, ".async_save_warm_up")  # the destination a save needs; nothing is written
+    if get_rank() == 0:
+        os.makedirs(unused_dir, exist_ok=True)
+    barrier()
+    try:
+        request, _ = _dist_save(args, model, optimizer, opt_param_scheduler, args.iteration, unused_dir,
+                                _save_strategy(args), async_save=True, validate=False, check_finite=False)
+        request.preload_fn()  # the staging copy only; the write (async_fn) never runs
+    finally:
+        release_host_stagers()
+        barrier()
+        if get_rank() == 0:
+            shutil.rmtree(unused_dir, ignore_errors=True)
+    print_rank_0(f"  asynchronous save: host staging buffers allocated before training in {time.time() - start:.3f} s")
+
+
 def _save_strategy(args):
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -310,21 +354,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     start = time.time()
     strategy = _save_strategy(args)
     try:
-        rng_state = None if args.no_save_rng else get_rng_state()
-        metadata = sharded_sd_metadata(args)
-        state_dict = generate_state_dict(
-            args, model, None if args.no_save_optim else optimizer, opt_param_scheduler, rng_state, iteration,
-            optim_sd_kwargs=dict(metadata=metadata),
-            num_floating_point_operations_so_far=num_floating_point_operations_so_far,
-        )
-        non_finite = _non_finite_state(args, state_dict)
         global _saved_once
         validate = not (getattr(args, "ckpt_assume_constant_structure", False) and _saved_once)
         _saved_once = True
-        request = dist_checkpointing.save(
-            state_dict, partial_dir, sharded_strategy=strategy, async_sharded_save=async_save,
-            validate_access_integrity=validate, content_metadata=metadata,
-            preprocess_common_before_consistancy_check=preprocess_common_state_dict_fn or preprocess_common_state_dict)
+        request, non_finite = _dist_save(args, model, optimizer, opt_param_scheduler, iteration, partial_dir, strategy,
+                                         async_save, validate, num_floating_point_operations_so_far,
+                                         preprocess_common_state_dict_fn)
     except Exception as e:  # decide together whether the save completed (async: whether it could be scheduled)
         error, cause = e, safety.describe_save_failure(e, partial_dir)
     tracker = get_checkpoint_tracker_filename(save_dir)

@@ -27,7 +27,7 @@ from megatron.training.arguments import (
 )
 from megatron.training.checkpoint_safety import check_save_dir
 from megatron.training.checkpointing import (check_save_target, load_checkpoint, maybe_finalize_async_save,
-                                             non_persistent_dir, save_checkpoint)
+                                             non_persistent_dir, save_checkpoint, warm_up_async_save)
 from megatron.training.global_vars import get_args, get_scalar_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.profiling import TrainingProfiler
@@ -624,6 +624,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
     if not args.skip_train:  # before any step: its saves replace no checkpoint and move no tracker back
         check_save_target(args, args.iteration)
+        if args.save and args.async_save and args.save_interval:  # the first save then blocks only for its copy
+            warm_up_async_save(model, optimizer, opt_param_scheduler)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(train_valid_test_dataset_provider)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

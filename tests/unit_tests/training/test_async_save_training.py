@@ -1,6 +1,7 @@
 """pretrain_gpt --async-save on CPU (gloo, 2 ranks): training continues while a checkpoint is written, the tracker
 advances only when the save is finalized, pending saves are finalized before the next save and at exit, and a
-resume from the asynchronous checkpoint gives the same losses as the uninterrupted run (bitwise)."""
+resume from the asynchronous checkpoint gives the same losses as the uninterrupted run (bitwise). The host staging
+buffers are allocated before training (warm-up, nothing written): the saves allocate none."""
 import os
 import threading
 
@@ -9,7 +10,7 @@ from tests.unit_tests.training.test_training import TINY, _run, _tracker
 
 
 def _body(rank, world_size, ckpt):
-    from megatron.core.dist_checkpointing.strategies import async_utils
+    from megatron.core.dist_checkpointing.strategies import async_utils, host_staging
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
     from megatron.training import checkpointing
 
@@ -33,7 +34,11 @@ def _body(rank, world_size, ckpt):
 
     seen = {}
 
+    stager = host_staging.get_host_stager(shared=False)  # the THREAD checkpointer's buffers
+    allocated = {}
+
     def on_iteration_end(iteration, model, loss):
+        allocated[iteration] = stager.allocated_bytes
         queue = checkpointing._async_queue
         pending = queue.get_num_unfinalized_calls() if queue is not None else 0
         tracker = _tracker(ckpt) if os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) else None
@@ -52,6 +57,8 @@ def _body(rank, world_size, ckpt):
     assert seen[4] == (1, None) and seen[5] == (1, None), seen
     assert [os.path.basename(w) for w in writes] == ["iter_0000003.partial", "iter_0000006.partial"]  # renamed at finalize
     assert _tracker(ckpt) == "6" and checkpointing._async_queue is None  # finalized at exit
+    assert allocated[1] > 0 and allocated[6] == allocated[1], allocated  # warmed up before iteration 1; reused
+    assert not os.path.exists(os.path.join(ckpt, ".async_save_warm_up"))  # the warm-up wrote nothing
     for it in (3, 6):
         assert os.path.isfile(os.path.join(ckpt, f"iter_{it:07d}", "metadata.json"))
 

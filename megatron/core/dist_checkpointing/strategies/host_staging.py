@@ -146,6 +146,13 @@ def get_host_stager(shared: bool, pinned: bool = None) -> HostStagingBuffers:
     return _stagers[key]
 
 
+def release_host_stagers() -> None:
+    """Hand every stager's buffers back as if their write had finished: for a staging whose write never runs (a
+    warm-up that only allocates the buffers)."""
+    for stager in _stagers.values():
+        stager.release()
+
+
 @atexit.register
 def close_host_stagers() -> None:
     """Free the staging buffers of every stager no write uses (at interpreter exit, where a write still running is
