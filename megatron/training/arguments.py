@@ -137,6 +137,8 @@ KERNEL_FLAGS = (
      "with --cross-entropy-loss-fusion (no fused kernel here)"),
     ("--no-gradient-accumulation-fusion", dict(action="store_false", dest="gradient_accumulation_fusion"),
      "weight gradients are accumulated by autograd here (no fused wgrad kernel)"),
+    ("--moe-router-fusion", dict(action="store_true"),
+     "the router's score function and top-k run as torch ops here (no fused kernel; the same routing)"),
     ("--use-mcore-models", dict(action="store_true"),
      "deprecated upstream (megatron-core models are the only ones)"),
     ("--attention-softmax-in-fp32", dict(action="store_true"), "SDPA's kernels accumulate the softmax in fp32"),

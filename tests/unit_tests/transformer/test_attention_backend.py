@@ -10,7 +10,7 @@ from tests.unit_tests.training.test_training import NO_DROPOUT, TINY
 
 KERNEL_FLAGS = ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                 "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te",
-                "--no-gradient-accumulation-fusion", "--moe-permute-fusion", "--use-mcore-models",
+                "--no-gradient-accumulation-fusion", "--moe-permute-fusion", "--moe-router-fusion", "--use-mcore-models",
                 "--attention-softmax-in-fp32"]
 
 
