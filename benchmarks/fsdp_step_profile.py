@@ -62,6 +62,8 @@ def _config(a, *, params_dtype, fp8: bool = False, fp8_param: bool = False, meta
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=a.bias, bf16=a.bf16, params_dtype=params_dtype,
         transformer_impl="transformer_engine" if a.te else "local", init_model_with_meta_device=meta,
     )
+    if a.experts:
+        kw.update(num_moe_experts=a.experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall")
     if fp8:
         kw.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
                   fp8_param=fp8_param)
@@ -85,13 +87,16 @@ def _build_ours(a, kind: str, fp8: bool, fp8_param: bool):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = torch.bfloat16 if a.bf16 else torch.float32
-    meta = fp8_param  # the FSDP + FP8 param-gather run uses meta-device init
+    meta = fp8_param  # the FP8 param-gather runs use meta-device init
+    distopt = kind == "distopt"
     cfg = _config(a, params_dtype=dtype, fp8=fp8, fp8_param=fp8_param, meta=meta)
     ddp_cfg = DistributedDataParallelConfig(use_megatron_fsdp=(kind == "fsdp"), fp8_param_gather=fp8_param,
+                                            use_distributed_optimizer=distopt,
                                             data_parallel_sharding_strategy="optim_grads_params" if kind == "fsdp"
                                             else "no_shard", suggested_communication_unit_size=a.unit_size)
     model = wrap_data_parallel(cfg, ddp_cfg, _gpt(cfg, a, meta=meta))
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=1.0, weight_decay=0.01, bf16=a.bf16), [model])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=1.0, weight_decay=0.01, bf16=a.bf16,
+                                                 use_distributed_optimizer=distopt), [model])
 
     def step(inp, pos, lab):
         model.zero_grad_buffer()
@@ -132,9 +137,12 @@ def _build_bare(a, fp8: bool):
 MODES = {
     # name: (builder, precision group, label)
     "ddp": (lambda a: _build_ours(a, "ddp", False, False), "bf16", "DDP"),
+    "distopt": (lambda a: _build_ours(a, "distopt", False, False), "bf16", "distributed optimizer"),
     "fsdp": (lambda a: _build_ours(a, "fsdp", False, False), "bf16", "Megatron-FSDP"),
     "bare": (lambda a: _build_bare(a, False), "bf16", "bare FSDP2"),
     "ddp_fp8": (lambda a: _build_ours(a, "ddp", True, False), "fp8", "DDP + FP8 delayed"),
+    "distopt_fp8pg": (lambda a: _build_ours(a, "distopt", True, True), "fp8",
+                      "distributed optimizer + meta init + FP8 delayed + fp8 param gather"),
     "fsdp_fp8pg": (lambda a: _build_ours(a, "fsdp", True, True), "fp8",
                    "Megatron-FSDP + meta init + FP8 delayed + fp8 param gather"),
     "fsdp_fp8": (lambda a: _build_ours(a, "fsdp", True, False), "fp8", "Megatron-FSDP + FP8 delayed (bf16 weights)"),
@@ -200,6 +208,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--bias", action="store_true",
                     help="biases on the linear layers (as upstream's and pretrain_gpt.py's default)")
+    ap.add_argument("--experts", type=int, default=0, help="MoE layers with this many experts (top-2); 0: dense")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -232,7 +241,7 @@ def main(argv=None):
         if bad:
             ap.error(f"--modes: unknown {bad} (known: {', '.join(MODES)})")
     else:
-        modes = ["ddp", "fsdp", "bare"] + (["ddp_fp8", "fsdp_fp8pg", "fsdp_fp8", "bare_fp8"]
+        modes = ["ddp", "fsdp", "bare"] + (["ddp_fp8", "distopt_fp8pg", "fsdp_fp8pg", "fsdp_fp8", "bare_fp8"]
                                            if a.te and not a.no_fp8 else [])
     if any(MODES[_base(m)][1] == "fp8" for m in modes) and not a.te:
         ap.error("--modes: the fp8 rows need Transformer Engine and CUDA")
@@ -252,7 +261,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(f"# fsdp_step_profile  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  device: {name}  "
           f"torch {torch.__version__}  TE layers: {a.te}")
-    print(f"GPT L={a.layers} h={a.hidden} ffn={a.ffn} heads={a.heads} seq={a.seq} mbs={a.mbs} vocab={a.vocab} "
+    print(f"GPT L={a.layers} h={a.hidden} ffn={a.ffn} experts={a.experts} heads={a.heads} seq={a.seq} mbs={a.mbs} vocab={a.vocab} "
           f"bias={a.bias} unit_size={a.unit_size} "
           f"{'bf16' if a.bf16 else 'fp32'}; {a.blocks} blocks x {a.steps} steps per mode after {a.warmup} warm-up")
 
