@@ -533,6 +533,24 @@ def quantize_master_shards(weights, masters, offsets, group) -> None:
 
 
 @torch.no_grad()
+def quantize_whole_masters(weights, masters) -> None:
+    """Step "quantize" of a distributed optimizer whose data-parallel group is one rank (each weight's fp32 master is
+    whole on this rank, nothing to gather): TE weights quantize it in place with their own quantizer
+    (``weight.copy_(master)``: one fused cast, transpose included where the weight keeps one, the amax recorded as
+    the cast records it; the replicated optimizer's path, one rounding from fp32), instead of TE's shard path
+    (master to the weight dtype, a Float8Tensor view per shard, the cast, the transpose in another pass); others
+    through ``quantize_master_shards`` + ``finish_param_gather``, as any rank count."""
+    te = [(w, m) for w, m in zip(weights, masters) if _is_te_quantized(w)]
+    for w, m in te:
+        w.copy_(m.view(w.shape))
+    rest = [(w, m) for w, m in zip(weights, masters) if not _is_te_quantized(w)]
+    if rest:
+        ws, ms = [w for w, _ in rest], [m for _, m in rest]
+        quantize_master_shards(ws, ms, [0] * len(ws), None)
+        finish_param_gather(ws)
+
+
+@torch.no_grad()
 def finish_param_gather(weights) -> None:
     """After the rowwise bytes of ``weights`` were all-gathered: rebuild what derives from them (TE: transpose /
     columnwise data, ``post_all_gather_processing``; the protocol's ``finish_rows_quantize_``)."""

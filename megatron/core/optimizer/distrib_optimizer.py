@@ -65,11 +65,13 @@ from megatron.core.fp8_utils import (
     finish_param_gather,
     quantization_kind,
     quantize_master_shards,
+    quantize_whole_masters,
     rowwise_bytes,
 )
 from megatron.core.optimizer.param_layout import BucketLayout, BufferLayout, buffer_layouts
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
+    _foreach_copy,
     _is_dtensor,
     _is_quantized_param,
     global_grad_norm,
@@ -211,6 +213,7 @@ class DistributedOptimizer(MegatronOptimizer):
             shard_groups.append({**g, "params": mains})
         optimizer = make_optimizer(shard_groups)
         self._step_count = 0
+        self._own_grad_bufs: Dict[int, torch.Tensor] = {}  # slice index -> fp32 main-grad buffer (one-rank spaces)
         super().__init__(optimizer, config, [s.model_param for s in self.slices], param_to_name, main_params,
                          grad_scaler=grad_scaler)
 
@@ -234,41 +237,61 @@ class DistributedOptimizer(MegatronOptimizer):
                 self._own_grads_to_main(k)
                 continue
             flat = torch.zeros(space.shard_numel * space.size, dtype=self.reduce_dtype, device=self.device)
+            dst, src = [], []
             for p in space.params:
                 g = getattr(p, "main_grad", None)
                 if g is None:
                     g = p.grad
                 if g is not None:
                     o = space.offsets[p]
-                    flat[o : o + p.numel()].copy_(g.reshape(-1))
-            if space.size > 1:
-                shard = torch.empty(space.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                _reduce_scatter(shard, flat, space.group, space.rank)
-            else:
-                shard = flat
+                    dst.append(flat[o : o + p.numel()])
+                    src.append(g.reshape(-1))
+            _foreach_copy(dst, src)
+            shard = torch.empty(space.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            _reduce_scatter(shard, flat, space.group, space.rank)
             if self.dp_size > 1:
                 shard.div_(self.dp_size)
             if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
                 raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
-            shards.append(shard)
+            shards.append(shard.float())  # fresh every step: the main grads are views of it (no copy when fp32)
         for s, main in zip(self.slices, self.main_params):
             if shards[s.space] is not None:
-                main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start].float().clone()
+                main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start]
 
     def _own_grads_to_main(self, k: int) -> None:
         """Space ``k`` over one rank (one GPU, or experts without expert-DP): each main grad is its parameter's
-        gradient in fp32 (divided by the DP size for experts, as the reduce-scatter path)."""
-        for s, main in zip(self.slices, self.main_params):
+        gradient in fp32, divided by the DP size for experts as the reduce-scatter path. An fp32 gradient on one
+        data-parallel rank is used as it is (a view); others are copied into persistent fp32 buffers by one
+        ``torch._foreach_copy_`` (not a new tensor and a kernel per parameter every step)."""
+        bufs = self._own_grad_bufs
+        dst, src, divided = [], [], []
+        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             if s.space != k:
                 continue
             g = getattr(s.model_param, "main_grad", None)
             if g is None:
                 g = s.model_param.grad
-            g = (torch.zeros(s.stop - s.start, dtype=torch.float32, device=self.device) if g is None
-                 else g.reshape(-1)[s.start : s.stop].float())
-            main.grad = g / self.dp_size if self.dp_size > 1 else g
-            if self.check_for_nan_in_grad and not torch.isfinite(main.grad).all():
-                raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+            if g is None:
+                main.grad = torch.zeros(s.stop - s.start, dtype=torch.float32, device=self.device)
+                continue
+            g = g.reshape(-1)[s.start : s.stop]
+            if g.dtype == torch.float32 and self.dp_size == 1:
+                main.grad = g
+                continue
+            buf = bufs.get(i)
+            if buf is None or buf.numel() != g.numel() or buf.device != g.device:
+                buf = bufs[i] = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+            dst.append(buf)
+            src.append(g)
+            main.grad = buf
+        _foreach_copy(dst, src)
+        if self.dp_size > 1 and dst:
+            torch._foreach_div_(dst, float(self.dp_size))
+        if self.check_for_nan_in_grad:
+            for s, main in zip(self.slices, self.main_params):
+                if s.space == k and not torch.isfinite(main.grad).all():
+                    raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients "
+                                       "(--check-for-nan-in-grad)")
 
     def _dp_sum(self, value: float, dtype=torch.float64) -> float:
         t = torch.tensor([value], dtype=dtype)
@@ -312,9 +335,12 @@ class DistributedOptimizer(MegatronOptimizer):
         """All-gather the updated slices into every rank's parameters: plain ones in their dtype; quantized weights
         (``--fp8-param-gather``) are first quantized shard by shard on their owners (``quantize_master_shards``:
         amax reduced over DP), then their FP8 bytes are gathered (1 byte per element), then their derived buffers
-        rebuilt (``finish_param_gather``)."""
+        rebuilt (``finish_param_gather``). A space over one rank has nothing to gather (``_own_mains_to_model``)."""
         for k, space in enumerate(self.spaces):
             owned = [(s, main) for s, main in zip(self.slices, self.main_params) if s.space == k]
+            if space.size == 1:
+                self._own_mains_to_model(space, owned)
+                continue
             if space.quantized:
                 mine = {id(s.model_param): (s, main) for s, main in owned}
                 found = [mine.get(id(p)) for p in space.params]
@@ -323,27 +349,26 @@ class DistributedOptimizer(MegatronOptimizer):
                 dtype, values = torch.uint8, (lambda s, main: rowwise_bytes(s.model_param)[s.start : s.stop])
             else:
                 dtype, values = self.param_dtype, (lambda s, main: main.detach())
-            if space.size == 1:  # one rank: the weights already hold the quantized values; plain ones are copied
-                for s, main in owned:
-                    if not space.quantized:
-                        s.model_param.data.view(-1)[s.start : s.stop].copy_(main.detach())
-                if space.quantized:
-                    finish_param_gather(space.params)
-                continue
             shard = torch.zeros(space.shard_numel, dtype=dtype, device=self.device)
-            for s, main in owned:
-                shard[s.shard_offset : s.shard_offset + s.stop - s.start].copy_(values(s, main))
-            if space.size > 1:
-                full = torch.empty(space.shard_numel * space.size, dtype=dtype, device=self.device)
-                _all_gather(full, shard, space.group)
-            else:
-                full = shard
-            for p in space.params:
-                o = space.offsets[p]
-                dest = rowwise_bytes(p) if space.quantized else p.data.view(-1)
-                dest.copy_(full[o : o + p.numel()])
+            _foreach_copy([shard[s.shard_offset : s.shard_offset + s.stop - s.start] for s, _ in owned],
+                          [values(s, main) for s, main in owned])
+            full = torch.empty(space.shard_numel * space.size, dtype=dtype, device=self.device)
+            _all_gather(full, shard, space.group)
+            _foreach_copy([rowwise_bytes(p) if space.quantized else p.data.view(-1) for p in space.params],
+                          [full[space.offsets[p] : space.offsets[p] + p.numel()] for p in space.params])
             if space.quantized:
                 finish_param_gather(space.params)
+
+    @staticmethod
+    def _own_mains_to_model(space: "_Space", owned) -> None:
+        """A space over one rank: plain weights take their fp32 mains by one ``torch._foreach_copy_``; quantized
+        weights are quantized whole from them (``quantize_whole_masters``: one fused cast per weight, no bytes to
+        gather, no separate transpose pass)."""
+        if space.quantized:
+            quantize_whole_masters([s.model_param for s, _ in owned], [main.detach() for _, main in owned])
+            return
+        _foreach_copy([s.model_param.data.view(-1)[s.start : s.stop] for s, _ in owned],
+                      [main.detach() for _, main in owned])
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -113,9 +113,10 @@ def _body(rank, ws, mode):
     dist.barrier()
 
 
+@pytest.mark.parametrize("ws", [1, 2])
 @pytest.mark.parametrize("mode", ["tensorwise", "delayed"])
-def test_fp8_param_gather_matches_replicated_optimizer(mode):
-    run_distributed(_body, 2, mode)
+def test_fp8_param_gather_matches_replicated_optimizer(mode, ws):
+    run_distributed(_body, ws, mode)
 
 
 def _refusal_body(rank, ws):
@@ -229,3 +230,25 @@ def test_te_weights_go_through_te_quantize_master_weights(monkeypatch, new_te):
     fp8_utils.finish_param_gather([te_w, plain_w])
     assert calls[0] == ("quantize", [te_w], [master], [2], "group", True if new_te else None)
     assert calls[1][0] == "post" and calls[1][1] == [te_w]
+
+
+def test_one_rank_quantizes_te_weights_whole_by_copy(monkeypatch):
+    """One data-parallel rank (``quantize_whole_masters``): a TE weight takes its whole fp32 master by ``copy_``
+    (its own quantizer's fused cast, in the weight's shape), nothing goes through TE's shard path; a protocol
+    weight goes through ``quantize_master_shards`` at offset 0 and ``finish_param_gather``."""
+    from megatron.core import fp8_utils
+
+    class Weight(torch.Tensor):
+        pass
+
+    te_w = torch.zeros(2, 3).as_subclass(Weight)
+    calls = []
+    monkeypatch.setattr(fp8_utils, "_is_te_quantized", lambda t: t is te_w)
+    monkeypatch.setattr(fp8_utils._te, "te_quantize_master_weights", lambda *a, **k: calls.append("te shard path"))
+    monkeypatch.setattr(fp8_utils, "quantize_master_shards", lambda w, m, o, g: calls.append(("shards", w, m, o, g)))
+    monkeypatch.setattr(fp8_utils, "finish_param_gather", lambda w: calls.append(("finish", w)))
+    other = torch.zeros(4)
+    master, other_master = torch.arange(6.0), torch.ones(4)
+    fp8_utils.quantize_whole_masters([te_w, other], [master, other_master])
+    assert torch.equal(te_w, master.view(2, 3))
+    assert calls == [("shards", [other], [other_master], [0], None), ("finish", [other])]
