@@ -213,7 +213,6 @@ class DistributedOptimizer(MegatronOptimizer):
             shard_groups.append({**g, "params": mains})
         optimizer = make_optimizer(shard_groups)
         self._step_count = 0
-        self._own_grad_bufs: Dict[int, torch.Tensor] = {}  # slice index -> fp32 main-grad buffer (one-rank spaces)
         super().__init__(optimizer, config, [s.model_param for s in self.slices], param_to_name, main_params,
                          grad_scaler=grad_scaler)
 
@@ -261,11 +260,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def _own_grads_to_main(self, k: int) -> None:
         """Space ``k`` over one rank (one GPU, or experts without expert-DP): each main grad is its parameter's
         gradient in fp32, divided by the DP size for experts as the reduce-scatter path. An fp32 gradient on one
-        data-parallel rank is used as it is (a view); others are copied into persistent fp32 buffers by one
-        ``torch._foreach_copy_`` (not a new tensor and a kernel per parameter every step)."""
-        bufs = self._own_grad_bufs
-        dst, src, divided = [], [], []
-        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
+        data-parallel rank is used as it is (a view); the others are views of one fp32 buffer of this step, filled
+        by one ``torch._foreach_copy_`` (not a new tensor and a kernel per parameter); the buffer is freed with the
+        main grads at the next ``zero_grad``, as before, so it adds nothing to the peak of the forward."""
+        todo = []
+        for s, main in zip(self.slices, self.main_params):
             if s.space != k:
                 continue
             g = getattr(s.model_param, "main_grad", None)
@@ -278,15 +277,17 @@ class DistributedOptimizer(MegatronOptimizer):
             if g.dtype == torch.float32 and self.dp_size == 1:
                 main.grad = g
                 continue
-            buf = bufs.get(i)
-            if buf is None or buf.numel() != g.numel() or buf.device != g.device:
-                buf = bufs[i] = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
-            dst.append(buf)
-            src.append(g)
-            main.grad = buf
-        _foreach_copy(dst, src)
-        if self.dp_size > 1 and dst:
-            torch._foreach_div_(dst, float(self.dp_size))
+            todo.append((main, g))
+        if todo:
+            flat = torch.empty(sum(g.numel() for _, g in todo), dtype=torch.float32, device=self.device)
+            dst, o = [], 0
+            for main, g in todo:
+                main.grad = flat[o : o + g.numel()]
+                dst.append(main.grad)
+                o += g.numel()
+            _foreach_copy(dst, [g for _, g in todo])
+            if self.dp_size > 1:
+                flat.div_(self.dp_size)
         if self.check_for_nan_in_grad:
             for s, main in zip(self.slices, self.main_params):
                 if s.space == k and not torch.isfinite(main.grad).all():
