@@ -173,6 +173,113 @@ def global_grad_norm(entries, shard_group=None, kinds: Optional[List[Optional[st
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
+class _LocalStepPlan:
+    """What :meth:`MegatronOptimizer._update` swaps into the torch optimizer for one ``step()`` when parameters are
+    DTensors, kept across steps: per param group the list of local parameters (a DTensor parameter's detached view
+    of its local shard, any other parameter itself) and, per DTensor parameter, an :class:`_LocalEntry`. Valid while
+    the optimizer's param groups and their param lists are the same objects holding the same parameters and
+    ``optimizer.state`` is the same object (checked by :meth:`matches` every step)."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.state_obj = opt.state
+        self.groups = [(g, g["params"], tuple(g["params"])) for g in opt.param_groups]
+        self.local_params: List[List[torch.Tensor]] = []
+        self.entries: List["_LocalEntry"] = []
+        self.plain: List[torch.Tensor] = []  # non-DTensor parameters: their state dicts are used as they are
+        for g in opt.param_groups:
+            ps = []
+            for p in g["params"]:
+                if _is_dtensor(p):
+                    e = _LocalEntry(p)
+                    self.entries.append(e)
+                    ps.append(e.view)
+                else:
+                    self.plain.append(p)
+                    ps.append(p)
+            self.local_params.append(ps)
+
+    def matches(self, opt: torch.optim.Optimizer) -> bool:
+        if opt.state is not self.state_obj or len(opt.param_groups) != len(self.groups):
+            return False
+        for g, (cg, plist, snapshot) in zip(opt.param_groups, self.groups):
+            if g is not cg or g["params"] is not plist or len(plist) != len(snapshot):
+                return False
+            for a, b in zip(plist, snapshot):
+                if a is not b:
+                    return False
+        for e in self.entries:
+            if getattr(e.param, "_local_tensor", None) is not e.local:  # FSDP2 re-created the shard (a reload)
+                return False
+        return True
+
+    def local_state(self, saved_state) -> defaultdict:
+        """The state the torch optimizer sees for this step (keyed by the local parameters); also sets each view's
+        ``.grad`` to the local gradient."""
+        local_state = defaultdict(dict)
+        for p in self.plain:
+            local_state[p] = saved_state[p]
+        for e in self.entries:
+            local_state[e.view] = e.local_state(saved_state)
+        return local_state
+
+    def write_back(self, saved_state) -> None:
+        for e in self.entries:
+            e.write_back(saved_state)
+
+
+class _LocalEntry:
+    """One DTensor parameter of :class:`_LocalStepPlan`: its local tensor, a detached view of it, and the dict of
+    local state tensors handed to the torch optimizer, with the (DTensor) entries of the live state dict it was made
+    from (rebuilt when any differs) and the local tensors put in it (what the optimizer created or replaced is
+    written back to the live state)."""
+
+    __slots__ = ("param", "local", "view", "live", "live_items", "st", "st_items")
+
+    def __init__(self, p: torch.Tensor):
+        self.param = p
+        self.local = _local(p)
+        self.view = self.local.detach()
+        self.live = self.live_items = self.st = self.st_items = None
+
+    def local_state(self, saved_state) -> dict:
+        p = self.param
+        g = p.grad
+        self.view.grad = None if g is None else _local(g)
+        live = saved_state[p]
+        items = self.live_items
+        fresh = live is self.live and items is not None and len(live) == len(items)
+        if fresh:
+            for k, v in items:
+                if live.get(k) is not v:
+                    fresh = False
+                    break
+        if not fresh:
+            self.live = live
+            self.live_items = tuple(live.items())
+            self.st = {k: _local(v) for k, v in self.live_items}
+            self.st_items = tuple(self.st.items())
+        return self.st
+
+    def write_back(self, saved_state) -> None:
+        self.view.grad = None
+        st, items = self.st, self.st_items
+        if st is None:
+            return
+        same = len(st) == len(items)
+        if same:
+            for k, v in items:
+                if st.get(k) is not v:
+                    same = False
+                    break
+        if same:
+            return
+        live = saved_state[self.param]
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor) or _local(live.get(k)) is not v:
+                live[k] = _as_layout_of(v, self.param) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+        self.live = self.live_items = self.st = self.st_items = None  # rebuilt from the live state next step
+
+
 class MegatronOptimizer:
     """Wraps ``optimizer`` (built over ``main params``: the model params themselves, or fp32 copies of bf16/fp16
     model params). ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
@@ -196,6 +303,7 @@ class MegatronOptimizer:
         self._model_param_quantized: Optional[List[bool]] = None  # per model param, computed on first step
         self._norm_kinds: Optional[List[Optional[str]]] = None  # per model param (norm_kind), on first step
         self._kind_groups: Optional[Dict[str, dist.ProcessGroup]] = None  # see _shard_groups
+        self._local_plan: Optional[_LocalStepPlan] = None  # see _update
         opt_order = [p for g in optimizer.param_groups for p in g["params"]]
         expected = self.main_params if self.main_params is not None else self.model_params
         if len(opt_order) != len(expected) or any(a is not b for a, b in zip(opt_order, expected)):
@@ -239,6 +347,7 @@ class MegatronOptimizer:
         self.model_params = [_final(old_to_new, p) for p in self.model_params]
         self._model_param_quantized = None  # recomputed for the new objects
         self._norm_kinds = self._kind_groups = None
+        self._local_plan = None
         self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
         if self.main_params is None:
             remap_param_keyed_maps(old_to_new, self.optimizer)
@@ -419,42 +528,33 @@ class MegatronOptimizer:
         state, so torch's fused / foreach kernels run without a DTensor dispatch per call (on one GPU that dispatch
         was most of the host time of the optimizer step). The same storage is updated, so parameters and state stay
         the DTensors everyone else sees; a state entry the optimizer created (its lazy init at a parameter's first
-        step) or replaced is put back as a DTensor in the parameter's layout."""
+        step) or replaced is put back as a DTensor in the parameter's layout.
+
+        The views, the local param lists and each parameter's dict of local state tensors are kept from step to
+        step (:class:`_LocalStepPlan`: no ``detach`` and no rebuilt dicts per parameter and step); every step checks,
+        by identity, that the param groups, the state dicts and their entries and the parameters' local tensors are
+        still the ones they were built from, and rebuilds what changed (a loaded checkpoint, remapped parameters)."""
         opt = self.optimizer
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if not any(_is_dtensor(p) for p in params):
-            opt.step()
-            return
+        plan = self._local_plan
+        if plan is None or not plan.matches(opt):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if not any(_is_dtensor(p) for p in params):
+                self._local_plan = None
+                opt.step()
+                return
+            plan = self._local_plan = _LocalStepPlan(opt)
         saved_params = [g["params"] for g in opt.param_groups]
         saved_state = opt.state
-        local_state = defaultdict(dict)
-        views = []  # (DTensor param, local view, its local state dict)
         try:
-            for g in opt.param_groups:
-                local_params = []
-                for p in g["params"]:
-                    if not _is_dtensor(p):
-                        local_state[p] = saved_state[p]
-                        local_params.append(p)
-                        continue
-                    view = _local(p).detach()
-                    view.grad = None if p.grad is None else _local(p.grad)
-                    st = local_state[view] = {k: _local(v) for k, v in saved_state[p].items()}
-                    views.append((p, view, st))
-                    local_params.append(view)
-                g["params"] = local_params
-            opt.state = local_state
+            opt.state = plan.local_state(saved_state)
+            for g, ps in zip(opt.param_groups, plan.local_params):
+                g["params"] = ps
             opt.step()
         finally:
             for g, ps in zip(opt.param_groups, saved_params):
                 g["params"] = ps
             opt.state = saved_state
-            for p, view, st in views:
-                view.grad = None
-                live = saved_state[p]
-                for k, v in st.items():
-                    if not isinstance(v, torch.Tensor) or _local(live.get(k)) is not v:
-                        live[k] = _as_layout_of(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            plan.write_back(saved_state)
 
     # ---- state -------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -109,3 +109,66 @@ def test_norm_kinds_kept_by_the_optimizer_give_the_same_norm():
     assert global_grad_norm(entries, kinds=["dense", "expert", "dense"]) == pytest.approx(want, rel=1e-6)
     # a kind of None (a tensor-parallel duplicate off TP rank 0) is left out of the sum
     assert global_grad_norm(entries, kinds=[None, "expert", "dense"]) == pytest.approx(math.sqrt(18.0), rel=1e-6)
+
+
+def _local_plan_body(rank, world_size):
+    from torch.distributed.tensor import DTensor
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=True)
+        runs = []
+        for cached in (True, False):
+            model = FullyShardedDataParallel(cfg, DistributedDataParallelConfig(use_megatron_fsdp=True),
+                                             build_gpt(cfg, 5))
+            opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=1.0, weight_decay=0.01), [model])
+            inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+            plans = []
+            for i, (tok, lab) in enumerate(batches(5, 4, seed=rank)):
+                if not cached:
+                    inner._local_plan = None  # rebuilt every step: what the step did before the plan was kept
+                if i == 2:  # a state entry replaced in place (new objects): the cached run must see it too
+                    for p in inner.get_parameters():
+                        st = inner.optimizer.state[p]
+                        st["exp_avg"] = st["exp_avg"] * 0.5
+                if cached and i == 3:  # a reload replaces every state dict and tensor: the plan is rebuilt
+                    inner.load_state_dict(inner.state_dict())
+                model.zero_grad_buffer()
+                opt.zero_grad()
+                model(tok, position_ids(4), labels=lab).float().mean().backward()
+                opt.step()
+                plans.append(inner._local_plan)
+            if cached:
+                assert plans[0] is not None
+                assert plans[1] is plans[2], "the plan is kept while nothing changed (or only state entries)"
+                assert plans[3] is not plans[2], "a loaded state dict rebuilds the plan"
+                assert plans[4] is plans[3]
+            params = {n: full_tensor(p).clone() for n, p in model.module.named_parameters()}
+            state = {}
+            for p in inner.get_parameters():
+                for k, v in inner.optimizer.state[p].items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        assert isinstance(v, DTensor), k  # the state stays in the parameter's layout
+                    state[(inner.param_to_name[p], k)] = full_tensor(v).clone() if isinstance(v, DTensor) else v
+            runs.append((params, state))
+        (pa, sa), (pb, sb) = runs
+        assert pa.keys() == pb.keys() and sa.keys() == sb.keys() and len(sa) > 0
+        for n in pa:
+            assert torch.equal(pa[n], pb[n]), n
+        for k in sa:
+            a, b = sa[k], sb[k]
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), k
+        assert float(sa[(next(iter(pa)), "step")]) == 5.0
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_kept_local_step_plan_gives_the_same_steps(ws):
+    """The optimizer's kept local views / state dicts (``_LocalStepPlan``) update parameters and state exactly as
+    rebuilding them every step; loading a state dict rebuilds the plan."""
+    run_distributed(_local_plan_body, ws)
