@@ -23,6 +23,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
+def _locals(tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """:func:`_local` of each tensor (None stays None), in one pass (called per step on every gradient)."""
+    out = []
+    for t in tensors:
+        if t is not None and _is_dtensor(t):
+            local = getattr(t, "_local_tensor", None)
+            t = local if isinstance(local, torch.Tensor) else t.to_local()
+        out.append(t)
+    return out
+
+
 def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     """``d.copy_(s)`` for every pair (dtype conversion as ``copy_``), one ``torch._foreach_copy_`` per (device,
     dtype, source dtype) group."""
@@ -105,13 +116,16 @@ def sum_of_squared_norms(tensors: List[torch.Tensor], device) -> torch.Tensor:
     fp32 norm per tensor (the reduction upcasts as it reads: no float64 copy of a large gradient), computed by
     ``torch._foreach_norm`` per (device, dtype) group (a few fused launches instead of four per tensor), then squared
     and summed in float64."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
-    for ts in groups.values():
-        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
-        total += torch.stack(norms).to(device, torch.float64).square().sum()
+    parts = [torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).to(device, torch.float64).square().sum()
+             for ts in groups.values()]
+    if len(parts) == 1:
+        return parts[0]  # the value 0.0 + parts[0] would have: no zeros and add launched for the usual one group
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for part in parts:
+        total += part
     return total
 
 
@@ -148,28 +162,47 @@ def global_grad_norm(entries, shard_group=None, kinds: Optional[List[Optional[st
     tensor-parallel group and expert ones (``allreduce=False``) over the expert tensor x model parallel group (each EP
     rank holds other experts), then both over the pipeline group (each stage holds other layers). ``kinds``: each entry's :func:`norm_kind`, when the caller keeps them. Collective;
     the same value on every rank."""
-    device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
     grads = {"dense": [], "expert": []}
     for i, (mp, g) in enumerate(entries):
         kind = None if g is None else (kinds[i] if kinds is not None else norm_kind(mp))
         if kind is not None:
             grads[kind].append(g)
-    sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()}
-    groups = shard_group if isinstance(shard_group, dict) else {kind: shard_group for kind in sums}
-    for kind, t in sums.items():
+    return grad_norm_of_kinds(grads, shard_group)
+
+
+def grad_norm_of_kinds(grads: Dict[str, List[torch.Tensor]], shard_group=None) -> float:
+    """:func:`global_grad_norm` of local tensors already split by kind (``{'dense': [...], 'expert': [...]}``): the
+    same sums and collectives. A kind with no tensor on this rank costs nothing (no zero tensor, no add) unless a
+    collective sums it with other ranks' values."""
+    device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
+    groups = shard_group if isinstance(shard_group, dict) else {kind: shard_group for kind in grads}
+    shard_reduce = {}
+    for kind in grads:
         group = groups.get(kind)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, group=group)
+        shard_reduce[kind] = group is not None and dist.get_world_size(group) > 1
+    mp_groups = {}
     for kind, group in (("dense", parallel_state.get_tensor_model_parallel_group(check_initialized=False)),
                         ("expert", parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False))):
-        if group is not None and get_world_size(group) > 1:
-            dist.all_reduce(sums[kind], group=group)
+        mp_groups[kind] = group if group is not None and get_world_size(group) > 1 else None
     pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
-    if pp_group is not None and get_world_size(pp_group) > 1:
+    pp = pp_group is not None and get_world_size(pp_group) > 1
+    sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()
+            if ts or shard_reduce[kind] or mp_groups.get(kind) is not None or pp}
+    for kind, t in sums.items():
+        if shard_reduce[kind]:
+            dist.all_reduce(t, group=groups[kind])
+    for kind in ("dense", "expert"):
+        if kind in sums and mp_groups[kind] is not None:
+            dist.all_reduce(sums[kind], group=mp_groups[kind])
+    if pp:
         both = torch.stack([sums["dense"], sums["expert"]])
         dist.all_reduce(both, group=pp_group)
         sums = {"dense": both[0], "expert": both[1]}
-    total = float((sums["dense"] + sums["expert"]).item())
+    if not sums:
+        return 0.0
+    parts = list(sums.values())
+    total_t = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    total = float(total_t.item())
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
@@ -426,9 +459,16 @@ class MegatronOptimizer:
 
     def _global_norm(self, tensors: List[Optional[torch.Tensor]]) -> float:
         """``global_grad_norm`` of one tensor per model parameter (None: not counted)."""
-        entries = [(mp, _local(t) if t is not None and _is_dtensor(t) else t)
-                   for mp, t in zip(self.model_params, tensors)]
-        return global_grad_norm(entries, shard_group=self._shard_groups(), kinds=self._kept_norm_kinds())
+        return grad_norm_of_kinds(self._local_by_kind(_locals(tensors)), shard_group=self._shard_groups())
+
+    def _local_by_kind(self, local: List[Optional[torch.Tensor]]) -> Dict[str, List[torch.Tensor]]:
+        """``{'dense': [...], 'expert': [...]}``: the given local tensors (one per model parameter, None: not
+        counted) by the parameters' kept :func:`norm_kind` (None: a TP duplicate, left out)."""
+        out = {"dense": [], "expert": []}
+        for t, kind in zip(local, self._kept_norm_kinds()):
+            if t is not None and kind is not None:
+                out[kind].append(t)
+        return out
 
     def _shard_groups(self) -> Dict[str, dist.ProcessGroup]:
         """{norm kind: the group its DTensor parameters are sharded over} (Megatron-FSDP: dense over data-parallel,
@@ -451,15 +491,16 @@ class MegatronOptimizer:
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Compute the global grad norm (``get_grad_norm``) and, when ``clip_grad > 0``, scale the grads so it is at
-        most ``clip_grad``."""
-        params = [p for p in self.get_parameters() if p.grad is not None]
-        if not params:
+        most ``clip_grad``. The local gradients are collected once for both."""
+        local = _locals([p.grad for p in self.get_parameters()])
+        present = [g for g in local if g is not None]
+        if not present:
             return 0.0
-        norm = self.get_grad_norm()
+        norm = grad_norm_of_kinds(self._local_by_kind(local), shard_group=self._shard_groups())
         if clip_grad > 0 and math.isfinite(norm):
             coef = clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                scale_tensors_([_local(p.grad) for p in params], coef)
+                scale_tensors_(present, coef)
         return norm
 
     @torch.no_grad()
