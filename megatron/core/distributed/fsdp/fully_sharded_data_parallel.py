@@ -111,12 +111,15 @@ def expert_submodules(unit: torch.nn.Module) -> List[torch.nn.Module]:
     return out
 
 
-DEFAULT_UNIT_ELEMENTS = 2**28
+DEFAULT_UNIT_ELEMENTS = 2**29
 """The default ``suggested_communication_unit_size`` where layers are joined (see :func:`default_unit_size`): a
-group's transient gradient buffers (its unsharded gradients, FSDP2's fp32 reduce-scatter input and, on one rank,
-its output of the same size: about 10 bytes per element with bf16 compute) stay near 2.5 GiB, while layers much
-smaller than this (where FSDP2's fixed host work per unit and step, a few milliseconds on an H200 host, is
-comparable with the layer's compute) are joined."""
+group's gradient buffers at the end of its backward (its unsharded gradients, FSDP2's fp32 reduce-scatter input and,
+on one rank, its output of the same size, which becomes the sharded gradient every grouping holds: about 10 bytes
+per element with bf16 compute, 6 of them transient) stay near 5 GiB, while layers much smaller than this (where
+FSDP2's fixed host work per unit and step, a few milliseconds on an H200 host, is comparable with the layer's
+compute) are joined. 2**29 keeps the 8 layers of issue 16's GPT (about 50 M elements each) in one unit: on the H200
+one unit ran 0.871 of DDP + FP8 with FP8 param gather against 0.830 with 5 + 3 layers under 2**28
+(``benchmarks/RESULTS.md``, issue 16 item 2)."""
 
 
 def default_unit_size(dp_size: int, reshard_after_forward: bool) -> Optional[int]:
