@@ -206,6 +206,56 @@ def grad_norm_of_kinds(grads: Dict[str, List[torch.Tensor]], shard_group=None) -
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
+class _CopyPlan:
+    """What :meth:`MegatronOptimizer._copy_model_grads_to_main` and ``_copy_main_params_to_model`` need per
+    parameter, computed once: ``pairs`` ``(index, model param, main param)`` where they differ; ``quantized`` the
+    (model local, main local) pairs of quantized weights (copied one by one); ``plain_groups`` the other pairs'
+    local tensors grouped for ``torch._foreach_copy_`` by (device, dtype, source device, source dtype). Valid while
+    the two lists are the same objects and every DTensor's local tensor is the one it was built from
+    (:meth:`matches`)."""
+
+    def __init__(self, model_params: List[torch.Tensor], main_params: List[torch.Tensor]):
+        self.model_params, self.main_params = model_params, main_params
+        self.pairs = [(i, mp, main) for i, (mp, main) in enumerate(zip(model_params, main_params)) if mp is not main]
+        self.locals = [(t, _local(t)) for _, mp, main in self.pairs for t in (mp, main) if _is_dtensor(t)]
+        self.quantized = []
+        groups: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        for _, mp, main in self.pairs:
+            d, s = _local(mp), _local(main)
+            if _is_quantized_param(mp):
+                self.quantized.append((d, s))
+            else:
+                ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+                ds.append(d)
+                ss.append(s)
+        self.plain_groups = list(groups.values())
+        self.grad_locals: Optional[List[Optional[torch.Tensor]]] = None  # see grad_bufs
+        self.grad_bufs_of = None
+
+    def grad_bufs(self, opt: "MegatronOptimizer") -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+        """``opt``'s persistent fp32 main-grad buffers (one per main param, made at its first gradient; kept across
+        plans) and their local tensors; a buffer whose shape no longer fits its main param is dropped once per
+        plan."""
+        bufs = opt._main_grad_bufs
+        if bufs is None:
+            bufs = opt._main_grad_bufs = [None] * len(self.main_params)
+        if self.grad_locals is None or self.grad_bufs_of is not bufs:
+            self.grad_bufs_of = bufs
+            for i, main in enumerate(self.main_params):
+                if bufs[i] is not None and bufs[i].shape != main.shape:
+                    bufs[i] = None
+            self.grad_locals = [None if b is None else _local(b) for b in bufs]
+        return bufs, self.grad_locals
+
+    def matches(self, model_params, main_params) -> bool:
+        if model_params is not self.model_params or main_params is not self.main_params:
+            return False
+        for t, local in self.locals:
+            if t._local_tensor is not local:
+                return False
+        return True
+
+
 class _LocalStepPlan:
     """What :meth:`MegatronOptimizer._update` swaps into the torch optimizer for one ``step()`` when parameters are
     DTensors, kept across steps: per param group the list of local parameters (a DTensor parameter's detached view
@@ -333,7 +383,7 @@ class MegatronOptimizer:
         self.main_params = list(main_params) if main_params is not None else None
         self.param_to_name = dict(param_to_name)
         self._main_grad_bufs: Optional[List[Optional[torch.Tensor]]] = None  # fp32 main grads, made on first step
-        self._model_param_quantized: Optional[List[bool]] = None  # per model param, computed on first step
+        self._copy_plan_cache: Optional[_CopyPlan] = None  # see _copy_plan
         self._norm_kinds: Optional[List[Optional[str]]] = None  # per model param (norm_kind), on first step
         self._kind_groups: Optional[Dict[str, dist.ProcessGroup]] = None  # see _shard_groups
         self._local_plan: Optional[_LocalStepPlan] = None  # see _update
@@ -378,7 +428,7 @@ class MegatronOptimizer:
         from megatron.core.distributed.fsdp.meta_init import _final, remap_param_keyed_maps
 
         self.model_params = [_final(old_to_new, p) for p in self.model_params]
-        self._model_param_quantized = None  # recomputed for the new objects
+        self._copy_plan_cache = None  # rebuilt for the new objects
         self._norm_kinds = self._kind_groups = None
         self._local_plan = None
         self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
@@ -386,51 +436,53 @@ class MegatronOptimizer:
             remap_param_keyed_maps(old_to_new, self.optimizer)
 
     # ---- gradients ---------------------------------------------------------------------------------------
+    def _copy_plan(self) -> "_CopyPlan":
+        """The per-parameter facts of the main <-> model copies, kept while ``model_params`` and ``main_params`` are
+        the same lists (``remap_params`` makes a new one) and the DTensors' local tensors the same objects."""
+        plan = self._copy_plan_cache
+        if plan is None or not plan.matches(self.model_params, self.main_params):
+            plan = self._copy_plan_cache = _CopyPlan(self.model_params, self.main_params)
+        return plan
+
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
         """main.grad = the model grad in fp32: into one persistent fp32 buffer per main param, all copied by one
         ``torch._foreach_copy_`` over the local tensors (not a new tensor and a DTensor dispatch per param)."""
         if self.main_params is None:
             return
-        bufs = self._main_grad_bufs
-        if bufs is None:
-            bufs = self._main_grad_bufs = [None] * len(self.main_params)
+        plan = self._copy_plan()
+        bufs, locs = plan.grad_bufs(self)
         dst, src = [], []
-        for i, (mp, main) in enumerate(zip(self.model_params, self.main_params)):
+        for i, mp, main in plan.pairs:
             g = getattr(mp, "main_grad", None)
             if g is None:
                 g = mp.grad
-            if g is None or main is mp:
-                if main is not mp:
-                    main.grad = None
+            if g is None:
+                main.grad = None
                 continue
-            if bufs[i] is None or bufs[i].shape != main.shape:
-                bufs[i] = torch.empty_like(main, dtype=torch.float32)
-            dst.append(_local(bufs[i]))
-            src.append(_local(g))  # under no_grad: no detach (a DTensor detach is a dispatch per parameter)
-            main.grad = bufs[i]
+            buf = bufs[i]
+            if buf is None:
+                buf = bufs[i] = torch.empty_like(main, dtype=torch.float32)
+                locs[i] = _local(buf)
+            dst.append(locs[i])
+            # under no_grad: no detach (a DTensor detach is a dispatch per parameter)
+            src.append(g._local_tensor if _is_dtensor(g) else g)
+            main.grad = buf
         _foreach_copy(dst, src)
 
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
         """The updated fp32 main params into the model params: plain (bf16/fp16) ones by one ``_foreach_copy_`` of
         the local tensors (the same rounding as ``copy_``), quantized weights one by one, each quantizing the fp32 value
-        on ``copy_`` with its own quantizer (one rounding, as upstream's master-weight cast; no bf16 copy first)."""
+        on ``copy_`` with its own quantizer (one rounding, as upstream's master-weight cast; no bf16 copy first). The
+        local tensors and their (device, dtype) groups are kept (:class:`_CopyPlan`)."""
         if self.main_params is None:
             return
-        quantized = self._model_param_quantized
-        if quantized is None:
-            quantized = self._model_param_quantized = [_is_quantized_param(mp) for mp in self.model_params]
-        dst, src = [], []
-        for mp, main, q in zip(self.model_params, self.main_params, quantized):
-            if mp is main:
-                continue
-            if q:
-                _local(mp).copy_(_local(main))
-            else:
-                dst.append(_local(mp))
-                src.append(_local(main))
-        _foreach_copy(dst, src)
+        plan = self._copy_plan()
+        for dst, src in plan.quantized:
+            dst.copy_(src)
+        for dsts, srcs in plan.plain_groups:
+            torch._foreach_copy_(dsts, srcs)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

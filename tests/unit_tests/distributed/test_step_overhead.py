@@ -172,3 +172,52 @@ def test_kept_local_step_plan_gives_the_same_steps(ws):
     """The optimizer's kept local views / state dicts (``_LocalStepPlan``) update parameters and state exactly as
     rebuilding them every step; loading a state dict rebuilds the plan."""
     run_distributed(_local_plan_body, ws)
+
+
+def _copy_plan_body(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False, bf16=True, params_dtype=torch.bfloat16)
+        runs = []
+        for cached in (True, False):
+            # bf16 shards (preserve_fp32_weights=False): the optimizer keeps fp32 DTensor main params and copies
+            # grads to them and the updated values back every step
+            model = FullyShardedDataParallel(
+                cfg, DistributedDataParallelConfig(use_megatron_fsdp=True, preserve_fp32_weights=False),
+                build_gpt(cfg, 5))
+            opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=1.0, bf16=True), [model])
+            assert opt.main_params is not None and all(m is not p for m, p in zip(opt.main_params, opt.model_params))
+            assert all(p.dtype == torch.bfloat16 for p in opt.model_params)
+            plans = []
+            for tok, lab in batches(3, 4, seed=rank):
+                if not cached:
+                    opt._copy_plan_cache = None
+                model.zero_grad_buffer()
+                opt.zero_grad()
+                model(tok, position_ids(4), labels=lab).float().mean().backward()
+                grads = [p.grad.to_local().float().clone() for p in opt.model_params]
+                opt._copy_model_grads_to_main()
+                for g, main in zip(grads, opt.main_params):  # main grads: the model grads in fp32
+                    assert main.grad.dtype == torch.float32 and torch.equal(main.grad.to_local(), g)
+                opt.step()
+                plans.append(opt._copy_plan_cache)
+                for p, main in zip(opt.model_params, opt.main_params):  # model params: the main params rounded
+                    assert torch.equal(p.to_local(), main.to_local().to(torch.bfloat16))
+            if cached:
+                assert plans[0] is plans[1] is plans[2]
+            runs.append([full_tensor(p).clone() for p in opt.model_params])
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_kept_copy_plan_copies_grads_and_params_as_before(ws):
+    """The optimizer's kept main <-> model copy plan (``_CopyPlan``) on bf16 Megatron-FSDP shards with fp32 main
+    params: main grads equal the fp32 model grads, model params equal the rounded main params, and the steps equal
+    those with the plan rebuilt every step."""
+    run_distributed(_copy_plan_body, ws)
