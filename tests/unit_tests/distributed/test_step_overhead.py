@@ -221,3 +221,36 @@ def test_kept_copy_plan_copies_grads_and_params_as_before(ws):
     params: main grads equal the fp32 model grads, model params equal the rounded main params, and the steps equal
     those with the plan rebuilt every step."""
     run_distributed(_copy_plan_body, ws)
+
+
+def _nan_check_body(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+
+    parallel_state.initialize_model_parallel()
+    try:
+        cfg = tiny_config(moe=False)
+        model = FullyShardedDataParallel(
+            cfg, DistributedDataParallelConfig(use_megatron_fsdp=True, check_for_nan_in_grad=True), build_gpt(cfg, 5))
+        tok, lab = batches(1, 4, seed=rank)[0]
+        model(tok, position_ids(4), labels=lab).float().mean().backward()
+        model.finish_grad_sync()  # finite gradients: no error
+        named = [(n, p.grad.to_local()) for n, p in model.module.named_parameters() if p.grad.to_local().numel() > 1]
+        name, g = named[len(named) // 2]
+        g.view(-1)[0] = 3e38  # huge but finite (its square would overflow a 2-norm): no error
+        model.finish_grad_sync()
+        for bad in (float("nan"), float("-inf")):
+            g.view(-1)[1] = bad
+            with pytest.raises(RuntimeError, match=f"gradient of {name}"):
+                model.finish_grad_sync()
+            g.view(-1)[1] = 0.0
+        model.finish_grad_sync()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_nan_check_of_fsdp_grads_names_the_parameter(ws):
+    """``check_for_nan_in_grad`` with Megatron-FSDP: one batched check (max-abs norms, one host sync) passes finite
+    gradients, huge finite values included, and names the parameter whose local shard holds a NaN or an Inf."""
+    run_distributed(_nan_check_body, ws)
