@@ -23,6 +23,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
+def _locals(tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """:func:`_local` of each tensor (None stays None), in one pass (called per step on every gradient)."""
+    out = []
+    for t in tensors:
+        if t is not None and _is_dtensor(t):
+            local = getattr(t, "_local_tensor", None)
+            t = local if isinstance(local, torch.Tensor) else t.to_local()
+        out.append(t)
+    return out
+
+
 def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     """``d.copy_(s)`` for every pair (dtype conversion as ``copy_``), one ``torch._foreach_copy_`` per (device,
     dtype, source dtype) group."""
@@ -105,13 +116,16 @@ def sum_of_squared_norms(tensors: List[torch.Tensor], device) -> torch.Tensor:
     fp32 norm per tensor (the reduction upcasts as it reads: no float64 copy of a large gradient), computed by
     ``torch._foreach_norm`` per (device, dtype) group (a few fused launches instead of four per tensor), then squared
     and summed in float64."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
-    for ts in groups.values():
-        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
-        total += torch.stack(norms).to(device, torch.float64).square().sum()
+    parts = [torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).to(device, torch.float64).square().sum()
+             for ts in groups.values()]
+    if len(parts) == 1:
+        return parts[0]  # the value 0.0 + parts[0] would have: no zeros and add launched for the usual one group
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for part in parts:
+        total += part
     return total
 
 
@@ -148,29 +162,205 @@ def global_grad_norm(entries, shard_group=None, kinds: Optional[List[Optional[st
     tensor-parallel group and expert ones (``allreduce=False``) over the expert tensor x model parallel group (each EP
     rank holds other experts), then both over the pipeline group (each stage holds other layers). ``kinds``: each entry's :func:`norm_kind`, when the caller keeps them. Collective;
     the same value on every rank."""
-    device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
     grads = {"dense": [], "expert": []}
     for i, (mp, g) in enumerate(entries):
         kind = None if g is None else (kinds[i] if kinds is not None else norm_kind(mp))
         if kind is not None:
             grads[kind].append(g)
-    sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()}
-    groups = shard_group if isinstance(shard_group, dict) else {kind: shard_group for kind in sums}
-    for kind, t in sums.items():
+    return grad_norm_of_kinds(grads, shard_group)
+
+
+def grad_norm_of_kinds(grads: Dict[str, List[torch.Tensor]], shard_group=None) -> float:
+    """:func:`global_grad_norm` of local tensors already split by kind (``{'dense': [...], 'expert': [...]}``): the
+    same sums and collectives. A kind with no tensor on this rank costs nothing (no zero tensor, no add) unless a
+    collective sums it with other ranks' values."""
+    device = parallel_state.collective_device() if is_distributed() else torch.device("cpu")
+    groups = shard_group if isinstance(shard_group, dict) else {kind: shard_group for kind in grads}
+    shard_reduce = {}
+    for kind in grads:
         group = groups.get(kind)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, group=group)
+        shard_reduce[kind] = group is not None and dist.get_world_size(group) > 1
+    mp_groups = {}
     for kind, group in (("dense", parallel_state.get_tensor_model_parallel_group(check_initialized=False)),
                         ("expert", parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False))):
-        if group is not None and get_world_size(group) > 1:
-            dist.all_reduce(sums[kind], group=group)
+        mp_groups[kind] = group if group is not None and get_world_size(group) > 1 else None
     pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
-    if pp_group is not None and get_world_size(pp_group) > 1:
+    pp = pp_group is not None and get_world_size(pp_group) > 1
+    sums = {kind: sum_of_squared_norms(ts, device) for kind, ts in grads.items()
+            if ts or shard_reduce[kind] or mp_groups.get(kind) is not None or pp}
+    for kind, t in sums.items():
+        if shard_reduce[kind]:
+            dist.all_reduce(t, group=groups[kind])
+    for kind in ("dense", "expert"):
+        if kind in sums and mp_groups[kind] is not None:
+            dist.all_reduce(sums[kind], group=mp_groups[kind])
+    if pp:
         both = torch.stack([sums["dense"], sums["expert"]])
         dist.all_reduce(both, group=pp_group)
         sums = {"dense": both[0], "expert": both[1]}
-    total = float((sums["dense"] + sums["expert"]).item())
+    if not sums:
+        return 0.0
+    parts = list(sums.values())
+    total_t = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    total = float(total_t.item())
     return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+
+class _CopyPlan:
+    """What :meth:`MegatronOptimizer._copy_model_grads_to_main` and ``_copy_main_params_to_model`` need per
+    parameter, computed once: ``pairs`` ``(index, model param, main param)`` where they differ; ``quantized`` the
+    (model local, main local) pairs of quantized weights (copied one by one); ``plain_groups`` the other pairs'
+    local tensors grouped for ``torch._foreach_copy_`` by (device, dtype, source device, source dtype). Valid while
+    the two lists are the same objects and every DTensor's local tensor is the one it was built from
+    (:meth:`matches`)."""
+
+    def __init__(self, model_params: List[torch.Tensor], main_params: List[torch.Tensor]):
+        self.model_params, self.main_params = model_params, main_params
+        self.pairs = [(i, mp, main) for i, (mp, main) in enumerate(zip(model_params, main_params)) if mp is not main]
+        self.locals = [(t, _local(t)) for _, mp, main in self.pairs for t in (mp, main) if _is_dtensor(t)]
+        self.quantized = []
+        groups: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        for _, mp, main in self.pairs:
+            d, s = _local(mp), _local(main)
+            if _is_quantized_param(mp):
+                self.quantized.append((d, s))
+            else:
+                ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+                ds.append(d)
+                ss.append(s)
+        self.plain_groups = list(groups.values())
+        self.grad_locals: Optional[List[Optional[torch.Tensor]]] = None  # see grad_bufs
+        self.grad_bufs_of = None
+
+    def grad_bufs(self, opt: "MegatronOptimizer") -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+        """``opt``'s persistent fp32 main-grad buffers (one per main param, made at its first gradient; kept across
+        plans) and their local tensors; a buffer whose shape no longer fits its main param is dropped once per
+        plan."""
+        bufs = opt._main_grad_bufs
+        if bufs is None:
+            bufs = opt._main_grad_bufs = [None] * len(self.main_params)
+        if self.grad_locals is None or self.grad_bufs_of is not bufs:
+            self.grad_bufs_of = bufs
+            for i, main in enumerate(self.main_params):
+                if bufs[i] is not None and bufs[i].shape != main.shape:
+                    bufs[i] = None
+            self.grad_locals = [None if b is None else _local(b) for b in bufs]
+        return bufs, self.grad_locals
+
+    def matches(self, model_params, main_params) -> bool:
+        if model_params is not self.model_params or main_params is not self.main_params:
+            return False
+        for t, local in self.locals:
+            if t._local_tensor is not local:
+                return False
+        return True
+
+
+class _LocalStepPlan:
+    """What :meth:`MegatronOptimizer._update` swaps into the torch optimizer for one ``step()`` when parameters are
+    DTensors, kept across steps: per param group the list of local parameters (a DTensor parameter's detached view
+    of its local shard, any other parameter itself) and, per DTensor parameter, an :class:`_LocalEntry`. Valid while
+    the optimizer's param groups and their param lists are the same objects holding the same parameters and
+    ``optimizer.state`` is the same object (checked by :meth:`matches` every step)."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.state_obj = opt.state
+        self.groups = [(g, g["params"], tuple(g["params"])) for g in opt.param_groups]
+        self.local_params: List[List[torch.Tensor]] = []
+        self.entries: List["_LocalEntry"] = []
+        self.plain: List[torch.Tensor] = []  # non-DTensor parameters: their state dicts are used as they are
+        for g in opt.param_groups:
+            ps = []
+            for p in g["params"]:
+                if _is_dtensor(p):
+                    e = _LocalEntry(p)
+                    self.entries.append(e)
+                    ps.append(e.view)
+                else:
+                    self.plain.append(p)
+                    ps.append(p)
+            self.local_params.append(ps)
+
+    def matches(self, opt: torch.optim.Optimizer) -> bool:
+        if opt.state is not self.state_obj or len(opt.param_groups) != len(self.groups):
+            return False
+        for g, (cg, plist, snapshot) in zip(opt.param_groups, self.groups):
+            if g is not cg or g["params"] is not plist or len(plist) != len(snapshot):
+                return False
+            for a, b in zip(plist, snapshot):
+                if a is not b:
+                    return False
+        for e in self.entries:
+            if getattr(e.param, "_local_tensor", None) is not e.local:  # FSDP2 re-created the shard (a reload)
+                return False
+        return True
+
+    def local_state(self, saved_state) -> defaultdict:
+        """The state the torch optimizer sees for this step (keyed by the local parameters); also sets each view's
+        ``.grad`` to the local gradient."""
+        local_state = defaultdict(dict)
+        for p in self.plain:
+            local_state[p] = saved_state[p]
+        for e in self.entries:
+            local_state[e.view] = e.local_state(saved_state)
+        return local_state
+
+    def write_back(self, saved_state) -> None:
+        for e in self.entries:
+            e.write_back(saved_state)
+
+
+class _LocalEntry:
+    """One DTensor parameter of :class:`_LocalStepPlan`: its local tensor, a detached view of it, and the dict of
+    local state tensors handed to the torch optimizer, with the (DTensor) entries of the live state dict it was made
+    from (rebuilt when any differs) and the local tensors put in it (what the optimizer created or replaced is
+    written back to the live state)."""
+
+    __slots__ = ("param", "local", "view", "live", "live_items", "st", "st_items")
+
+    def __init__(self, p: torch.Tensor):
+        self.param = p
+        self.local = _local(p)
+        self.view = self.local.detach()
+        self.live = self.live_items = self.st = self.st_items = None
+
+    def local_state(self, saved_state) -> dict:
+        p = self.param
+        g = p.grad
+        self.view.grad = None if g is None else _local(g)
+        live = saved_state[p]
+        items = self.live_items
+        fresh = live is self.live and items is not None and len(live) == len(items)
+        if fresh:
+            for k, v in items:
+                if live.get(k) is not v:
+                    fresh = False
+                    break
+        if not fresh:
+            self.live = live
+            self.live_items = tuple(live.items())
+            self.st = {k: _local(v) for k, v in self.live_items}
+            self.st_items = tuple(self.st.items())
+        return self.st
+
+    def write_back(self, saved_state) -> None:
+        self.view.grad = None
+        st, items = self.st, self.st_items
+        if st is None:
+            return
+        same = len(st) == len(items)
+        if same:
+            for k, v in items:
+                if st.get(k) is not v:
+                    same = False
+                    break
+        if same:
+            return
+        live = saved_state[self.param]
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor) or _local(live.get(k)) is not v:
+                live[k] = _as_layout_of(v, self.param) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+        self.live = self.live_items = self.st = self.st_items = None  # rebuilt from the live state next step
 
 
 class MegatronOptimizer:
@@ -193,9 +383,10 @@ class MegatronOptimizer:
         self.main_params = list(main_params) if main_params is not None else None
         self.param_to_name = dict(param_to_name)
         self._main_grad_bufs: Optional[List[Optional[torch.Tensor]]] = None  # fp32 main grads, made on first step
-        self._model_param_quantized: Optional[List[bool]] = None  # per model param, computed on first step
+        self._copy_plan_cache: Optional[_CopyPlan] = None  # see _copy_plan
         self._norm_kinds: Optional[List[Optional[str]]] = None  # per model param (norm_kind), on first step
         self._kind_groups: Optional[Dict[str, dist.ProcessGroup]] = None  # see _shard_groups
+        self._local_plan: Optional[_LocalStepPlan] = None  # see _update
         opt_order = [p for g in optimizer.param_groups for p in g["params"]]
         expected = self.main_params if self.main_params is not None else self.model_params
         if len(opt_order) != len(expected) or any(a is not b for a, b in zip(opt_order, expected)):
@@ -237,58 +428,61 @@ class MegatronOptimizer:
         from megatron.core.distributed.fsdp.meta_init import _final, remap_param_keyed_maps
 
         self.model_params = [_final(old_to_new, p) for p in self.model_params]
-        self._model_param_quantized = None  # recomputed for the new objects
+        self._copy_plan_cache = None  # rebuilt for the new objects
         self._norm_kinds = self._kind_groups = None
+        self._local_plan = None
         self.param_to_name = {_final(old_to_new, p): n for p, n in self.param_to_name.items()}
         if self.main_params is None:
             remap_param_keyed_maps(old_to_new, self.optimizer)
 
     # ---- gradients ---------------------------------------------------------------------------------------
+    def _copy_plan(self) -> "_CopyPlan":
+        """The per-parameter facts of the main <-> model copies, kept while ``model_params`` and ``main_params`` are
+        the same lists (``remap_params`` makes a new one) and the DTensors' local tensors the same objects."""
+        plan = self._copy_plan_cache
+        if plan is None or not plan.matches(self.model_params, self.main_params):
+            plan = self._copy_plan_cache = _CopyPlan(self.model_params, self.main_params)
+        return plan
+
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
         """main.grad = the model grad in fp32: into one persistent fp32 buffer per main param, all copied by one
         ``torch._foreach_copy_`` over the local tensors (not a new tensor and a DTensor dispatch per param)."""
         if self.main_params is None:
             return
-        bufs = self._main_grad_bufs
-        if bufs is None:
-            bufs = self._main_grad_bufs = [None] * len(self.main_params)
+        plan = self._copy_plan()
+        bufs, locs = plan.grad_bufs(self)
         dst, src = [], []
-        for i, (mp, main) in enumerate(zip(self.model_params, self.main_params)):
+        for i, mp, main in plan.pairs:
             g = getattr(mp, "main_grad", None)
             if g is None:
                 g = mp.grad
-            if g is None or main is mp:
-                if main is not mp:
-                    main.grad = None
+            if g is None:
+                main.grad = None
                 continue
-            if bufs[i] is None or bufs[i].shape != main.shape:
-                bufs[i] = torch.empty_like(main, dtype=torch.float32)
-            dst.append(_local(bufs[i]))
-            src.append(_local(g))  # under no_grad: no detach (a DTensor detach is a dispatch per parameter)
-            main.grad = bufs[i]
+            buf = bufs[i]
+            if buf is None:
+                buf = bufs[i] = torch.empty_like(main, dtype=torch.float32)
+                locs[i] = _local(buf)
+            dst.append(locs[i])
+            # under no_grad: no detach (a DTensor detach is a dispatch per parameter)
+            src.append(g._local_tensor if _is_dtensor(g) else g)
+            main.grad = buf
         _foreach_copy(dst, src)
 
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
         """The updated fp32 main params into the model params: plain (bf16/fp16) ones by one ``_foreach_copy_`` of
         the local tensors (the same rounding as ``copy_``), quantized weights one by one, each quantizing the fp32 value
-        on ``copy_`` with its own quantizer (one rounding, as upstream's master-weight cast; no bf16 copy first)."""
+        on ``copy_`` with its own quantizer (one rounding, as upstream's master-weight cast; no bf16 copy first). The
+        local tensors and their (device, dtype) groups are kept (:class:`_CopyPlan`)."""
         if self.main_params is None:
             return
-        quantized = self._model_param_quantized
-        if quantized is None:
-            quantized = self._model_param_quantized = [_is_quantized_param(mp) for mp in self.model_params]
-        dst, src = [], []
-        for mp, main, q in zip(self.model_params, self.main_params, quantized):
-            if mp is main:
-                continue
-            if q:
-                _local(mp).copy_(_local(main))
-            else:
-                dst.append(_local(mp))
-                src.append(_local(main))
-        _foreach_copy(dst, src)
+        plan = self._copy_plan()
+        for dst, src in plan.quantized:
+            dst.copy_(src)
+        for dsts, srcs in plan.plain_groups:
+            torch._foreach_copy_(dsts, srcs)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -317,9 +511,16 @@ class MegatronOptimizer:
 
     def _global_norm(self, tensors: List[Optional[torch.Tensor]]) -> float:
         """``global_grad_norm`` of one tensor per model parameter (None: not counted)."""
-        entries = [(mp, _local(t) if t is not None and _is_dtensor(t) else t)
-                   for mp, t in zip(self.model_params, tensors)]
-        return global_grad_norm(entries, shard_group=self._shard_groups(), kinds=self._kept_norm_kinds())
+        return grad_norm_of_kinds(self._local_by_kind(_locals(tensors)), shard_group=self._shard_groups())
+
+    def _local_by_kind(self, local: List[Optional[torch.Tensor]]) -> Dict[str, List[torch.Tensor]]:
+        """``{'dense': [...], 'expert': [...]}``: the given local tensors (one per model parameter, None: not
+        counted) by the parameters' kept :func:`norm_kind` (None: a TP duplicate, left out)."""
+        out = {"dense": [], "expert": []}
+        for t, kind in zip(local, self._kept_norm_kinds()):
+            if t is not None and kind is not None:
+                out[kind].append(t)
+        return out
 
     def _shard_groups(self) -> Dict[str, dist.ProcessGroup]:
         """{norm kind: the group its DTensor parameters are sharded over} (Megatron-FSDP: dense over data-parallel,
@@ -342,15 +543,16 @@ class MegatronOptimizer:
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Compute the global grad norm (``get_grad_norm``) and, when ``clip_grad > 0``, scale the grads so it is at
-        most ``clip_grad``."""
-        params = [p for p in self.get_parameters() if p.grad is not None]
-        if not params:
+        most ``clip_grad``. The local gradients are collected once for both."""
+        local = _locals([p.grad for p in self.get_parameters()])
+        present = [g for g in local if g is not None]
+        if not present:
             return 0.0
-        norm = self.get_grad_norm()
+        norm = grad_norm_of_kinds(self._local_by_kind(local), shard_group=self._shard_groups())
         if clip_grad > 0 and math.isfinite(norm):
             coef = clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                scale_tensors_([_local(p.grad) for p in params], coef)
+                scale_tensors_(present, coef)
         return norm
 
     @torch.no_grad()
@@ -419,42 +621,33 @@ class MegatronOptimizer:
         state, so torch's fused / foreach kernels run without a DTensor dispatch per call (on one GPU that dispatch
         was most of the host time of the optimizer step). The same storage is updated, so parameters and state stay
         the DTensors everyone else sees; a state entry the optimizer created (its lazy init at a parameter's first
-        step) or replaced is put back as a DTensor in the parameter's layout."""
+        step) or replaced is put back as a DTensor in the parameter's layout.
+
+        The views, the local param lists and each parameter's dict of local state tensors are kept from step to
+        step (:class:`_LocalStepPlan`: no ``detach`` and no rebuilt dicts per parameter and step); every step checks,
+        by identity, that the param groups, the state dicts and their entries and the parameters' local tensors are
+        still the ones they were built from, and rebuilds what changed (a loaded checkpoint, remapped parameters)."""
         opt = self.optimizer
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if not any(_is_dtensor(p) for p in params):
-            opt.step()
-            return
+        plan = self._local_plan
+        if plan is None or not plan.matches(opt):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if not any(_is_dtensor(p) for p in params):
+                self._local_plan = None
+                opt.step()
+                return
+            plan = self._local_plan = _LocalStepPlan(opt)
         saved_params = [g["params"] for g in opt.param_groups]
         saved_state = opt.state
-        local_state = defaultdict(dict)
-        views = []  # (DTensor param, local view, its local state dict)
         try:
-            for g in opt.param_groups:
-                local_params = []
-                for p in g["params"]:
-                    if not _is_dtensor(p):
-                        local_state[p] = saved_state[p]
-                        local_params.append(p)
-                        continue
-                    view = _local(p).detach()
-                    view.grad = None if p.grad is None else _local(p.grad)
-                    st = local_state[view] = {k: _local(v) for k, v in saved_state[p].items()}
-                    views.append((p, view, st))
-                    local_params.append(view)
-                g["params"] = local_params
-            opt.state = local_state
+            opt.state = plan.local_state(saved_state)
+            for g, ps in zip(opt.param_groups, plan.local_params):
+                g["params"] = ps
             opt.step()
         finally:
             for g, ps in zip(opt.param_groups, saved_params):
                 g["params"] = ps
             opt.state = saved_state
-            for p, view, st in views:
-                view.grad = None
-                live = saved_state[p]
-                for k, v in st.items():
-                    if not isinstance(v, torch.Tensor) or _local(live.get(k)) is not v:
-                        live[k] = _as_layout_of(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            plan.write_back(saved_state)
 
     # ---- state -------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -40,10 +40,23 @@ def test_group_units_joins_consecutive_layers_within_the_budget():
 
 
 def test_default_unit_size_joins_layers_only_on_one_data_parallel_rank():
-    assert default_unit_size(1, reshard_after_forward=False) == DEFAULT_UNIT_ELEMENTS == 2**28
+    assert default_unit_size(1, reshard_after_forward=False) == DEFAULT_UNIT_ELEMENTS == 2**29
     assert default_unit_size(1, reshard_after_forward=True) is None  # an explicit reshard asks for per-layer units
     assert default_unit_size(2, reshard_after_forward=False) is None  # ZeRO-2 on 2 ranks: communication to overlap
     assert default_unit_size(2, reshard_after_forward=True) is None
+
+
+def test_default_one_rank_budget_keeps_issue16_gpt_layers_in_one_unit():
+    """Issue 16's GPT (8 layers of hidden 2048, ffn 8192, biases: 50.35 M elements each) is one FSDP2 unit under the
+    one-rank default (one set of FSDP2 hooks instead of two); 11 such layers are not (the budget still bounds a
+    group's gradient buffers)."""
+    per_layer = 3 * 2048 * 2048 + 3 * 2048 + 2048 * 2048 + 2048 + 2 * 2048 * 8192 + 8192 + 2048 + 4 * 2048
+    with torch.device("meta"):
+        layers = _units(*([per_layer] * 11))
+    budget = default_unit_size(1, reshard_after_forward=False)
+    assert [len(g) for g in group_units(layers[:8], (_Layer,), budget)] == [8]
+    assert [len(g) for g in group_units(layers, (_Layer,), budget)] == [10, 1]
+    assert [len(g) for g in group_units(layers[:8], (_Layer,), 2**28)] == [5, 3]  # the former default
 
 
 def _train(model, steps, rank, ws):

@@ -111,12 +111,15 @@ def expert_submodules(unit: torch.nn.Module) -> List[torch.nn.Module]:
     return out
 
 
-DEFAULT_UNIT_ELEMENTS = 2**28
+DEFAULT_UNIT_ELEMENTS = 2**29
 """The default ``suggested_communication_unit_size`` where layers are joined (see :func:`default_unit_size`): a
-group's transient gradient buffers (its unsharded gradients, FSDP2's fp32 reduce-scatter input and, on one rank,
-its output of the same size: about 10 bytes per element with bf16 compute) stay near 2.5 GiB, while layers much
-smaller than this (where FSDP2's fixed host work per unit and step, a few milliseconds on an H200 host, is
-comparable with the layer's compute) are joined."""
+group's gradient buffers at the end of its backward (its unsharded gradients, FSDP2's fp32 reduce-scatter input and,
+on one rank, its output of the same size, which becomes the sharded gradient every grouping holds: about 10 bytes
+per element with bf16 compute, 6 of them transient) stay near 5 GiB, while layers much smaller than this (where
+FSDP2's fixed host work per unit and step, a few milliseconds on an H200 host, is comparable with the layer's
+compute) are joined. 2**29 keeps the 8 layers of issue 16's GPT (about 50 M elements each) in one unit: on the H200
+one unit ran 0.871 of DDP + FP8 with FP8 param gather against 0.830 with 5 + 3 layers under 2**28
+(``benchmarks/RESULTS.md``, issue 16 item 2)."""
 
 
 def default_unit_size(dp_size: int, reshard_after_forward: bool) -> Optional[int]:
@@ -403,13 +406,28 @@ class FullyShardedDataParallel(MegatronModule):
     def start_param_sync(self, *unused, **unused_kw) -> None:
         pass
 
+    @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """FSDP2 has finished the reduce-scatter when backward returns; only the optional NaN check is left."""
-        if self.ddp_config.check_for_nan_in_grad:
-            for n, p in self.module.named_parameters():
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                if g is not None and not torch.isfinite(g).all():
-                    raise RuntimeError(f"FullyShardedDataParallel: NaN/Inf in the gradient of {n} (--check-for-nan-in-grad)")
+        """FSDP2 has finished the reduce-scatter when backward returns; only the optional NaN check is left
+        (``check_for_nan_in_grad``): one max-abs norm per local gradient shard (``torch._foreach_norm`` with
+        ``inf``: inf or NaN exactly where the shard has one, no overflow of finite values) and one host sync for all
+        of them; the offending parameter is named only when the check fails."""
+        if not self.ddp_config.check_for_nan_in_grad:
+            return
+        named = [(n, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                 for n, p in self.module.named_parameters() if p.grad is not None]
+        named = [(n, g) for n, g in named if g.numel() > 0]
+        if not named:
+            return
+        groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for _, g in named:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        maxes = [torch.stack(torch._foreach_norm(gs, float("inf"))).float() for gs in groups.values()]
+        if bool(torch.isfinite(torch.cat([m.cpu() for m in maxes]) if len(maxes) > 1 else maxes[0]).all()):
+            return
+        for n, g in named:
+            if not torch.isfinite(g).all():
+                raise RuntimeError(f"FullyShardedDataParallel: NaN/Inf in the gradient of {n} (--check-for-nan-in-grad)")
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:
