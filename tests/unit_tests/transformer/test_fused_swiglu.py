@@ -142,7 +142,13 @@ def test_args(extra, want):
 @pytest.mark.skipif(not HAVE_TE_SWIGLU, reason="needs CUDA and Transformer Engine's swiglu / dswiglu")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(4096, 1024), (512, 2, 4096)])
-def test_te_swiglu_equals_torch(dtype, shape):
+def test_te_swiglu_equals_torch(dtype, shape, monkeypatch):
+    import megatron.core.extensions.transformer_engine as te_ext
+
+    calls = []
+    for name in ("te_swiglu", "te_dswiglu"):  # count the kernel calls: the TE path runs
+        fn = getattr(te_ext, name)
+        monkeypatch.setattr(te_ext, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
     torch.manual_seed(0)
     x0 = (torch.randn(*shape, device="cuda") * 3).to(dtype)
     g = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda").to(dtype)
@@ -157,7 +163,9 @@ def test_te_swiglu_equals_torch(dtype, shape):
 
     y_te, dx_te = run(True)
     assert len(kept) == 1 and kept[0].shape == x0.shape
+    assert calls == ["te_swiglu", "te_dswiglu"]
     y_t, dx_t = run(False)
+    assert calls == ["te_swiglu", "te_dswiglu"]
     assert y_te.dtype == dtype and dx_te.dtype == dtype and dx_te.shape == x0.shape
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(y_te, y_t, **tol)
