@@ -201,3 +201,26 @@ def test_moe_layer_fused_with_moe_act_recompute(device):
     assert set(p0) == set(p1) and len(p0) >= 3
     for n in p0:
         torch.testing.assert_close(p1[n], p0[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TE_SWIGLU, reason="needs CUDA and Transformer Engine's swiglu / dswiglu")
+@pytest.mark.parametrize("grouped", [False, True])
+def test_te_gpt_moe_equal_with_and_without_fusions(grouped):
+    """A TE GPT MoE model (SwiGLU, fp32; sequential / grouped TE experts): --bias-swiglu-fusion together with
+    --moe-router-fusion give the loss and gradients of the unfused model."""
+    from tests.unit_tests.transformer.moe.test_grouped_experts_te import _build, _cfg, _loss
+
+    out = []
+    for fused in (False, True):
+        cfg = _cfg(grouped, gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=fused,
+                   moe_router_fusion=fused, moe_router_score_function="sigmoid")
+        model = _build(cfg, seed=3)
+        loss = _loss(model)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = out
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert set(g1) == set(g0) and len(g0) > 10
+    for n, g in g0.items():
+        torch.testing.assert_close(g1[n], g, rtol=1e-4, atol=max(1e-5 * g.abs().max().item(), 1e-7), msg=n)
