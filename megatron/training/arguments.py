@@ -45,6 +45,11 @@ def _add_network_size_args(parser):
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm layer.")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norm layers.")
     g.add_argument("--swiglu", action="store_true", help="Use gated linear units with SiLU (SwiGLU).")
+    g.add_argument("--bias-swiglu-fusion", action="store_true", dest="bias_swiglu_fusion", default=True,
+                   help="SwiGLU as one fused function saving only its input (Transformer Engine's swiglu/dswiglu "
+                        "on CUDA, fp32 torch ops else). On by default, as upstream.")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                   help="SwiGLU as the unfused torch ops (chunk, silu, mul).")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="No bias in the linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
@@ -118,6 +123,12 @@ def _add_moe_args(parser):
     g.add_argument("--moe-permute-fusion", action="store_true",
                    help="Permute tokens to their experts and back with Transformer Engine's fused kernels where TE "
                         "is installed and the model runs on CUDA (torch ops otherwise: the same rows, same order).")
+    g.add_argument("--moe-router-fusion", action="store_true",
+                   help="The router's score function (softmax / sigmoid), top-k, expert bias and scaling in one "
+                        "Transformer Engine kernel (fused_topk_with_score_function) where TE is installed and the "
+                        "model runs on CUDA; the torch ops otherwise and for the cases TE computes differently "
+                        "(softmax with --moe-router-enable-expert-bias; softmax group-limited routing without "
+                        "--moe-router-pre-softmax). The same routing either way.")
 
 
 # Upstream flags that select a kernel for the same math, which this fork does not have: accepted, and what they do
@@ -137,8 +148,6 @@ KERNEL_FLAGS = (
      "with --cross-entropy-loss-fusion (no fused kernel here)"),
     ("--no-gradient-accumulation-fusion", dict(action="store_false", dest="gradient_accumulation_fusion"),
      "weight gradients are accumulated by autograd here (no fused wgrad kernel)"),
-    ("--moe-router-fusion", dict(action="store_true"),
-     "the router's score function and top-k run as torch ops here (no fused kernel; the same routing)"),
     ("--use-mcore-models", dict(action="store_true"),
      "deprecated upstream (megatron-core models are the only ones)"),
     ("--attention-softmax-in-fp32", dict(action="store_true"), "SDPA's kernels accumulate the softmax in fp32"),
@@ -1274,6 +1283,8 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
         moe_permute_fusion=args.moe_permute_fusion,
+        moe_router_fusion=args.moe_router_fusion,
+        bias_activation_fusion=bool(args.swiglu and args.bias_swiglu_fusion),  # no fused GeLU here
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,

@@ -93,3 +93,15 @@ te_recipe = _optional("transformer_engine.common", "recipe")
 te_moe_permute = _optional("transformer_engine.pytorch", "moe_permute")
 te_moe_permute_with_probs = _optional("transformer_engine.pytorch", "moe_permute_with_probs")
 te_moe_unpermute = _optional("transformer_engine.pytorch", "moe_unpermute")
+
+# ---- fused SwiGLU (--bias-swiglu-fusion; used by megatron/core/fusions/fused_bias_swiglu.py) ---------------------
+# transformer_engine_torch.swiglu(input, quantizer) -> silu(input[..., :d/2]) * input[..., d/2:] (quantizer None:
+# the input's dtype); dswiglu(grad_output, input, quantizer) -> the gradient w.r.t. input, [..., d].
+te_swiglu = _optional("transformer_engine_torch", "swiglu")
+te_dswiglu = _optional("transformer_engine_torch", "dswiglu")
+
+# ---- fused router score function + top-k (--moe-router-fusion; used by megatron/core/transformer/moe/router.py) ---
+# fused_topk_with_score_function(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+# score_function, expert_bias, ...) -> (probs [T, E] in logits' dtype, routing_map [T, E] bool); autograd to logits.
+te_fused_topk_with_score_function = _optional("transformer_engine.pytorch.router", "fused_topk_with_score_function") \
+    or _optional("transformer_engine.pytorch", "fused_topk_with_score_function")

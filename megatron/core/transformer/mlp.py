@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.fusions.fused_bias_swiglu import swiglu_impl, use_fused_swiglu
 from megatron.core.tensor_parallel.random import checkpoint_without_output, should_recompute
 from megatron.core.transformer.attention import build_linear
 from megatron.core.transformer.module import MegatronModule
@@ -90,7 +91,12 @@ def apply_swiglu_sharded_factory(original, sharded_offsets=(), tp_rank: int = 0,
 
 
 def apply_activation(config, x: torch.Tensor) -> torch.Tensor:
-    """``act(x)``, or ``act(x1) * x2`` for the halves ``[x1, x2]`` of the last axis with ``gated_linear_unit``."""
+    """``act(x)``, or ``act(x1) * x2`` for the halves ``[x1, x2]`` of the last axis with ``gated_linear_unit``.
+    SwiGLU with ``config.bias_activation_fusion`` (``--bias-swiglu-fusion``, upstream's default) runs fused
+    (``megatron.core.fusions.fused_bias_swiglu``: Transformer Engine's kernels on CUDA, fp32 torch ops else; only
+    ``x`` is saved for backward)."""
+    if use_fused_swiglu(config):
+        return swiglu_impl(x)
     act = config.activation_func
     if config.gated_linear_unit:
         x1, x2 = torch.chunk(x, 2, dim=-1)

@@ -140,9 +140,14 @@ class TransformerConfig:
     ``scaled_dot_product_attention`` computes core attention: auto (torch picks), flash (FLASH_ATTENTION), fused
     (EFFICIENT_ATTENTION), unfused / local (MATH). The same math whichever is picked."""
 
+    bias_activation_fusion: bool = False
+    """SwiGLU (``gated_linear_unit`` with silu) runs as one fused autograd function that saves only its input
+    (``megatron.core.fusions.fused_bias_swiglu``: Transformer Engine's ``swiglu`` / ``dswiglu`` on CUDA, fp32 torch
+    ops else); the same values up to rounding. ``--bias-swiglu-fusion`` (on by default, as upstream) /
+    ``--no-bias-swiglu-fusion``. No effect for other activations (no fused GeLU here)."""
+
     # ---- accepted for upstream compatibility; no effect in this fork ------------------------------------------
     gradient_accumulation_fusion: bool = False
-    bias_activation_fusion: bool = False
     bias_dropout_fusion: bool = False
     masked_softmax_fusion: bool = False
     apply_rope_fusion: bool = False
@@ -187,6 +192,7 @@ class TransformerConfig:
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str = "allgather"
     moe_permute_fusion: bool = False  # TE's fused token permutation where TE and CUDA are present (torch ops else)
+    moe_router_fusion: bool = False  # TE's fused score function + top-k where TE and CUDA are present (torch ops else)
     moe_shared_expert_intermediate_size: Optional[int] = None  # shared experts' total hidden size (None: none)
     moe_shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . gate_weight)
     moe_shared_expert_overlap: bool = False  # accepted; the shared experts run un-overlapped here (same values)

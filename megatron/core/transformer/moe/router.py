@@ -8,6 +8,10 @@ combine weights (probs) come from the unbiased scores, as upstream. ``update_exp
 Auxiliary losses (training with grad only) reach the router through ``MoEAuxLossAutoScaler``, as upstream: the
 load-balancing loss (``--moe-aux-loss-coeff``) attached to the probs, the z-loss (``--moe-z-loss-coeff``) to the
 logits. Their values without the coefficient go to the log (``load_balancing_loss``, ``z_loss``; moe_utils).
+
+``--moe-router-fusion`` (``moe_router_fusion``): the score function, top-k, expert bias, normalisation and scaling
+run in Transformer Engine's ``fused_topk_with_score_function`` where TE is installed and the logits are on CUDA
+(:func:`can_fuse_routing`); the torch ops otherwise. The same probs and routing map either way.
 """
 from typing import Tuple
 
@@ -37,6 +41,7 @@ def topk_routing_with_score_function(
     scaling_factor: float = None,
     num_groups: int = None,
     group_topk: int = None,
+    fused: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route ``logits`` ``[T, E]`` to ``topk`` experts.
 
@@ -45,14 +50,23 @@ def topk_routing_with_score_function(
     softmax: scores = softmax(logits); the top-k probs are renormalised over the selected experts (equal to a
     softmax over the top-k logits) unless ``use_pre_softmax``. sigmoid: scores = sigmoid(logits); with topk > 1 the
     top-k probs are normalised to sum 1. ``expert_bias`` is added to the scores for the top-k selection only.
+
+    ``fused`` (``--moe-router-fusion``): where :func:`can_fuse_routing` allows, the routing comes from Transformer
+    Engine's ``fused_topk_with_score_function`` (one kernel, its own backward; the same probs and routing map up to
+    float rounding) and ``scores`` is None (:func:`compute_scores` gives them where the aux loss needs them).
     """
     logits = logits.float()
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
-    else:
-        raise ValueError(f"unknown moe_router_score_function {score_function!r} (--moe-router-score-function)")
+    if fused and can_fuse_routing(logits, score_function, expert_bias, use_pre_softmax, num_groups):
+        from megatron.core.extensions.transformer_engine import te_fused_topk_with_score_function
+
+        grouped = bool(num_groups)
+        probs, routing_map = te_fused_topk_with_score_function(
+            logits, topk, use_pre_softmax, num_groups if grouped else None, group_topk if grouped else None,
+            scaling_factor, score_function,
+            None if expert_bias is None else expert_bias.to(logits.device, torch.float32),
+        )
+        return probs, routing_map.bool(), None
+    scores = compute_scores(logits, score_function)
     for_selection = scores if expert_bias is None else scores + expert_bias.to(scores.device, torch.float32)
     if num_groups:  # group-limited routing: only experts of the token's best group_topk groups are eligible
         for_selection = limit_to_best_groups(for_selection, topk, num_groups, group_topk)
@@ -67,6 +81,38 @@ def topk_routing_with_score_function(
     probs = torch.zeros_like(scores).scatter(1, top_indices, top_probs)
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_indices, True)
     return probs, routing_map, scores
+
+
+def compute_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The full score matrix ``[T, E]`` (float32): softmax or sigmoid of the logits."""
+    logits = logits.float()
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"unknown moe_router_score_function {score_function!r} (--moe-router-score-function)")
+
+
+def te_routing_matches(score_function: str, expert_bias=None, use_pre_softmax: bool = False,
+                       num_groups: int = None) -> bool:
+    """Whether Transformer Engine's ``fused_topk_with_score_function`` computes this routing as the torch ops here
+    do. It does except in two cases, which keep the torch ops: with softmax TE ignores ``expert_bias`` (this router
+    adds it to the scores for the selection), and with softmax without ``use_pre_softmax`` it ranks the groups of
+    group-limited routing by the logits (this router by the softmax scores)."""
+    if score_function == "sigmoid":
+        return True
+    return score_function == "softmax" and expert_bias is None and (use_pre_softmax or not num_groups)
+
+
+def can_fuse_routing(logits: torch.Tensor, score_function: str, expert_bias=None, use_pre_softmax: bool = False,
+                     num_groups: int = None) -> bool:
+    """``--moe-router-fusion`` can run: TE's ``fused_topk_with_score_function`` present, ``logits`` non-empty on
+    CUDA, and :func:`te_routing_matches`."""
+    from megatron.core.extensions.transformer_engine import te_fused_topk_with_score_function
+
+    if te_fused_topk_with_score_function is None or not logits.is_cuda or logits.numel() == 0:
+        return False
+    return te_routing_matches(score_function, expert_bias, use_pre_softmax, num_groups)
 
 
 def limit_to_best_groups(for_selection: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
@@ -148,12 +194,15 @@ class TopKRouter(MegatronModule):
             scaling_factor=self.config.moe_router_topk_scaling_factor,
             num_groups=self.config.moe_router_num_groups,
             group_topk=self.config.moe_router_group_topk,
+            fused=bool(getattr(self.config, "moe_router_fusion", False)),
         )
         if self.enable_expert_bias and self.training and not is_recomputing():  # counted once per forward
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert)
         coeff, kind = self.config.moe_aux_loss_coeff, self.config.moe_router_load_balancing_type
         if coeff > 0 and kind in LOAD_BALANCING_LOSS_NAMES and self._adds_aux_losses():
+            if scores is None:  # the fused routing returns no score matrix
+                scores = compute_scores(logits, self.score_function)
             if self.score_function == "sigmoid":
                 scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
             if kind == "seq_aux_loss":  # input [s, b, h]: per sequence
