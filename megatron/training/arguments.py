@@ -508,7 +508,7 @@ def _add_distributed_args(parser):
                    help="Megatron-FSDP: consecutive transformer layers whose parameters total at most this many "
                         "elements are gathered and reduced together as one FSDP2 unit (fewer, larger collectives "
                         "and less per-unit host work; more memory unsharded at once). Default: one layer per unit, "
-                        "2**28 elements with one data-parallel rank. Upstream's flag sizes Megatron-FSDP's buckets; "
+                        "2**29 elements with one data-parallel rank. Upstream's flag sizes Megatron-FSDP's buckets; "
                         "here it sizes FSDP2 units.")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "

@@ -33,7 +33,7 @@ class DistributedDataParallelConfig:
     """Megatron-FSDP (``--suggested-communication-unit-size``): consecutive transformer layers whose parameters total
     at most this many elements become one FSDP2 unit (one all-gather and one reduce-scatter for all of them). Upstream
     uses the same flag as its bucket / prefetch budget; joining layers is how FSDP2 batches communication. None: one
-    unit per layer, or 2**28 elements with one data-parallel rank (``fsdp.default_unit_size``)."""
+    unit per layer, or 2**29 elements with one data-parallel rank (``fsdp.default_unit_size``)."""
     preserve_fp32_weights: bool = True
     """Megatron-FSDP: keep the sharded (main) parameters in fp32 when compute is bf16/fp16."""
     keep_fp8_transpose_cache: bool = False
