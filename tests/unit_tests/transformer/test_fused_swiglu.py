@@ -222,5 +222,10 @@ def test_te_gpt_moe_equal_with_and_without_fusions(grouped):
     (l0, g0), (l1, g1) = out
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
     assert set(g1) == set(g0) and len(g0) > 10
-    for n, g in g0.items():
-        torch.testing.assert_close(g1[n], g, rtol=1e-4, atol=max(1e-5 * g.abs().max().item(), 1e-7), msg=n)
+    # TE's kernels round differently from the torch ops, and the difference grows through the backward: measured on
+    # the H200 (2026-12-04) the worst gradient, the first layer's linear_qkv, is 1.1e-4 off in relative norm (an
+    # elementwise check fails on the embedding's rows summed by atomics). A wrong fusion (gate and up swapped, a
+    # missing derivative term) is off by O(1), so each gradient must be within 1e-3 of its norm
+    errors = {n: ((g1[n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in g0.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-3, f"{worst}: relative error {errors[worst]:.2e}"
