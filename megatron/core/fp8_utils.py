@@ -540,12 +540,14 @@ def quantize_whole_masters(weights, masters) -> None:
     the cast records it; the replicated optimizer's path, one rounding from fp32), instead of TE's shard path
     (master to the weight dtype, a Float8Tensor view per shard, the cast, the transpose in another pass); others
     through ``quantize_master_shards`` + ``finish_param_gather``, as any rank count."""
-    te = [(w, m) for w, m in zip(weights, masters) if _is_te_quantized(w)]
-    for w, m in te:
-        w.copy_(m.view(w.shape))
-    rest = [(w, m) for w, m in zip(weights, masters) if not _is_te_quantized(w)]
-    if rest:
-        ws, ms = [w for w, _ in rest], [m for _, m in rest]
+    ws, ms = [], []  # the weights that are not TE's
+    for w, m in zip(weights, masters):
+        if _is_te_quantized(w):
+            w.copy_(m.view(w.shape))
+        else:
+            ws.append(w)
+            ms.append(m)
+    if ws:
         quantize_master_shards(ws, ms, [0] * len(ws), None)
         finish_param_gather(ws)
 
