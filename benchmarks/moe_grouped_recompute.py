@@ -205,7 +205,7 @@ def _parse():
                    help="--transformer-impl on CUDA (local: torch layers, bf16; grouped experts on torch._grouped_mm)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after table 1: each of its models' top ROWS ops (device time on CUDA) over 2 steps, and "
-                        "the host/device summary")
+                        "the host/device summary; after table 2 the same for recompute off and selective core_attn")
     a = p.parse_args()
     if a.smoke:
         a.device = "cpu"
@@ -259,6 +259,10 @@ def main():
         results["recompute"][name] = dict(step_s=times[name], tokens_per_s=tokens / times[name],
                                           kept_mib=kept_bytes(model, a, a.micro_batch) / 2**20,
                                           peak_activation_mib=peak_activation_mib(model, a, a.micro_batch))
+    if a.profile:
+        for name in ("off", "selective core_attn"):
+            table, summary = profile_steps(models[name], a, a.micro_batch, a.profile)
+            print(f"## profile: recompute {name}\n{summary}\n{table}")
     models.clear()
     if a.max_mb > 0:
         for name, kw in RECOMPUTE.items():  # each model alone on the device
