@@ -189,6 +189,86 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
+def _rng_snapshot():
+    """The default CPU/CUDA generators' states and the tracker's named states, for a recompute."""
+    return _get_states(), _RNG_TRACKER.get_states()
+
+
+@contextlib.contextmanager
+def _recomputing(rng_states=None):
+    """A recompute in backward: ``is_recomputing()`` is True and, given a ``_rng_snapshot()``, the generators run
+    from it (the forward's dropout masks are drawn again); the live states are put back after."""
+    live = _rng_snapshot() if rng_states is not None else None
+    if rng_states is not None:
+        _set_states(rng_states[0])
+        _RNG_TRACKER.set_states(rng_states[1])
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
+        if live is not None:
+            _set_states(live[0])
+            _RNG_TRACKER.set_states(live[1])
+
+
+def _inputs_for_recompute(ctx):
+    """The function's arguments again: the saved tensors detached (``requires_grad`` as in the forward) in their
+    positions among the non-tensor arguments."""
+    inputs = list(ctx.other_args)
+    for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
+        inputs[i] = t.detach().requires_grad_(t.requires_grad)
+    return inputs
+
+
+def _save_inputs(ctx, args) -> None:
+    ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
+    ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+
+
+class _ParameterFreeCheckpointFunction(torch.autograd.Function):
+    """See :func:`checkpoint_parameter_free`."""
+
+    @staticmethod
+    def forward(ctx, run_function, rng_states, *args):
+        _save_inputs(ctx, args)
+        ctx.run_function, ctx.rng_states = run_function, rng_states
+        ctx.autocast = {d: torch.get_autocast_dtype(d) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)}
+        return run_function(*args)  # autograd.Function.forward runs without grad
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = _inputs_for_recompute(ctx)
+        with _recomputing(ctx.rng_states), torch.enable_grad():
+            if ctx.autocast:
+                with contextlib.ExitStack() as stack:
+                    for device, dtype in ctx.autocast.items():
+                        stack.enter_context(torch.autocast(device, dtype=dtype))
+                    outputs = _as_tuple(ctx.run_function(*inputs))
+            else:
+                outputs = _as_tuple(ctx.run_function(*inputs))
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        wanted = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wanted else [None] * len(wanted))
+        return (None, None) + tuple(next(found) if isinstance(a, torch.Tensor) and a.requires_grad else None
+                                    for a in inputs)
+
+
+def checkpoint_parameter_free(function, *args, preserve_rng_state: bool = True):
+    """``function(*args)`` keeping only its tensor inputs, run again in backward (``--recompute-modules core_attn``).
+    For a function that uses no parameters (core attention: q, k, v in, context out): its gradients go to its
+    inputs only, so one ``torch.autograd.Function`` (reentrant, like upstream's ``CheckpointFunction``) does what
+    ``checkpoint`` does at about a third of its host cost (``benchmarks/recompute_host_cost.py``; the H200's
+    steps with selective recompute are host-bound). ``preserve_rng_state`` (set it when the function draws
+    random numbers, e.g. attention dropout): the recompute runs from the forward's generator and tracker states.
+    The forward's autocast state is re-entered for the recompute."""
+    if not torch.is_grad_enabled():
+        return function(*args)
+    return _ParameterFreeCheckpointFunction.apply(function, _rng_snapshot() if preserve_rng_state else None, *args)
+
+
 class _CheckpointWithoutOutputFunction(torch.autograd.Function):
     """Runs ``owner``'s function without a graph and saves only its tensor inputs; the backward uses the outputs
     ``owner`` recomputed (in the hook, or here if the hook did not run) and backpropagates through them."""
@@ -196,9 +276,7 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, owner, *args):
         outputs = run_function(*args)  # autograd.Function.forward runs without grad
-        ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
-        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        _save_inputs(ctx, args)
         ctx.owner = owner
         owner.ctx = ctx
         return outputs
@@ -248,7 +326,7 @@ class CheckpointWithoutOutput:
                                      and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return run_function(*args)  # inside a checkpoint, or no graph to the inputs: plainly, nothing discarded
         self.run_function = run_function
-        self.rng_states = (_get_states(), _RNG_TRACKER.get_states())
+        self.rng_states = _rng_snapshot()
         outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         if any(o.untyped_storage().data_ptr() in inputs and o.numel() for o in _as_tuple(outputs)):
@@ -264,21 +342,9 @@ class CheckpointWithoutOutput:
             return
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("CheckpointWithoutOutput is not compatible with torch.autograd.grad(); use .backward()")
-        ctx = self.ctx
-        inputs = list(ctx.other_args)
-        for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
-            inputs[i] = t.detach().requires_grad_(t.requires_grad)
-        live = (_get_states(), _RNG_TRACKER.get_states())
-        _set_states(self.rng_states[0])
-        _RNG_TRACKER.set_states(self.rng_states[1])
-        _RECOMPUTING[0] += 1
-        try:
-            with torch.enable_grad():
-                outputs = _as_tuple(self.run_function(*inputs))
-        finally:
-            _RECOMPUTING[0] -= 1
-            _set_states(live[0])
-            _RNG_TRACKER.set_states(live[1])
+        inputs = _inputs_for_recompute(self.ctx)
+        with _recomputing(self.rng_states), torch.enable_grad():
+            outputs = _as_tuple(self.run_function(*inputs))
         with torch.no_grad():
             for kept, new in zip(self.outputs, outputs):
                 storage = kept.untyped_storage()

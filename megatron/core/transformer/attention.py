@@ -140,7 +140,8 @@ class SelfAttention(MegatronModule):
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
         if should_recompute(self.config, "core_attn"):
-            ctx = recompute(self.config, self.core_attention, q, k, v, attention_mask)
+            ctx = recompute(self.config, self.core_attention, q, k, v, attention_mask, parameter_free=True,
+                            preserve_rng_state=self.training and self.config.attention_dropout > 0)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)

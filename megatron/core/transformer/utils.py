@@ -62,9 +62,15 @@ def init_weights(model: torch.nn.Module) -> None:
 
 
 # ---- activation recompute (``--recompute-granularity``): TE's checkpoint under FP8/FP4, else tensor_parallel's
-def recompute(config, function, *args):
+def recompute(config, function, *args, parameter_free: bool = False, preserve_rng_state: bool = True):
     """``checkpoint(function, ...)``; with FP8/FP4 (Transformer Engine) TE's checkpoint, whose recompute sees the
-    FP8 scales of the original forward."""
+    FP8 scales of the original forward. ``parameter_free``: ``function`` uses no parameters and no TE module (core
+    attention), so the lighter ``checkpoint_parameter_free`` does, whatever the precision; ``preserve_rng_state``
+    there: whether it draws random numbers (dropout)."""
+    if parameter_free:
+        from megatron.core.tensor_parallel.random import checkpoint_parameter_free
+
+        return checkpoint_parameter_free(function, *args, preserve_rng_state=preserve_rng_state)
     if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
         from megatron.core.extensions.te_layers import te_checkpoint
         from megatron.core.tensor_parallel.random import _counted_as_checkpointed
