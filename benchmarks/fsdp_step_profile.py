@@ -18,7 +18,10 @@ present, the FP8 (delayed scaling, hybrid) rows: ``ddp_fp8`` (DDP + FP8 autocast
 ``fsdp_fp8pg`` (meta-device init + FP8 primary weights built under ``quantized_model_init`` +
 ``fp8_param_gather``: what ``pretrain_gpt.py --use-megatron-fsdp --init-model-with-meta-device --fp8-format hybrid
 --fp8-recipe delayed --fp8-param-gather`` builds), ``fsdp_fp8`` and ``bare_fp8`` (FP8 autocast, bf16 weights).
-The ratio column is tokens/s over the DDP row of the same precision.
+The ratio column is tokens/s over the DDP row of the same precision. ``--micro-batches N``: N forward/backward
+passes per step, all but the last under the engine's ``no_sync`` (the trainer's gradient accumulation; the MoE run of
+``train_tp_ep_gpu.sh`` has GBS 8 / MBS 2 = 4), so the engines are compared in-process, interleaved, at the trainer's
+shape: its separate processes spread more between runs than the engines differ.
 
 ``--profile``: after timing, each mode runs ``--profile-steps`` steps under ``torch.profiler`` and prints its
 top-20 ops by self device time (self CPU time on CPU or with ``--sort cpu``) and a summary: wall ms/step, device
@@ -28,6 +31,7 @@ busy ms/step (sum of kernel times), host-side ms/step outside aten ops (Python, 
 Usage: ``python benchmarks/fsdp_step_profile.py [--profile]`` (GPU, about a minute); CPU: ``--small [--profile]``.
 """
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -101,7 +105,9 @@ def _build_ours(a, kind: str, fp8: bool, fp8_param: bool):
     def step(inp, pos, lab):
         model.zero_grad_buffer()
         opt.zero_grad()
-        model(inp, pos, labels=lab).float().mean().backward()
+        for i in range(a.micro_batches):  # as the no-pipelining schedule: no_sync for all but the last
+            with model.no_sync() if i < a.micro_batches - 1 else contextlib.nullcontext():
+                model(inp, pos, labels=lab).float().mean().backward()
         finalize_model_grads([model])
         opt.step()
 
@@ -127,7 +133,9 @@ def _build_bare(a, fp8: bool):
 
     def step(inp, pos, lab):
         opt.zero_grad(set_to_none=True)
-        model(inp, pos, labels=lab).float().mean().backward()
+        for i in range(a.micro_batches):
+            model.set_requires_gradient_sync(i == a.micro_batches - 1)
+            model(inp, pos, labels=lab).float().mean().backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
 
@@ -212,6 +220,9 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation, no_sync for all but the last), as "
+                         "pretrain_gpt.py's --global-batch-size / --micro-batch-size on one rank")
     ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=3, help="alternating blocks per mode")
     ap.add_argument("--warmup", type=int, default=3)
@@ -232,6 +243,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.small:
         a.layers, a.hidden, a.ffn, a.heads, a.seq, a.mbs, a.vocab = 2, 256, 1024, 4, 128, 2, 1024
+    if a.micro_batches < 1:
+        ap.error(f"--micro-batches must be >= 1, got {a.micro_batches}")
     cuda = torch.cuda.is_available()
     a.bf16 = cuda  # bf16 compute on the GPU; fp32 on CPU (CPU bf16 matmuls are slow and unrepresentative)
     a.te = _have_te() and not a.no_te
@@ -262,7 +275,7 @@ def main(argv=None):
     print(f"# fsdp_step_profile  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  device: {name}  "
           f"torch {torch.__version__}  TE layers: {a.te}")
     print(f"GPT L={a.layers} h={a.hidden} ffn={a.ffn} experts={a.experts} heads={a.heads} seq={a.seq} mbs={a.mbs} vocab={a.vocab} "
-          f"bias={a.bias} unit_size={a.unit_size} "
+          f"bias={a.bias} unit_size={a.unit_size} micro-batches/step={a.micro_batches} "
           f"{'bf16' if a.bf16 else 'fp32'}; {a.blocks} blocks x {a.steps} steps per mode after {a.warmup} warm-up")
 
     g = torch.Generator().manual_seed(0)
@@ -292,7 +305,7 @@ def main(argv=None):
     for _ in range(a.blocks):
         for m in modes:
             spent[m] += _timed(steps[m], batch, a.steps, dev)
-    tokens = a.blocks * a.steps * a.mbs * a.seq
+    tokens = a.blocks * a.steps * a.micro_batches * a.mbs * a.seq
     tps = {m: tokens / spent[m] for m in modes}
     base = {MODES[_base(m)][1]: tps[m] for m in modes if m.startswith("ddp")}
     print("\n| mode | what | tokens/s | ms/step | vs DDP (same precision) |")
