@@ -138,6 +138,8 @@ def _train_body(rank, ws, moe, meta, accum=False, steps=3, strategy="optim_grads
                 l1.backward()
             layer_w = fsdp.module.decoder.layers[0].self_attention.linear_qkv.weight
             assert isinstance(layer_w, DTensor) != kept  # gathered (plain tensor) only where kept
+            # nothing reduced yet: every FSDP2 module (root, layers, experts) skipped its reduce-scatter
+            assert all(p.grad is None for p in fsdp._sharded_params)
             l2 = fsdp(tok[sl][half:], position_ids(per - half), labels=lab[sl][half:]).mean() / 2
             l2.backward()
             assert isinstance(fsdp.module.decoder.layers[0].self_attention.linear_qkv.weight, DTensor)
