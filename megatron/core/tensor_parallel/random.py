@@ -138,6 +138,35 @@ def is_recomputing() -> bool:
     return _RECOMPUTING[0] > 0
 
 
+def _rng_snapshot():
+    """The default CPU/CUDA generators' states and the tracker's named states, for a recompute."""
+    return _get_states(), _RNG_TRACKER.get_states()
+
+
+@contextlib.contextmanager
+def _recomputing(rng_states=None):
+    """A recompute in backward: ``is_recomputing()`` is True and, given a ``_rng_snapshot()``, the generators run
+    from it (the forward's dropout masks are drawn again); the live states are put back after. Either part of the
+    snapshot may be None: those generators are left alone (e.g. where torch.utils.checkpoint restores the default
+    ones itself)."""
+    default, tracker = rng_states if rng_states is not None else (None, None)
+    live_default = _get_states() if default is not None else None
+    live_tracker = _RNG_TRACKER.get_states() if tracker is not None else None
+    if default is not None:
+        _set_states(default)
+    if tracker is not None:
+        _RNG_TRACKER.set_states(tracker)
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
+        if live_default is not None:
+            _set_states(live_default)
+        if live_tracker is not None:
+            _RNG_TRACKER.set_states(live_tracker)
+
+
 def _recompute_contexts():
     """torch.utils.checkpoint ``context_fn``: the forward snapshots the tracker's named RNG states, the recompute runs
     with that snapshot (dropout under ``fork(...)`` draws the same masks) and puts the live states back after;
@@ -149,18 +178,7 @@ def _recompute_contexts():
         saved.update(_RNG_TRACKER.get_states())
         yield
 
-    @contextlib.contextmanager
-    def recompute():
-        live = _RNG_TRACKER.get_states()
-        _RNG_TRACKER.set_states(saved)
-        _RECOMPUTING[0] += 1
-        try:
-            yield
-        finally:
-            _RECOMPUTING[0] -= 1
-            _RNG_TRACKER.set_states(live)
-
-    return forward(), recompute()
+    return forward(), _recomputing((None, saved))  # the tracker's states only: they are read at the recompute
 
 
 def checkpoint(function, distribute_saved_activations: bool, *args):
@@ -187,29 +205,6 @@ def should_recompute(config, module: str) -> bool:
 # ---- output-discarding checkpoint (upstream's CheckpointWithoutOutput) ------------------------------------------
 def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
-
-
-def _rng_snapshot():
-    """The default CPU/CUDA generators' states and the tracker's named states, for a recompute."""
-    return _get_states(), _RNG_TRACKER.get_states()
-
-
-@contextlib.contextmanager
-def _recomputing(rng_states=None):
-    """A recompute in backward: ``is_recomputing()`` is True and, given a ``_rng_snapshot()``, the generators run
-    from it (the forward's dropout masks are drawn again); the live states are put back after."""
-    live = _rng_snapshot() if rng_states is not None else None
-    if rng_states is not None:
-        _set_states(rng_states[0])
-        _RNG_TRACKER.set_states(rng_states[1])
-    _RECOMPUTING[0] += 1
-    try:
-        yield
-    finally:
-        _RECOMPUTING[0] -= 1
-        if live is not None:
-            _set_states(live[0])
-            _RNG_TRACKER.set_states(live[1])
 
 
 def _inputs_for_recompute(ctx):
