@@ -50,6 +50,7 @@ def _config(a, grouped, **kw):
                 activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped,
                 bias_activation_fusion=not a.no_bias_swiglu_fusion, moe_router_fusion=a.moe_router_fusion,
+                apply_rope_fusion=not a.no_rope_fusion,
                 transformer_impl="transformer_engine" if te else "local",
                 params_dtype=torch.bfloat16 if cuda else torch.float32, bf16=cuda)
     base.update(kw)
@@ -199,6 +200,8 @@ def _parse():
     p.add_argument("--no-recompute", action="store_true", help="table 1 only")
     p.add_argument("--no-bias-swiglu-fusion", action="store_true",
                    help="SwiGLU by torch ops (default: fused, --bias-swiglu-fusion, upstream's default)")
+    p.add_argument("--no-rope-fusion", action="store_true",
+                   help="rotary embeddings by torch ops (default: TE's fused kernel, upstream's training default)")
     p.add_argument("--moe-router-fusion", action="store_true",
                    help="every row with TE's fused score function + top-k (torch ops where TE/CUDA are missing)")
     p.add_argument("--impl", choices=["transformer_engine", "local"], default="transformer_engine",
@@ -228,7 +231,7 @@ def main():
     print(f"# GPT MoE: {a.layers} layers, hidden {a.hidden}, 8 experts top-2, expert ffn {a.ffn}, seq {a.seq}, "
           f"micro-batch {a.micro_batch}; median of {a.repeats} interleaved rounds of {a.iters} steps after "
           f"{a.warmup} warm-up steps each; --transformer-impl {a.impl if a.device == 'cuda' else 'local'}"
-          f"; SwiGLU {'torch ops' if a.no_bias_swiglu_fusion else 'fused'}{', --moe-router-fusion' if a.moe_router_fusion else ''}"
+          f"; SwiGLU {'torch ops' if a.no_bias_swiglu_fusion else 'fused'}, RoPE {'torch ops' if a.no_rope_fusion else 'fused'}{', --moe-router-fusion' if a.moe_router_fusion else ''}"
           f"{', NVTE_USE_CUTLASS_GROUPED_GEMM=' + os.environ['NVTE_USE_CUTLASS_GROUPED_GEMM'] if 'NVTE_USE_CUTLASS_GROUPED_GEMM' in os.environ else ''}")
     rows = {"sequential": (False, False), "grouped": (True, False)}
     fusion = a.device == "cuda" and use_fused_permutation(_config(a, False, moe_permute_fusion=True),

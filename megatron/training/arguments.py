@@ -42,6 +42,9 @@ def _add_network_size_args(parser):
     )
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head's channels rotated.")
+    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                   help="Rotary embeddings by torch ops (default: Transformer Engine's fused kernel where TE and "
+                        "CUDA are there, as upstream; torch ops else).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm layer.")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norm layers.")
     g.add_argument("--swiglu", action="store_true", help="Use gated linear units with SiLU (SwiGLU).")
@@ -140,8 +143,6 @@ KERNEL_FLAGS = (
      "this fork has no fused bias-GeLU kernel"),
     ("--no-bias-dropout-fusion", dict(action="store_false", dest="bias_dropout_fusion"),
      "this fork has no fused bias-dropout-add kernel"),
-    ("--no-rope-fusion", dict(action="store_false", dest="apply_rope_fusion"),
-     "rotary embeddings are applied by plain torch ops here"),
     ("--cross-entropy-loss-fusion", dict(action="store_true"),
      "the loss is torch's cross entropy (vocab-parallel under TP) either way"),
     ("--cross-entropy-fusion-impl", dict(type=str, default="native", choices=["native", "te"]),
@@ -1246,6 +1247,7 @@ def core_transformer_config_from_args(args, config_class=None):
         gated_linear_unit=args.swiglu,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        apply_rope_fusion=bool(args.apply_rope_fusion),
         init_method_std=args.init_method_std,
         use_cpu_initialization=bool(args.use_cpu_initialization),
         init_model_with_meta_device=bool(args.init_model_with_meta_device),

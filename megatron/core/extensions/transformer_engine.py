@@ -94,6 +94,11 @@ te_moe_permute = _optional("transformer_engine.pytorch", "moe_permute")
 te_moe_permute_with_probs = _optional("transformer_engine.pytorch", "moe_permute_with_probs")
 te_moe_unpermute = _optional("transformer_engine.pytorch", "moe_unpermute")
 
+# ---- fused rotary embedding (--no-rope-fusion turns it off; used by megatron/core/models/common/embeddings/) ------
+# apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", ..., fused=True): one kernel forward and one backward,
+# freqs float32 [s, 1, 1, d2] with d2 <= t.shape[-1] (the rest of the channels pass through).
+te_apply_rotary_pos_emb = _optional("transformer_engine.pytorch.attention.rope", "apply_rotary_pos_emb")
+
 # ---- fused SwiGLU (--bias-swiglu-fusion; used by megatron/core/fusions/fused_bias_swiglu.py) ---------------------
 # transformer_engine_torch.swiglu(input, quantizer) -> silu(input[..., :d/2]) * input[..., d/2:] (quantizer None:
 # the input's dtype); dswiglu(grad_output, input, quantizer) -> the gradient w.r.t. input, [..., d].

@@ -132,8 +132,8 @@ class SelfAttention(MegatronModule):
         if self.config.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_pos_emb is not None:
-            q = apply_rotary_pos_emb(q, rotary_pos_emb)
-            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, self.config)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb, self.config)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if per_group > 1:

@@ -146,11 +146,15 @@ class TransformerConfig:
     ops else); the same values up to rounding. ``--bias-swiglu-fusion`` (on by default, as upstream) /
     ``--no-bias-swiglu-fusion``. No effect for other activations (no fused GeLU here)."""
 
+    apply_rope_fusion: bool = False
+    """Rotary embeddings by Transformer Engine's fused kernel (``megatron.core.models.common.embeddings.
+    rotary_pos_embedding``) where TE and CUDA are there, torch ops else; the same rotation up to rounding. On in
+    training unless ``--no-rope-fusion``, as upstream."""
+
     # ---- accepted for upstream compatibility; no effect in this fork ------------------------------------------
     gradient_accumulation_fusion: bool = False
     bias_dropout_fusion: bool = False
     masked_softmax_fusion: bool = False
-    apply_rope_fusion: bool = False
     persist_layer_norm: bool = False
     attention_softmax_in_fp32: bool = True
     apply_query_key_layer_scaling: bool = False

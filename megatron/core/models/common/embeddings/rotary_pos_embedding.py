@@ -1,5 +1,9 @@
 """Rotary position embedding (RoPE), non-interleaved (rotate-half) layout as upstream's default.
 
+With ``config.apply_rope_fusion`` (on in training unless ``--no-rope-fusion``, as upstream) the rotation runs as
+Transformer Engine's fused kernel (one kernel forward, one backward, fp32 math) where TE and CUDA are there; else,
+and without the flag, torch ops (cos/sin in the input's dtype): the same rotation up to rounding.
+
 No buffers: frequencies are computed in forward on the input's device, so nothing here is ever left on the meta
 device or needs materialising.
 """
@@ -31,8 +35,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` ``[s, b, heads, hn]`` by ``freqs`` ``[s, 1, 1, d]``."""
+def use_fused_rope(config, t: torch.Tensor) -> bool:
+    """``config.apply_rope_fusion`` where TE's fused kernel can run on ``t`` (TE installed, CUDA, non-empty)."""
+    from megatron.core.extensions.transformer_engine import te_apply_rotary_pos_emb
+
+    return (bool(getattr(config, "apply_rope_fusion", False)) and te_apply_rotary_pos_emb is not None and t.is_cuda
+            and t.numel() > 0)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` ``[s, b, heads, hn]`` by ``freqs`` ``[s, 1, 1, d]``
+    (float32); fused with ``config.apply_rope_fusion`` (see :func:`use_fused_rope`)."""
+    if config is not None and use_fused_rope(config, t):
+        from megatron.core.extensions.transformer_engine import te_apply_rotary_pos_emb
+
+        return te_apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", fused=True)
     d = freqs.shape[-1]
     t_rot, t_pass = t[..., :d], t[..., d:]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
