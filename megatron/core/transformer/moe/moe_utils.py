@@ -162,13 +162,49 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
 
 
+class _WeightRows(torch.autograd.Function):
+    """See :func:`weight_rows`."""
+
+    @staticmethod
+    def forward(ctx, rows, probs):
+        ctx.save_for_backward(rows, probs)
+        return torch.mul(rows, probs.unsqueeze(-1), out=torch.empty_like(rows))
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, probs = ctx.saved_tensors
+        grad_rows = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = torch.mul(grad, probs.unsqueeze(-1), out=torch.empty_like(rows))
+        if ctx.needs_input_grad[1]:
+            compute = torch.promote_types(torch.promote_types(grad.dtype, probs.dtype), torch.float32)
+            grad_probs = (grad.to(compute) * rows).sum(dim=-1).to(probs.dtype)
+        return grad_rows, grad_probs
+
+
+def weight_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[N, h]`` times ``probs`` ``[N]``, computed in the promoted dtype (float32 for bf16 rows and float32
+    probs) and rounded once to ``rows.dtype``; the same values as ``(rows.float() * probs[:, None]).to(rows.dtype)``
+    and its autograd, in one kernel each way for the rows, without an fp32 copy of the rows kept for backward."""
+    return _WeightRows.apply(rows, probs)
+
+
 def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, probs=None,
               fused: bool = False) -> torch.Tensor:
     """Inverse of :func:`permute` (``row_map`` and ``fused`` as it took/returned): each row, weighted by its prob
-    (in float32) when ``probs`` (the permuted probs ``[N]``) is given, is summed into its token's row of a zero
-    ``restore_shape`` tensor."""
+    when ``probs`` is given, is summed into its token's row of a zero ``restore_shape`` tensor. ``probs``: the permuted
+    probs ``[N]`` (weighted by :func:`weight_rows`), or with ``fused`` the router's probs ``[T, E]`` for the columns of
+    the routing map :func:`permute` took (Transformer Engine's kernel weights and sums in float32 and rounds once:
+    one pass each way)."""
+    if probs is not None and probs.dim() == 2:
+        if not fused:
+            raise ValueError("unpermute: probs [T, E] (merging probs) need fused=True; give the permuted probs [N]")
+        from megatron.core.extensions.transformer_engine import te_moe_unpermute
+
+        return te_moe_unpermute(permuted, row_map, merging_probs=probs, restore_shape=torch.Size(restore_shape),
+                                map_type="mask")
     if probs is not None:
-        permuted = (permuted.float() * probs.unsqueeze(-1)).to(permuted.dtype)
+        permuted = weight_rows(permuted, probs)
     if fused:
         from megatron.core.extensions.transformer_engine import te_moe_unpermute
 

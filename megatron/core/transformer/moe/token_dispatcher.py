@@ -91,10 +91,11 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.fused = use_fused_permutation(self.config, hidden_states)
         permuted, self.local_probs, self.row_map = permute(hidden_states, local_map, probs[:, lo:hi],
                                                            int(tokens_per_expert.sum()), self.fused)
+        self.merging_probs = probs[:, lo:hi] if self.fused else self.local_probs  # fused: TE weights as it sums
         return permuted, tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states):
-        return unpermute(hidden_states, self.row_map, self.gathered_shape, self.local_probs, self.fused)
+        return unpermute(hidden_states, self.row_map, self.gathered_shape, self.merging_probs, self.fused)
 
     def token_combine(self, hidden_states):
         return reduce_scatter_along_first_dim(self.ep_group, hidden_states, self.sizes)
@@ -120,7 +121,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             self.tokens_per_expert = per_local.sum(dim=0)
             routed = sum(self.input_splits) if ep > 1 else int(per_local.sum())  # this rank's (token, expert) rows
         self.fused = use_fused_permutation(self.config, hidden_states)
-        permuted, self.local_probs, self.row_map = permute(hidden_states, routing_map, probs, routed, self.fused)
+        # fused: TE's unpermute weights by the router's probs [T, E] as it sums (the permuted probs are not needed)
+        permuted, self.local_probs, self.row_map = permute(hidden_states, routing_map, None if self.fused else probs,
+                                                           routed, self.fused)
+        self.merging_probs = probs if self.fused else self.local_probs
         return permuted, self.local_probs
 
     def token_dispatch(self, hidden_states, probs):
@@ -146,7 +150,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         if self.ep_size > 1:
             hidden_states = all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
         return unpermute(hidden_states, self.row_map, (self.hidden_shape.numel() // self.hidden_shape[-1],
-                                                       self.hidden_shape[-1]), self.local_probs, self.fused)
+                                                       self.hidden_shape[-1]), self.merging_probs, self.fused)
 
 
 def build_token_dispatcher(num_local_experts: int, local_expert_indices: List[int], config) -> MoETokenDispatcher:

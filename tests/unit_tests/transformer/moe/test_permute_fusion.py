@@ -7,7 +7,7 @@ import torch
 
 from megatron.core.extensions.transformer_engine import te_moe_permute_with_probs
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.moe.moe_utils import permute, unpermute, use_fused_permutation
+from megatron.core.transformer.moe.moe_utils import permute, unpermute, use_fused_permutation, weight_rows
 
 HAVE_FUSED = te_moe_permute_with_probs is not None and torch.cuda.is_available()
 needs_fused = pytest.mark.skipif(not HAVE_FUSED, reason="needs CUDA and Transformer Engine's moe_permute")
@@ -44,11 +44,40 @@ def test_flag_reaches_config_and_cpu_keeps_torch_ops():
     torch.testing.assert_close(back, x * probs.sum(dim=-1, keepdim=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_rows_equals_fp32_product_rounded_once(dtype):
+    """One kernel each way, the values and gradients of ``(rows.float() * probs[:, None]).to(rows.dtype)``."""
+    torch.manual_seed(0)
+    rows0, probs0 = torch.randn(37, 24).to(dtype), torch.rand(37)
+    grad = torch.randn(37, 24).to(dtype)
+    got, ref = [], []
+    for fn, out in ((weight_rows, got), (lambda r, p: (r.float() * p[:, None]).to(r.dtype), ref)):
+        rows, probs = rows0.clone().requires_grad_(True), probs0.clone().requires_grad_(True)
+        y = fn(rows, probs)
+        y.backward(grad)
+        out.extend([y, rows.grad, probs.grad])
+    for a, b, what in zip(got, ref, ("values", "rows' grad", "probs' grad")):
+        assert a.dtype == b.dtype, what
+        torch.testing.assert_close(a, b, rtol=1e-6 if what == "probs' grad" else 0, atol=0, msg=what)
+    rows = rows0.clone().requires_grad_(True)
+    weight_rows(rows, probs0).sum().backward()  # probs without grad: none computed for them
+    assert rows.grad is not None
+
+
+def test_dense_merging_probs_need_the_fused_path():
+    x = torch.randn(5, 16)
+    routing_map, probs = _routing(5, 4, 2, "cpu")
+    out, _, rows = permute(x, routing_map, probs)
+    with pytest.raises(ValueError, match=r"probs \[T, E\] \(merging probs\) need fused=True"):
+        unpermute(out, rows, x.shape, probs)
+
+
 @pytest.mark.gpu
 @needs_fused
+@pytest.mark.parametrize("merging", [False, True])  # permuted probs [N] weighted first / TE merges by probs [T, E]
 @pytest.mark.parametrize("cols", [slice(0, 8), slice(2, 6)])  # all experts (alltoall), a local slice (allgather)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_equals_torch_ops(cols, dtype):
+def test_fused_equals_torch_ops(cols, dtype, merging):
     T, H = 300, 64
     full_map, full_probs = _routing(T, 8, 2, "cuda", seed=1)
     routing_map, probs0 = full_map[:, cols], full_probs[:, cols]
@@ -60,7 +89,7 @@ def test_fused_equals_torch_ops(cols, dtype):
         n = int(routing_map.sum())
         out, pprobs, rows = permute(x, routing_map, probs, n, fused=fused)
         y = out * 2.0 + 1.0  # an "expert"
-        back = unpermute(y, rows, x.shape, pprobs, fused=fused)
+        back = unpermute(y, rows, x.shape, probs if fused and merging else pprobs, fused=fused)
         (back.float() * torch.linspace(-1, 1, H, device="cuda")).sum().backward()
         results.append((out.detach(), pprobs.detach(), back.detach(), x.grad, probs.grad))
     ref, got = results
