@@ -301,7 +301,7 @@ class CheckpointWithoutOutput:
     A plain checkpoint keeps ``y`` (the consumer saved it) and runs the whole graph again; here ``y`` is stored
     only until the consumer has run, and in backward, when the gradient of ``hook_tensor`` arrives (before any
     consumer's backward needs ``y``), the function runs again with the forward's RNG states (the default CPU/CUDA
-    generators and the tracker's) and its values are copied back into ``y``'s storage, so every saved reference to
+    generators and the tracker's; none with ``preserve_rng_state=False``, for a function that draws none) and its values are copied back into ``y``'s storage, so every saved reference to
     ``y`` (views included) sees them. ``hook_tensor`` must be downstream of every consumer of ``y``. The function
     must return new tensors (no views of its inputs) and must not run FP8/FP4 GEMMs (TE's FP8 state is not
     restored: the callers checkpoint norms and activations only, which compute the same values under FP8). With
@@ -309,10 +309,11 @@ class CheckpointWithoutOutput:
     through an autograd.Function), or inside a ``checkpoint`` / ``recompute`` function (e.g. ``moe_act`` within a
     checkpointed ``moe``), it runs plainly and nothing is discarded."""
 
-    def __init__(self, fp8=None):
+    def __init__(self, fp8=None, preserve_rng_state: bool = True):
         if fp8:  # upstream's argument: TE's recompute contexts for a function with FP8 GEMMs
             raise NotImplementedError("CheckpointWithoutOutput(fp8=...): the function must not run FP8 GEMMs here; "
                                       "checkpoint it with tensor_parallel.random.recompute instead")
+        self.preserve_rng_state = preserve_rng_state  # False: the function draws no random numbers (a norm, an act)
         self.run_function = self.ctx = self.outputs = self.recomputed = self.rng_states = None
 
     def checkpoint(self, run_function, *args):
@@ -321,7 +322,7 @@ class CheckpointWithoutOutput:
                                      and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return run_function(*args)  # inside a checkpoint, or no graph to the inputs: plainly, nothing discarded
         self.run_function = run_function
-        self.rng_states = _rng_snapshot()
+        self.rng_states = _rng_snapshot() if self.preserve_rng_state else None
         outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         if any(o.untyped_storage().data_ptr() in inputs and o.numel() for o in _as_tuple(outputs)):
@@ -363,11 +364,12 @@ class CheckpointWithoutOutput:
             hook_tensor.register_hook(self.recompute)
 
 
-def checkpoint_without_output(function, consumer, *args):
+def checkpoint_without_output(function, consumer, *args, preserve_rng_state: bool = True):
     """``consumer(function(*args))`` with ``function``'s output discarded once ``consumer`` has run and recomputed when
     the gradient of ``consumer``'s output (its first element, for an ``(output, bias)`` pair) arrives
-    (``CheckpointWithoutOutput``): ``--recompute-modules layernorm`` / ``moe_act``."""
-    ckpt = CheckpointWithoutOutput()
+    (``CheckpointWithoutOutput``): ``--recompute-modules layernorm`` / ``moe_act``. ``preserve_rng_state=False`` for a
+    function that draws no random numbers (norms, activations): no generator states are snapshot or restored."""
+    ckpt = CheckpointWithoutOutput(preserve_rng_state=preserve_rng_state)
     result = consumer(ckpt.checkpoint(function, *args))
     ckpt.discard_output_and_register_recompute(result[0] if isinstance(result, tuple) else result)
     return result

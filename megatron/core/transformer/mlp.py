@@ -110,7 +110,7 @@ def activation_then_fc2(config, x: torch.Tensor, fc2, recompute_act: bool):
     ``CheckpointWithoutOutput``): it is stored once and only the activation runs twice."""
     if not recompute_act:
         return fc2(apply_activation(config, x))
-    return checkpoint_without_output(functools.partial(apply_activation, config), fc2, x)
+    return checkpoint_without_output(functools.partial(apply_activation, config), fc2, x, preserve_rng_state=False)
 
 
 @dataclass

@@ -211,7 +211,7 @@ class TransformerLayer(MegatronModule):
         recompute."""
         if isinstance(norm, IdentityOp) or not should_recompute(self.config, "layernorm"):
             return consumer(norm(x))
-        return checkpoint_without_output(norm, consumer, x)
+        return checkpoint_without_output(norm, consumer, x, preserve_rng_state=False)  # a norm draws nothing
 
     def _mlp(self, x):
         """The MLP / MoE layer, recomputed whole in backward with ``--recompute-modules mlp`` / ``moe``."""

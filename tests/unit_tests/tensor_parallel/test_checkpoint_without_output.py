@@ -154,3 +154,25 @@ def test_autograd_grad_is_refused():
     ckpt.discard_output_and_register_recompute(out)
     with pytest.raises(RuntimeError, match="autograd.grad"):
         torch.autograd.grad(out.sum(), x)
+
+
+def test_without_rng_state_no_generator_is_read_or_set(monkeypatch):
+    """``preserve_rng_state=False`` (what the norm / activation recompute passes): the same gradients, and neither the
+    forward nor the recompute touches a generator's state."""
+    import megatron.core.tensor_parallel.random as random_mod
+    from megatron.core.tensor_parallel.random import checkpoint_without_output
+
+    norm, lin, x = _setup()
+    (lin(norm(x)) ** 2).sum().backward()
+    ref = _grads(x, norm, lin)
+
+    touched = []
+    for name in ("_get_states", "_set_states", "_rng_snapshot"):
+        monkeypatch.setattr(random_mod, name, lambda *a, _n=name: touched.append(_n))
+    norm, lin, x = _setup()
+    (checkpoint_without_output(norm, lin, x, preserve_rng_state=False) ** 2).sum().backward()
+    assert touched == []
+    for a, b in zip(_grads(x, norm, lin), ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    checkpoint_without_output(norm, lin, x)  # with states kept (the default) the forward snapshots them
+    assert touched == ["_rng_snapshot"]
