@@ -139,13 +139,56 @@ def use_fused_permutation(config, tokens: torch.Tensor) -> bool:
             and None not in (te_moe_permute, te_moe_permute_with_probs, te_moe_unpermute))
 
 
+def _token_rows(sorted_indices: torch.Tensor, num_tokens: int, routes_per_token: int) -> torch.Tensor:
+    """``[T, k]``: the permuted rows of each token, in expert order (the stable argsort of the rows' tokens)."""
+    return torch.argsort(sorted_indices, stable=True).view(num_tokens, routes_per_token)
+
+
+def _sum_token_rows(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+    """``[N, h]`` permuted rows -> ``[T, h]``: each token's ``k`` rows summed (accumulated in fp32 for half
+    precision, rounded once): a gather and a reduction, deterministic, no atomics."""
+    t, k = token_rows.shape
+    return rows.index_select(0, token_rows.reshape(-1)).view(t, k, rows.shape[-1]).sum(dim=1)
+
+
+class _GatherTokenRows(torch.autograd.Function):
+    """``tokens[sorted_indices]`` whose backward sums each token's row gradients by :func:`_sum_token_rows`."""
+
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices, token_rows):
+        ctx.save_for_backward(token_rows)
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_rows,) = ctx.saved_tensors
+        return _sum_token_rows(grad, token_rows), None, None
+
+
+class _SumTokenRows(torch.autograd.Function):
+    """:func:`_sum_token_rows` whose backward gathers each row's token gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, sorted_indices, token_rows):
+        ctx.save_for_backward(sorted_indices)
+        return _sum_token_rows(rows, token_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sorted_indices,) = ctx.saved_tensors
+        return grad.index_select(0, sorted_indices), None, None
+
+
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
-            num_out_tokens: Optional[int] = None, fused: bool = False):
+            num_out_tokens: Optional[int] = None, fused: bool = False, routes_per_token: Optional[int] = None):
     """Sort ``tokens`` ``[T, h]`` by expert: row-major order of ``routing_map.T`` (``[E, T]``), i.e. by expert,
     then by token index. Returns ``(permuted [N, h], permuted_probs [N] or None, row_map)``,
     ``N = routing_map.sum()`` (``num_out_tokens`` when the caller knows it: no device sync for it). ``row_map`` is
     for :func:`unpermute`: ``sorted_indices [N]`` (the token of each row) with torch ops, Transformer Engine's
-    row-id map with ``fused`` (see :func:`use_fused_permutation`; the same rows in the same order)."""
+    row-id map with ``fused`` (see :func:`use_fused_permutation`; the same rows in the same order).
+    ``routes_per_token`` ``k``: every token has exactly ``k`` routes (top-k routing over all experts; checked on the
+    device without a sync): with torch ops the backward then sums each token's row gradients by a gather and a
+    reduction instead of atomic adds (give the same ``k`` to :func:`unpermute`)."""
     if fused:
         from megatron.core.extensions.transformer_engine import te_moe_permute, te_moe_permute_with_probs
 
@@ -159,7 +202,13 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     mask = routing_map.t()
     sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(0).expand_as(mask)[mask]
     permuted_probs = None if probs is None else probs.t()[mask]
-    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    if routes_per_token is None:
+        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    torch._assert_async(routing_map.sum(dim=1).eq(routes_per_token).all(),
+                        f"permute: routes_per_token={routes_per_token}, but a token of the routing map has another "
+                        "number of routes")
+    token_rows = _token_rows(sorted_indices, tokens.shape[0], routes_per_token)
+    return _GatherTokenRows.apply(tokens, sorted_indices, token_rows), permuted_probs, sorted_indices
 
 
 class _WeightRows(torch.autograd.Function):
@@ -190,12 +239,13 @@ def weight_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 
 def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, probs=None,
-              fused: bool = False) -> torch.Tensor:
+              fused: bool = False, routes_per_token: Optional[int] = None) -> torch.Tensor:
     """Inverse of :func:`permute` (``row_map`` and ``fused`` as it took/returned): each row, weighted by its prob
     when ``probs`` is given, is summed into its token's row of a zero ``restore_shape`` tensor. ``probs``: the permuted
     probs ``[N]`` (weighted by :func:`weight_rows`), or with ``fused`` the router's probs ``[T, E]`` for the columns of
     the routing map :func:`permute` took (Transformer Engine's kernel weights and sums in float32 and rounds once:
-    one pass each way)."""
+    one pass each way). ``routes_per_token`` as :func:`permute` took it: with torch ops each token's rows are then
+    summed by a gather and a reduction (no atomic adds; deterministic)."""
     if probs is not None and probs.dim() == 2:
         if not fused:
             raise ValueError("unpermute: probs [T, E] (merging probs) need fused=True; give the permuted probs [N]")
@@ -209,6 +259,9 @@ def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, prob
         from megatron.core.extensions.transformer_engine import te_moe_unpermute
 
         return te_moe_unpermute(permuted, row_map, restore_shape=torch.Size(restore_shape), map_type="mask")
+    if routes_per_token is not None:
+        token_rows = _token_rows(row_map, restore_shape[0], routes_per_token)
+        return _SumTokenRows.apply(permuted, row_map, token_rows)
     out = permuted.new_zeros(restore_shape)
     return out.index_add_(0, row_map, permuted)
 

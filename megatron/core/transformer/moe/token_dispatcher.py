@@ -122,8 +122,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             routed = sum(self.input_splits) if ep > 1 else int(per_local.sum())  # this rank's (token, expert) rows
         self.fused = use_fused_permutation(self.config, hidden_states)
         # fused: TE's unpermute weights by the router's probs [T, E] as it sums (the permuted probs are not needed)
+        # top-k routing over all experts: exactly k routes per token (the torch ops then sum without atomics)
+        self.routes_per_token = self.config.moe_router_topk
         permuted, self.local_probs, self.row_map = permute(hidden_states, routing_map, None if self.fused else probs,
-                                                           routed, self.fused)
+                                                           routed, self.fused, self.routes_per_token)
         self.merging_probs = probs if self.fused else self.local_probs
         return permuted, self.local_probs
 
@@ -150,7 +152,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         if self.ep_size > 1:
             hidden_states = all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
         return unpermute(hidden_states, self.row_map, (self.hidden_shape.numel() // self.hidden_shape[-1],
-                                                       self.hidden_shape[-1]), self.merging_probs, self.fused)
+                                                       self.hidden_shape[-1]), self.merging_probs, self.fused,
+                         self.routes_per_token)
 
 
 def build_token_dispatcher(num_local_experts: int, local_expert_indices: List[int], config) -> MoETokenDispatcher:

@@ -64,6 +64,38 @@ def test_weight_rows_equals_fp32_product_rounded_once(dtype):
     assert rows.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("topk", [1, 2, 3])
+def test_routes_per_token_sums_without_atomics_as_index_add(dtype, topk):
+    """``routes_per_token``: permute's backward and unpermute sum each token's rows by a gather and a reduction;
+    the same values and gradients as the index_add path (fp32 exactly for k <= 2; bf16 within rounding)."""
+    torch.manual_seed(0)
+    T, E, H = 23, 5, 16
+    routing_map, probs0 = _routing(T, E, topk, "cpu", seed=topk)
+    x0 = torch.randn(T, H).to(dtype)
+    head = torch.randn(T, H)
+    results = []
+    for k in (None, topk):
+        x, probs = x0.clone().requires_grad_(True), probs0.clone().requires_grad_(True)
+        out, pprobs, rows = permute(x, routing_map, probs, routes_per_token=k)
+        back = unpermute(out * 3.0, rows, x.shape, pprobs, routes_per_token=k)
+        (back.float() * head).sum().backward()
+        results.append((out, back, x.grad, probs.grad))
+    exact = dtype == torch.float32 and topk <= 2
+    for a, b, what in zip(results[1], results[0], ("rows", "combined", "tokens' grad", "probs' grad")):
+        if exact or what == "rows":
+            assert torch.equal(a, b), what
+        else:  # summation order / fp32 accumulation instead of bf16 atomic adds
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=what)
+
+
+def test_routes_per_token_checks_the_routing_map():
+    x = torch.randn(4, 8)
+    routing_map = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1], [1, 0, 1]], dtype=torch.bool)  # 2, 1, 2, 2 routes
+    with pytest.raises(RuntimeError, match="routes_per_token=2, but a token of the routing map has another number"):
+        permute(x, routing_map, routes_per_token=2)
+
+
 def test_dense_merging_probs_need_the_fused_path():
     x = torch.randn(5, 16)
     routing_map, probs = _routing(5, 4, 2, "cpu")
