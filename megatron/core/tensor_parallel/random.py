@@ -301,9 +301,10 @@ class CheckpointWithoutOutput:
     A plain checkpoint keeps ``y`` (the consumer saved it) and runs the whole graph again; here ``y`` is stored
     only until the consumer has run, and in backward, when the gradient of ``hook_tensor`` arrives (before any
     consumer's backward needs ``y``), the function runs again with the forward's RNG states (the default CPU/CUDA
-    generators and the tracker's; none with ``preserve_rng_state=False``, for a function that draws none) and its values are copied back into ``y``'s storage, so every saved reference to
-    ``y`` (views included) sees them. ``hook_tensor`` must be downstream of every consumer of ``y``. The function
-    must return new tensors (no views of its inputs) and must not run FP8/FP4 GEMMs (TE's FP8 state is not
+    generators and the tracker's; none with ``preserve_rng_state=False``, for a function that draws none) and its
+    values are copied back into ``y``'s storage, so every saved reference to ``y`` (views included) sees them.
+    ``hook_tensor`` must be downstream of every consumer of ``y``. The function must return new tensors (no views
+    of its inputs) and must not run FP8/FP4 GEMMs (TE's FP8 state is not
     restored: the callers checkpoint norms and activations only, which compute the same values under FP8). With
     grad disabled, or no tensor input that requires grad (the function's own parameters would get no gradient
     through an autograd.Function), or inside a ``checkpoint`` / ``recompute`` function (e.g. ``moe_act`` within a

@@ -216,7 +216,7 @@ class _WeightRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, probs):
-        ctx.save_for_backward(rows, probs)
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, probs)  # rows only for the probs' grad
         return torch.mul(rows, probs.unsqueeze(-1), out=torch.empty_like(rows))
 
     @staticmethod
@@ -224,7 +224,8 @@ class _WeightRows(torch.autograd.Function):
         rows, probs = ctx.saved_tensors
         grad_rows = grad_probs = None
         if ctx.needs_input_grad[0]:
-            grad_rows = torch.mul(grad, probs.unsqueeze(-1), out=torch.empty_like(rows))
+            grad_rows = torch.mul(grad, probs.unsqueeze(-1),
+                                  out=torch.empty_like(grad, memory_format=torch.contiguous_format))
         if ctx.needs_input_grad[1]:
             compute = torch.promote_types(torch.promote_types(grad.dtype, probs.dtype), torch.float32)
             grad_probs = (grad.to(compute) * rows).sum(dim=-1).to(probs.dtype)
@@ -232,10 +233,21 @@ class _WeightRows(torch.autograd.Function):
 
 
 def weight_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``[N, h]`` times ``probs`` ``[N]``, computed in the promoted dtype (float32 for bf16 rows and float32
-    probs) and rounded once to ``rows.dtype``; the same values as ``(rows.float() * probs[:, None]).to(rows.dtype)``
-    and its autograd, in one kernel each way for the rows, without an fp32 copy of the rows kept for backward."""
+    """``rows`` ``[N, h]`` times ``probs`` ``[N]``, computed in the dtype ``c`` the two promote to (float32 for bf16
+    rows and float32 probs) and rounded once to ``rows.dtype``: the values of ``(rows.to(c) * probs[:, None].to(c))
+    .to(rows.dtype)`` and its autograd, in one kernel each way for the rows, without a copy of the rows in ``c``
+    kept for backward (the rows themselves are kept only when ``probs`` needs a gradient)."""
     return _WeightRows.apply(rows, probs)
+
+
+def _zero_rows_connected(permuted: torch.Tensor, restore_shape, probs=None) -> torch.Tensor:
+    """Zeros of ``restore_shape`` for no permuted rows, still on the autograd graph of ``permuted`` and ``probs``
+    (their gradients come back as zeros: every parameter before them gets one, as on the ranks with rows)."""
+    out = permuted.new_zeros(restore_shape)
+    for t in (permuted, probs):
+        if t is not None and t.requires_grad:
+            out = out + t.sum().to(out.dtype) * 0
+    return out
 
 
 def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, probs=None,
@@ -246,9 +258,11 @@ def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, prob
     the routing map :func:`permute` took (Transformer Engine's kernel weights and sums in float32 and rounds once:
     one pass each way). ``routes_per_token`` as :func:`permute` took it: with torch ops each token's rows are then
     summed by a gather and a reduction (no atomic adds; deterministic)."""
+    if probs is not None and probs.dim() == 2 and not fused:
+        raise ValueError("unpermute: probs [T, E] (merging probs) need fused=True; give the permuted probs [N]")
+    if fused and permuted.shape[0] == 0:  # TE hands an empty input back as it is (not restore_shape, not zeros)
+        return _zero_rows_connected(permuted, restore_shape, probs)
     if probs is not None and probs.dim() == 2:
-        if not fused:
-            raise ValueError("unpermute: probs [T, E] (merging probs) need fused=True; give the permuted probs [N]")
         from megatron.core.extensions.transformer_engine import te_moe_unpermute
 
         return te_moe_unpermute(permuted, row_map, merging_probs=probs, restore_shape=torch.Size(restore_shape),

@@ -96,6 +96,32 @@ def test_routes_per_token_checks_the_routing_map():
         permute(x, routing_map, routes_per_token=2)
 
 
+def test_weight_rows_keeps_the_rows_only_for_the_probs_gradient():
+    from torch.autograd.graph import saved_tensors_hooks
+
+    rows = torch.randn(64, 32, requires_grad=True)
+    for probs_grad, kept_rows in ((False, False), (True, True)):
+        probs = torch.rand(64, requires_grad=probs_grad)
+        saved = []
+        with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            weight_rows(rows, probs)
+        assert any(t is rows for t in saved) is kept_rows
+
+
+def test_fused_unpermute_of_no_rows_gives_connected_zeros():
+    """A rank whose local experts got no rows (allgather, EP > 1): zeros of restore_shape (TE would hand the empty
+    input back), with zero gradients reaching the rows and the merging probs."""
+    rows = torch.zeros(0, 16, requires_grad=True)
+    probs = torch.rand(5, 2, requires_grad=True)
+    for p in (probs, torch.zeros(0, requires_grad=True), None):
+        out = unpermute(rows, torch.zeros(5, 5, dtype=torch.int32), (5, 16), p, fused=True)
+        assert out.shape == (5, 16) and not out.any()
+        out.sum().backward()
+        assert rows.grad is not None and rows.grad.shape == (0, 16)
+        if p is not None:
+            assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))
+
+
 def test_dense_merging_probs_need_the_fused_path():
     x = torch.randn(5, 16)
     routing_map, probs = _routing(5, 4, 2, "cpu")
@@ -112,12 +138,14 @@ def test_dense_merging_probs_need_the_fused_path():
 def test_fused_equals_torch_ops(cols, dtype, merging):
     T, H = 300, 64
     full_map, full_probs = _routing(T, 8, 2, "cuda", seed=1)
-    routing_map, probs0 = full_map[:, cols], full_probs[:, cols]
+    routing_map = full_map[:, cols]
     x0 = torch.randn(T, H, device="cuda", dtype=dtype)
     results = []
     for fused in (False, True):
         x = x0.clone().requires_grad_(True)
-        probs = probs0.clone().requires_grad_(True)
+        all_probs = full_probs.clone().requires_grad_(True)
+        probs = all_probs[:, cols]  # a column slice (allgather's local experts): strided merging probs
+        probs.retain_grad()
         n = int(routing_map.sum())
         out, pprobs, rows = permute(x, routing_map, probs, n, fused=fused)
         y = out * 2.0 + 1.0  # an "expert"
