@@ -7,6 +7,8 @@ A GPT MoE model (8 experts, top-2, SwiGLU) runs forward + backward (no optimizer
 model's). Every configuration of a table is built first and warmed up (``--warmup`` steps each); then the rows are
 timed interleaved: ``--repeats`` rounds, each timing ``--iters`` steps of every configuration in turn, and a row's
 time is the median over the rounds, so no row is measured while the device warms up or the others' caches settle.
+Beside it, the fastest round's time per step (host jitter only adds time: the fastest rounds compare the rows with
+less of it); the goals are judged on the medians.
 
 Table 1: step time with SequentialMLP and with --moe-grouped-gemm at the same micro-batch, each with the torch
 ops' token permutation and (on CUDA with Transformer Engine) with ``--moe-permute-fusion`` (TE's fused kernels, what
@@ -85,8 +87,10 @@ def _sync(a):
         torch.cuda.synchronize()
 
 
-def step_times(models, a, mb):
-    """{name: median seconds per step}: warm-up, then ``a.repeats`` interleaved rounds of ``a.iters`` steps each."""
+def step_times(models, a, mb, best=None):
+    """{name: median seconds per step}: warm-up, then ``a.repeats`` interleaved rounds of ``a.iters`` steps each.
+    ``best`` (a dict, optional) gets {name: the fastest round's seconds per step}: host jitter only adds time, so
+    the fastest rounds compare the rows with less of it (reported beside the medians, never instead of them)."""
     batch = _batch(a, mb)
     for model in models.values():
         for _ in range(a.warmup):
@@ -100,6 +104,8 @@ def step_times(models, a, mb):
                 _step(model, batch)
             _sync(a)
             times[name].append((time.perf_counter() - t0) / a.iters)
+    if best is not None:
+        best.update({name: min(t) for name, t in times.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -239,14 +245,16 @@ def main():
     if fusion:
         rows.update({"sequential, permute fusion": (False, True), "grouped, permute fusion": (True, True)})
     models = {name: _build(a, _config(a, grouped, moe_permute_fusion=fused)) for name, (grouped, fused) in rows.items()}
-    times = step_times(models, a, a.micro_batch)
-    print("| experts | step ms | tokens/s |\n| --- | ---: | ---: |")
+    best = {}
+    times = step_times(models, a, a.micro_batch, best)
+    print("| experts | step ms | tokens/s | fastest round ms |\n| --- | ---: | ---: | ---: |")
     for name, t in times.items():
-        results["experts"][name] = dict(step_s=t, tokens_per_s=tokens / t)
-        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:.0f} |")
+        results["experts"][name] = dict(step_s=t, tokens_per_s=tokens / t, fastest_round_step_s=best[name])
+        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:.0f} | {best[name] * 1e3:.1f} |")
     for suffix in ("", ", permute fusion") if fusion else ("",):
         print(f"grouped / sequential tokens/s{suffix}: "
-              f"{times['sequential' + suffix] / times['grouped' + suffix]:.2f} (goal >= 1.3)")
+              f"{times['sequential' + suffix] / times['grouped' + suffix]:.2f} (goal >= 1.3; fastest rounds "
+              f"{best['sequential' + suffix] / best['grouped' + suffix]:.2f})")
     print()
     if a.profile:
         for name, model in models.items():
@@ -257,9 +265,11 @@ def main():
         return _write(a, results)
 
     models = {name: _build(a, _config(a, True, **kw)) for name, kw in RECOMPUTE.items()}
-    times = step_times(models, a, a.micro_batch)
+    best = {}
+    times = step_times(models, a, a.micro_batch, best)
     for name, model in models.items():
         results["recompute"][name] = dict(step_s=times[name], tokens_per_s=tokens / times[name],
+                                          fastest_round_step_s=best[name],
                                           kept_mib=kept_bytes(model, a, a.micro_batch) / 2**20,
                                           peak_activation_mib=peak_activation_mib(model, a, a.micro_batch))
     if a.profile:
@@ -284,8 +294,9 @@ def main():
               f"{r.get('largest_micro_batch', '-')} |")
     for name in RECOMPUTE:
         if name.startswith("selective"):
-            print(f"{name}: tokens/s cost {1 - off['step_s'] / results['recompute'][name]['step_s']:.1%} "
-                  "(goal <= 5 %)")
+            r = results["recompute"][name]
+            print(f"{name}: tokens/s cost {1 - off['step_s'] / r['step_s']:.1%} (goal <= 5 %; fastest rounds "
+                  f"{1 - off['fastest_round_step_s'] / r['fastest_round_step_s']:.1%})")
     full = results["recompute"]["full"]
     mem = "peak_activation_mib" if a.device == "cuda" else "kept_mib"
     print(f"full: activation memory cut {1 - _ratio(full[mem], off[mem]):.1%} ({mem}; goal >= 60 %)")
