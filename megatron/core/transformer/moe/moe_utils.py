@@ -250,6 +250,20 @@ def _zero_rows_connected(permuted: torch.Tensor, restore_shape, probs=None) -> t
     return out
 
 
+def _te_unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, probs=None) -> torch.Tensor:
+    """:func:`unpermute` with Transformer Engine's kernel: merging probs ``[T, E]`` weighted inside it, permuted
+    probs ``[N]`` by :func:`weight_rows` first; no rows give connected zeros (TE hands an empty input back as is)."""
+    from megatron.core.extensions.transformer_engine import te_moe_unpermute
+
+    if permuted.shape[0] == 0:
+        return _zero_rows_connected(permuted, restore_shape, probs)
+    merging = probs if probs is not None and probs.dim() == 2 else None
+    if probs is not None and merging is None:
+        permuted = weight_rows(permuted, probs)
+    return te_moe_unpermute(permuted, row_map, merging_probs=merging, restore_shape=torch.Size(restore_shape),
+                            map_type="mask")
+
+
 def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, probs=None,
               fused: bool = False, routes_per_token: Optional[int] = None) -> torch.Tensor:
     """Inverse of :func:`permute` (``row_map`` and ``fused`` as it took/returned): each row, weighted by its prob
@@ -260,19 +274,10 @@ def unpermute(permuted: torch.Tensor, row_map: torch.Tensor, restore_shape, prob
     summed by a gather and a reduction (no atomic adds; deterministic)."""
     if probs is not None and probs.dim() == 2 and not fused:
         raise ValueError("unpermute: probs [T, E] (merging probs) need fused=True; give the permuted probs [N]")
-    if fused and permuted.shape[0] == 0:  # TE hands an empty input back as it is (not restore_shape, not zeros)
-        return _zero_rows_connected(permuted, restore_shape, probs)
-    if probs is not None and probs.dim() == 2:
-        from megatron.core.extensions.transformer_engine import te_moe_unpermute
-
-        return te_moe_unpermute(permuted, row_map, merging_probs=probs, restore_shape=torch.Size(restore_shape),
-                                map_type="mask")
+    if fused:
+        return _te_unpermute(permuted, row_map, restore_shape, probs)
     if probs is not None:
         permuted = weight_rows(permuted, probs)
-    if fused:
-        from megatron.core.extensions.transformer_engine import te_moe_unpermute
-
-        return te_moe_unpermute(permuted, row_map, restore_shape=torch.Size(restore_shape), map_type="mask")
     if routes_per_token is not None:
         token_rows = _token_rows(row_map, restore_shape[0], routes_per_token)
         return _SumTokenRows.apply(permuted, row_map, token_rows)
