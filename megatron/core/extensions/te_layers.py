@@ -288,7 +288,35 @@ if HAVE_TE and _te.TEGroupedLinear is not None:  # pragma: no cover - runs only 
             self._tag(is_expert)
 
         def forward(self, x, m_splits):
-            return _te.TEGroupedLinear.forward(self, x, [int(m) for m in m_splits]), None
+            m_splits = [int(m) for m in m_splits]
+            if self.uses_torch_grouped_mm(x):
+                from megatron.core.transformer.moe.grouped_gemm_util import add_grouped_bias, grouped_gemm
+
+                out = grouped_gemm(x, self._weights(), m_splits)
+                if self.use_bias:
+                    out = add_grouped_bias(out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)], m_splits)
+                return out, None
+            return _te.TEGroupedLinear.forward(self, x, m_splits), None
+
+        def _weights(self):
+            return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+        def uses_torch_grouped_mm(self, x) -> bool:
+            """Unquantized experts (no FP8/FP4: not configured, not inside TE's autocast, plain weights) without
+            expert tensor parallelism run their GEMMs as torch's grouped matmul on this layer's weights (the same
+            parameters, names and checkpoints): on the H200 it is faster than TE's grouped GEMM in bf16
+            (``benchmarks/grouped_gemm_kernels.py``). FP8/FP4 runs, and TP > 1 (TE's communication), stay on TE."""
+            from megatron.core.fp8_utils import is_quantized_tensor
+            from megatron.core.transformer.moe.grouped_gemm_util import use_torch_grouped_mm
+
+            if self.tp_size > 1 or not x.is_cuda or getattr(self.config, "fp8", None) or getattr(self.config, "fp4",
+                                                                                                  None):
+                return False
+            state = _te.te_fp8_global_state
+            if state is None or state.is_fp8_enabled():  # unknown TE, or inside its autocast: TE's own path
+                return False
+            weights = self._weights()
+            return not any(is_quantized_tensor(w) for w in weights) and use_torch_grouped_mm(x, weights)
 
         def expert_extra_state(self, i: int):
             return te_extra_state.split_gemm_state(self.get_extra_state(), self.num_gemms, i)

@@ -88,6 +88,10 @@ te_quantized_model_init = _optional("transformer_engine.pytorch", "quantized_mod
     "transformer_engine.pytorch", "fp8_model_init"
 )
 te_recipe = _optional("transformer_engine.common", "recipe")
+# FP8GlobalStateManager.is_fp8_enabled(): inside TE's (FP8/FP4) autocast now
+te_fp8_global_state = _optional("transformer_engine.pytorch.quantization", "FP8GlobalStateManager") or _optional(
+    "transformer_engine.pytorch.fp8", "FP8GlobalStateManager"
+)
 
 # ---- MoE token permutation kernels (--moe-permute-fusion; used by megatron/core/transformer/moe/moe_utils.py) -----
 te_moe_permute = _optional("transformer_engine.pytorch", "moe_permute")

@@ -32,7 +32,9 @@ from megatron.core.transformer.utils import set_param_attrs
 _EXTRA_STATE_N = re.compile(r"_extra_state\d+$")
 
 
-def _use_torch_grouped_mm(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+def use_torch_grouped_mm(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`grouped_gemm` runs ``torch._grouped_mm`` here (this torch has it, 2-D input, fp32/bf16, row
+    strides a multiple of 16 bytes); else it loops over ``F.linear``."""
     if not hasattr(torch, "_grouped_mm") or x.dim() != 2 or not weights:
         return False
     if x.dtype not in (torch.float32, torch.bfloat16) or any(w.dtype != x.dtype for w in weights):
@@ -48,7 +50,7 @@ def grouped_gemm(x: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: Seq
     if len(m_splits) != len(weights) or sum(m_splits) != x.shape[0]:
         raise ValueError(f"grouped_gemm: m_splits {m_splits} does not match {len(weights)} weights and "
                          f"{x.shape[0]} rows")
-    if _use_torch_grouped_mm(x, weights):
+    if use_torch_grouped_mm(x, weights):
         offs = torch.tensor(m_splits, device=x.device, dtype=torch.int64).cumsum(0).to(torch.int32)
         w = torch.stack(list(weights)).transpose(-2, -1)  # [n, in, out]
         out = torch._grouped_mm(x.contiguous(), w, offs=offs)

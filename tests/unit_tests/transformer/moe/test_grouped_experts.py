@@ -25,8 +25,8 @@ def test_grouped_gemm_matches_per_expert_linears(torch_grouped, dtype, monkeypat
     if torch_grouped and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
     if not torch_grouped:
-        monkeypatch.setattr(grouped_gemm_util, "_use_torch_grouped_mm", lambda x, w: False)
-    assert grouped_gemm_util._use_torch_grouped_mm(torch.zeros(1, 16, dtype=dtype),
+        monkeypatch.setattr(grouped_gemm_util, "use_torch_grouped_mm", lambda x, w: False)
+    assert grouped_gemm_util.use_torch_grouped_mm(torch.zeros(1, 16, dtype=dtype),
                                                    [torch.zeros(8, 16, dtype=dtype)]) is torch_grouped
     g = torch.Generator().manual_seed(0)
     splits = [3, 0, 6, 1]  # an expert without tokens

@@ -170,3 +170,31 @@ def test_recompute_fp8_delayed_scaling_equals_no_recompute():
         for n, g in ref[1].items():
             torch.testing.assert_close(got[1][n], g, rtol=0, atol=0, msg=f"{name}: {n}")
         torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unquantized_te_grouped_experts_run_torch_grouped_mm_like_te(dtype, monkeypatch):
+    """bf16/fp32 TE grouped experts (no FP8, TP 1) run torch's grouped matmul on their own weights: the loss and every
+    gradient equal those of TE's grouped GEMM (forced by turning the check off) up to rounding; FP8 stays on TE."""
+    from megatron.core.extensions import te_layers
+
+    calls = []
+    real = te_layers.TEGroupedLinear.uses_torch_grouped_mm
+    monkeypatch.setattr(te_layers.TEGroupedLinear, "uses_torch_grouped_mm",
+                        lambda self, x: calls.append(real(self, x)) or calls[-1])
+    results = []
+    for torch_path in (True, False):
+        if not torch_path:
+            monkeypatch.setattr(te_layers.TEGroupedLinear, "uses_torch_grouped_mm", lambda self, x: False)
+        model = _build(_cfg(True, params_dtype=dtype, bf16=dtype == torch.bfloat16, add_bias_linear=True), 0)
+        loss = _loss(model)
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    assert calls and all(calls)  # every grouped linear call took torch's grouped matmul in the first model
+    (loss_t, grads_t), (loss_te, grads_te) = results
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert abs(loss_t - loss_te) / loss_te.abs() < tol
+    for name, g in grads_te.items():
+        assert (grads_t[name] - g).norm() <= tol * g.norm() + 1e-6, name
+    fp8 = _build(_cfg(True, fp8="hybrid", fp8_recipe="delayed"), 0).decoder.layers[0].mlp.experts.linear_fc1
+    assert not real(fp8, torch.zeros(4, 64, device="cuda"))
