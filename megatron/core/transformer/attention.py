@@ -6,6 +6,7 @@ group, ``[q heads of the group, k, v]`` each ``kv_channels`` wide, so the column
 rank ``num_query_groups / tp`` whole groups and their heads.
 """
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,6 +72,28 @@ def sdpa_backend(attention_backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(getattr(SDPBackend, name))
+
+
+def fused_sdpa_kernel(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` runs a fused kernel for these inputs under the current backend
+    flags (cuDNN, flash or memory-efficient attention). A fused kernel keeps for backward only q, k, v, its output
+    and per-row softmax statistics, never the ``[s, s]`` probabilities; the math backend (CPU, ``--attention-backend
+    unfused``) keeps those. Call it inside ``sdpa_backend(...)`` to see that backend's choice."""
+    if not q.is_cuda:
+        return False
+    import torch.backends.cuda as sdp
+
+    try:
+        params = sdp.SDPAParams(q, k, v, attention_mask, dropout_p, attention_mask is None, False)
+    except (TypeError, RuntimeError):  # another torch's signature: assume the math kernel (recompute stays on)
+        return False
+    kernels = ((sdp.cudnn_sdp_enabled, getattr(sdp, "can_use_cudnn_attention", None)),
+               (sdp.flash_sdp_enabled, sdp.can_use_flash_attention),
+               (sdp.mem_efficient_sdp_enabled, sdp.can_use_efficient_attention))
+    return any(enabled() and can_use is not None and can_use(params) for enabled, can_use in kernels)
+
+
+_LOGGED_FUSED_SKIP = [False]
 
 
 class SelfAttention(MegatronModule):
@@ -139,13 +162,30 @@ class SelfAttention(MegatronModule):
         if per_group > 1:
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
-        if should_recompute(self.config, "core_attn"):
+        if should_recompute(self.config, "core_attn") and not self._fused_core_attention(q, k, v, attention_mask):
             ctx = recompute(self.config, self.core_attention, q, k, v, attention_mask, parameter_free=True,
                             preserve_rng_state=self.training and self.config.attention_dropout > 0)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(ctx)
+
+    def _fused_core_attention(self, q, k, v, attention_mask) -> bool:
+        """``--recompute-modules core_attn`` with a fused attention kernel: nothing to free (the kernel keeps only
+        its inputs, output and softmax statistics: 4 of 8397 MiB kept for backward in
+        ``benchmarks/moe_grouped_recompute.py`` on the H200), so the core attention is not recomputed
+        (Megatron-LM's legacy ``ParallelAttention`` skipped it under ``--use-flash-attn`` too); with the math
+        kernel (which keeps the ``[s, s]`` probabilities) it is."""
+        mask = None if attention_mask is None else ~attention_mask.bool()
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        with sdpa_backend(self.config.attention_backend):
+            fused = fused_sdpa_kernel(q, k, v, mask, dropout_p)
+        if fused and not _LOGGED_FUSED_SKIP[0]:
+            _LOGGED_FUSED_SKIP[0] = True
+            logging.getLogger(__name__).info(
+                "--recompute-modules core_attn: core attention runs a fused SDPA kernel (no [s, s] activations to "
+                "free), so it is not recomputed")
+        return fused
 
     def core_attention(self, q, k, v, attention_mask=None):
         """``softmax(q k^T / sqrt(d)) v`` with dropout, ``[b, n, s, d]``; recomputed in backward with

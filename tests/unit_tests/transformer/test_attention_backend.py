@@ -65,3 +65,76 @@ def test_cuda_kernels_match_math(backend):
     with sdpa_backend(backend):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def _attention(device, dtype, backend="auto", recompute=True):
+    from megatron.core.transformer.attention import SelfAttention
+
+    rc = dict(recompute_granularity="selective", recompute_modules=["core_attn"]) if recompute else {}
+    cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=2, params_dtype=dtype,
+                            bf16=dtype == torch.bfloat16, attention_backend=backend, attention_dropout=0.0, **rc)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return SelfAttention(cfg)
+
+
+def _recomputes(monkeypatch, attn, x) -> int:
+    """How many core-attention recomputes one forward + backward of ``attn`` set up."""
+    from megatron.core.transformer import attention
+
+    calls = []
+    real = attention.recompute
+    monkeypatch.setattr(attention, "recompute", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out, _ = attn(x)
+    out.float().sum().backward()
+    return len(calls)
+
+
+def test_core_attn_recompute_stays_on_with_the_math_kernel(monkeypatch):
+    """On CPU (the math kernel keeps the [s, s] probabilities) ``--recompute-modules core_attn`` recomputes."""
+    from megatron.core.transformer.attention import fused_sdpa_kernel
+
+    q = torch.randn(1, 2, 8, 64)
+    assert not fused_sdpa_kernel(q, q, q)
+    assert _recomputes(monkeypatch, _attention("cpu", torch.float32), torch.randn(8, 2, 128)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_core_attn_not_recomputed_under_a_fused_kernel(monkeypatch):
+    """bf16 on CUDA (flash / memory-efficient / cuDNN attention keep no [s, s] tensors): the core attention is not
+    recomputed and the result is exactly that without recompute; forced to the math kernel it is recomputed and the
+    bytes kept for backward drop by at least the probabilities."""
+    from megatron.core.transformer.attention import fused_sdpa_kernel
+
+    q = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    for backend, fused in (("flash", True), ("fused", True), ("unfused", False), ("auto", True)):
+        with sdpa_backend(backend):
+            assert fused_sdpa_kernel(q, q, q) is fused, backend
+    x = torch.randn(256, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = _attention("cuda", torch.bfloat16, recompute=False)
+    out_ref, _ = ref(x)
+    out_ref.float().sum().backward()
+    got = _attention("cuda", torch.bfloat16)
+    assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
+    for (name, p), p_ref in zip(got.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=0, atol=0, msg=name)
+
+    from torch.autograd.graph import saved_tensors_hooks
+
+    def kept(attn):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            out, _ = attn(x)
+        out.float().sum().backward()
+        return sum(storages.values())
+
+    math_plain, math_recompute = (_attention("cuda", torch.bfloat16, "unfused", recompute=r) for r in (False, True))
+    assert _recomputes(monkeypatch, math_recompute, x) == 1
+    probs = 2 * 2 * 256 * 256 * 2  # b * heads * s * s bf16
+    assert kept(math_plain) - kept(math_recompute) >= probs
