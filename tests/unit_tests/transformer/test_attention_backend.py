@@ -103,7 +103,7 @@ def test_core_attn_recompute_stays_on_with_the_math_kernel(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_core_attn_not_recomputed_under_a_fused_kernel(monkeypatch):
     """bf16 on CUDA (flash / memory-efficient / cuDNN attention keep no [s, s] tensors): the core attention is not
-    recomputed and the result is exactly that without recompute; forced to the math kernel it is recomputed and the
+    recomputed and the gradients equal those without recompute; forced to the math kernel it is recomputed and the
     bytes kept for backward drop by at least the probabilities."""
     from megatron.core.transformer.attention import fused_sdpa_kernel
 
@@ -118,7 +118,8 @@ def test_core_attn_not_recomputed_under_a_fused_kernel(monkeypatch):
     got = _attention("cuda", torch.bfloat16)
     assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
     for (name, p), p_ref in zip(got.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, rtol=0, atol=0, msg=name)
+        # flash attention's backward accumulates dq with atomics: equal up to bf16 rounding, not bitwise
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=2e-2, atol=2e-2 * p_ref.grad.abs().max().item(), msg=name)
 
     from torch.autograd.graph import saved_tensors_hooks
 

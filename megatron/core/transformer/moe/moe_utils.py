@@ -179,6 +179,22 @@ class _SumTokenRows(torch.autograd.Function):
         return grad.index_select(0, sorted_indices), None, None
 
 
+def _routes_by_expert(routing_map: torch.Tensor, num_routes: Optional[int] = None):
+    """``(token, expert)`` index pairs ``[N]`` of the routing map's True entries, by expert, then by token (the
+    row-major order of ``routing_map.T``). With ``num_routes`` (``N``, known on the host) through
+    ``torch.nonzero_static``: no device-to-host sync, where a boolean-mask index syncs for its size (three times
+    per MoE layer and step with the probs' backward)."""
+    mask = routing_map.t().reshape(-1)
+    if num_routes is None:
+        pos = mask.nonzero().squeeze(1)
+    else:
+        torch._assert_async(mask.sum() == int(num_routes),
+                            f"permute: num_out_tokens={int(num_routes)} is not the routing map's number of routes")
+        pos = torch.nonzero_static(mask, size=int(num_routes)).squeeze(1)
+    num_tokens = routing_map.shape[0]
+    return pos % num_tokens, pos // num_tokens
+
+
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
             num_out_tokens: Optional[int] = None, fused: bool = False, routes_per_token: Optional[int] = None):
     """Sort ``tokens`` ``[T, h]`` by expert: row-major order of ``routing_map.T`` (``[E, T]``), i.e. by expert,
@@ -199,9 +215,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
             return out, None, row_map
         out, permuted_probs, row_map = te_moe_permute_with_probs(tokens, probs.contiguous(), int_map, n)
         return out, permuted_probs, row_map
-    mask = routing_map.t()
-    sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(0).expand_as(mask)[mask]
-    permuted_probs = None if probs is None else probs.t()[mask]
+    sorted_indices, experts = _routes_by_expert(routing_map, num_out_tokens)
+    permuted_probs = None if probs is None else probs[sorted_indices, experts]
     if routes_per_token is None:
         return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
     torch._assert_async(routing_map.sum(dim=1).eq(routes_per_token).all(),

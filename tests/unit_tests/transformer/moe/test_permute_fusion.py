@@ -96,6 +96,29 @@ def test_routes_per_token_checks_the_routing_map():
         permute(x, routing_map, routes_per_token=2)
 
 
+def test_permute_with_num_out_tokens_equals_the_mask_order_and_checks_it():
+    """``num_out_tokens`` (the dispatchers always give it): the rows come by ``torch.nonzero_static`` without a
+    host sync, in the boolean mask's order (by expert, then token), probs and their gradient included; a count that
+    is not the routing map's fails, naming it."""
+    torch.manual_seed(0)
+    T, E, H = 23, 5, 8
+    routing_map, probs0 = _routing(T, E, 2, "cpu", seed=1)
+    x = torch.randn(T, H)
+    mask = routing_map.t()
+    want_tokens = torch.arange(T).expand(E, T)[mask]
+    for n in (None, int(routing_map.sum())):
+        probs = probs0.clone().requires_grad_(True)
+        out, pprobs, rows = permute(x, routing_map, probs, num_out_tokens=n)
+        assert torch.equal(rows, want_tokens) and torch.equal(out, x[want_tokens]), n
+        assert torch.equal(pprobs, probs0.t()[mask]), n
+        (pprobs * torch.arange(pprobs.numel())).sum().backward()
+        want_grad = torch.zeros(E, T)
+        want_grad[mask] = torch.arange(pprobs.numel(), dtype=torch.float32)
+        assert torch.equal(probs.grad, want_grad.t()), n
+    with pytest.raises(RuntimeError, match="num_out_tokens=3 is not the routing map's number of routes"):
+        permute(x, routing_map, probs0, num_out_tokens=3)
+
+
 def test_weight_rows_keeps_the_rows_only_for_the_probs_gradient():
     from torch.autograd.graph import saved_tensors_hooks
 
