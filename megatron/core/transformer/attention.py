@@ -74,23 +74,23 @@ def sdpa_backend(attention_backend):
     return sdpa_kernel(getattr(SDPBackend, name))
 
 
-def fused_sdpa_kernel(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> bool:
-    """Whether ``F.scaled_dot_product_attention`` runs a fused kernel for these inputs under the current backend
-    flags (cuDNN, flash or memory-efficient attention). A fused kernel keeps for backward only q, k, v, its output
-    and per-row softmax statistics, never the ``[s, s]`` probabilities; the math backend (CPU, ``--attention-backend
-    unfused``) keeps those. Call it inside ``sdpa_backend(...)`` to see that backend's choice."""
-    if not q.is_cuda:
-        return False
-    import torch.backends.cuda as sdp
+def fused_sdpa_kernel(q, k, v, dropout_p: float = 0.0) -> bool:
+    """Whether causal ``F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)`` runs a fused
+    kernel (flash, memory-efficient or cuDNN attention; on CPU torch's flash kernel) rather than the math one, as
+    torch's own dispatcher decides under the current backend flags and priority order (call it inside
+    ``sdpa_backend(...)`` for that backend). Without a mask a fused kernel keeps for backward q, k, v, its output and
+    the per-row softmax statistics; the math kernel keeps the ``[s, s]`` probabilities. Unknown: False."""
+    from torch.nn.attention import SDPBackend
 
-    try:
-        params = sdp.SDPAParams(q, k, v, attention_mask, dropout_p, attention_mask is None, False)
-    except (TypeError, RuntimeError):  # another torch's signature: assume the math kernel (recompute stays on)
+    choose = getattr(torch, "_fused_sdp_choice", None)  # the choice F.scaled_dot_product_attention makes
+    if choose is None:
         return False
-    kernels = ((sdp.cudnn_sdp_enabled, getattr(sdp, "can_use_cudnn_attention", None)),
-               (sdp.flash_sdp_enabled, sdp.can_use_flash_attention),
-               (sdp.mem_efficient_sdp_enabled, sdp.can_use_efficient_attention))
-    return any(enabled() and can_use is not None and can_use(params) for enabled, can_use in kernels)
+    try:
+        choice = choose(q, k, v, None, dropout_p, True)
+    except (TypeError, RuntimeError):
+        return False
+    return choice in (SDPBackend.FLASH_ATTENTION.value, SDPBackend.EFFICIENT_ATTENTION.value,
+                      SDPBackend.CUDNN_ATTENTION.value)
 
 
 _LOGGED_FUSED_SKIP = [False]
@@ -171,20 +171,22 @@ class SelfAttention(MegatronModule):
         return self.linear_proj(ctx)
 
     def _fused_core_attention(self, q, k, v, attention_mask) -> bool:
-        """``--recompute-modules core_attn`` with a fused attention kernel: nothing to free (the kernel keeps only
-        its inputs, output and softmax statistics: 4 of 8397 MiB kept for backward in
-        ``benchmarks/moe_grouped_recompute.py`` on the H200), so the core attention is not recomputed
-        (Megatron-LM's legacy ``ParallelAttention`` skipped it under ``--use-flash-attn`` too); with the math
-        kernel (which keeps the ``[s, s]`` probabilities) it is."""
-        mask = None if attention_mask is None else ~attention_mask.bool()
+        """``--recompute-modules core_attn`` where causal attention (no mask) runs a fused kernel: nothing to free
+        (the kernel keeps only its inputs, output and softmax statistics, and the output is also what
+        ``linear_proj`` keeps: 4 of 8397 MiB kept for backward in ``benchmarks/moe_grouped_recompute.py`` on the
+        H200), so the core attention is not recomputed (Megatron-LM's legacy ``ParallelAttention`` skipped it under
+        ``--use-flash-attn`` too). With the math kernel (which keeps the ``[s, s]`` probabilities) or an explicit
+        mask (a fused kernel would keep the mask converted per layer) it is."""
+        if attention_mask is not None:
+            return False
         dropout_p = self.config.attention_dropout if self.training else 0.0
         with sdpa_backend(self.config.attention_backend):
-            fused = fused_sdpa_kernel(q, k, v, mask, dropout_p)
+            fused = fused_sdpa_kernel(q, k, v, dropout_p)
         if fused and not _LOGGED_FUSED_SKIP[0]:
             _LOGGED_FUSED_SKIP[0] = True
             logging.getLogger(__name__).info(
-                "--recompute-modules core_attn: core attention runs a fused SDPA kernel (no [s, s] activations to "
-                "free), so it is not recomputed")
+                "--recompute-modules core_attn: causal core attention runs a fused SDPA kernel (no [s, s] "
+                "activations to free), so it is not recomputed")
         return fused
 
     def core_attention(self, q, k, v, attention_mask=None):

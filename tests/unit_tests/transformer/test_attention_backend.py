@@ -94,21 +94,62 @@ def _recomputes(monkeypatch, attn, x) -> int:
     return len(calls)
 
 
-def test_core_attn_recompute_stays_on_with_the_math_kernel(monkeypatch):
-    """On CPU (the math kernel keeps the [s, s] probabilities) ``--recompute-modules core_attn`` recomputes."""
+def _kept_bytes(attn, x) -> int:
+    """Bytes of the distinct storages autograd keeps for backward over one forward (then backward) of ``attn``."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out, _ = attn(x)
+    out.float().sum().backward()
+    return sum(storages.values())
+
+
+def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch):
+    """CPU, fp32, causal: torch's CPU flash kernel (``auto``) keeps no [s, s] tensors, so core attention is not
+    recomputed and the gradients are exactly those without recompute; the math kernel (``unfused``) is recomputed
+    and the bytes kept for backward drop by at least the probabilities; with an explicit mask it is recomputed."""
     from megatron.core.transformer.attention import fused_sdpa_kernel
 
-    q = torch.randn(1, 2, 8, 64)
-    assert not fused_sdpa_kernel(q, q, q)
-    assert _recomputes(monkeypatch, _attention("cpu", torch.float32), torch.randn(8, 2, 128)) == 1
+    q = torch.randn(2, 2, 64, 64)
+    assert fused_sdpa_kernel(q, q, q)
+    with sdpa_backend("unfused"):
+        assert not fused_sdpa_kernel(q, q, q)
+    x = torch.randn(64, 2, 128, requires_grad=True)
+    ref = _attention("cpu", torch.float32, recompute=False)
+    out_ref, _ = ref(x)
+    out_ref.sum().backward()
+    got = _attention("cpu", torch.float32)
+    assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
+    for (name, p), p_ref in zip(got.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (p_ref.grad is None), name  # linear_proj's bias: returned, not added here
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=0, atol=0, msg=name)
+    math_plain, math_recompute = (_attention("cpu", torch.float32, "unfused", recompute=r) for r in (False, True))
+    assert _recomputes(monkeypatch, math_recompute, x) == 1
+    assert _kept_bytes(math_plain, x) - _kept_bytes(math_recompute, x) >= 2 * 2 * 64 * 64 * 4  # b * heads * s * s
+    masked = _attention("cpu", torch.float32)
+    mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).triu(1)  # True: not attended (upstream's convention)
+    calls = []
+    from megatron.core.transformer import attention
+
+    real = attention.recompute
+    monkeypatch.setattr(attention, "recompute", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    masked(x, attention_mask=mask)[0].sum().backward()
+    assert calls == [1]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_core_attn_not_recomputed_under_a_fused_kernel(monkeypatch):
-    """bf16 on CUDA (flash / memory-efficient / cuDNN attention keep no [s, s] tensors): the core attention is not
-    recomputed and the gradients equal those without recompute; forced to the math kernel it is recomputed and the
-    bytes kept for backward drop by at least the probabilities."""
+    """bf16 on CUDA, causal: flash / memory-efficient (and ``auto``) are fused, ``unfused`` is not; under ``auto``
+    the core attention is not recomputed and the gradients equal those without recompute (up to the flash
+    backward's atomics); forced to the math kernel it is recomputed and frees at least the probabilities."""
     from megatron.core.transformer.attention import fused_sdpa_kernel
 
     q = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
@@ -122,27 +163,11 @@ def test_core_attn_not_recomputed_under_a_fused_kernel(monkeypatch):
     got = _attention("cuda", torch.bfloat16)
     assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
     for (name, p), p_ref in zip(got.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (p_ref.grad is None), name  # linear_proj's bias: returned, not added here
+        assert (p.grad is None) == (p_ref.grad is None), name
         if p_ref.grad is None:
             continue
         # flash attention's backward accumulates dq with atomics: equal up to bf16 rounding, not bitwise
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=2e-2, atol=2e-2 * p_ref.grad.abs().max().item(), msg=name)
-
-    from torch.autograd.graph import saved_tensors_hooks
-
-    def kept(attn):
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with saved_tensors_hooks(pack, lambda t: t):
-            out, _ = attn(x)
-        out.float().sum().backward()
-        return sum(storages.values())
-
     math_plain, math_recompute = (_attention("cuda", torch.bfloat16, "unfused", recompute=r) for r in (False, True))
     assert _recomputes(monkeypatch, math_recompute, x) == 1
-    probs = 2 * 2 * 256 * 256 * 2  # b * heads * s * s bf16
-    assert kept(math_plain) - kept(math_recompute) >= probs
+    assert _kept_bytes(math_plain, x) - _kept_bytes(math_recompute, x) >= 2 * 2 * 256 * 256 * 2  # bf16 probabilities

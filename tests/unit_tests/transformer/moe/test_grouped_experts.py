@@ -48,6 +48,28 @@ def test_grouped_gemm_matches_per_expert_linears(torch_grouped, dtype, monkeypat
         grouped_gemm_util.grouped_gemm(x, ws, [3, 0, 6])
 
 
+def test_torch_grouped_gemm_keeps_the_weights_not_a_stacked_copy_and_empty_input():
+    """The grouped matmul keeps for backward the input, the offsets and the weights themselves (no stacked copy of
+    all experts' weights per layer); no rows at all take the loop (a dense zero gradient for the input)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    from torch.autograd.graph import saved_tensors_hooks
+
+    ws = [torch.randn(8, 16, requires_grad=True) for _ in range(4)]
+    x = torch.randn(10, 16, requires_grad=True)
+    saved = []
+    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = grouped_gemm_util.grouped_gemm(x, ws, [3, 0, 6, 1])
+    assert len(saved) == 2 + len(ws)
+    assert [t.data_ptr() for t in saved[2:]] == [w.data_ptr() for w in ws] and saved[0].data_ptr() == x.data_ptr()
+    out.sum().backward()
+    assert all(w.grad is not None for w in ws)
+    empty = torch.randn(0, 16, requires_grad=True)
+    assert not grouped_gemm_util.use_torch_grouped_mm(empty, ws)
+    grouped_gemm_util.grouped_gemm(empty, ws, [0, 0, 0, 0]).sum().backward()
+    assert empty.grad.shape == (0, 16)
+
+
 def _config(grouped, tp=1, ep=1, **kw):
     base = dict(num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=20,
                 moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
