@@ -304,7 +304,7 @@ if HAVE_TE and _te.TEGroupedLinear is not None:  # pragma: no cover - runs only 
         def uses_torch_grouped_mm(self, x) -> bool:
             """Unquantized experts (no FP8/FP4: not configured, not inside TE's autocast, plain weights) without
             expert tensor parallelism run their GEMMs as torch's grouped matmul on this layer's weights (the same
-            parameters, names and checkpoints) where torch has a kernel for it (bf16 on Hopper/Blackwell, see
+            parameters, names and checkpoints) where torch has a kernel for it (bf16 on Hopper, see
             ``use_torch_grouped_mm``): on the H200 it is faster than TE's grouped GEMM in bf16
             (``benchmarks/grouped_gemm_kernels.py``). FP8/FP4 runs, fp32, and TP > 1 (TE's communication) stay on
             TE."""

@@ -118,6 +118,7 @@ def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch):
 
     q = torch.randn(2, 2, 64, 64)
     assert fused_sdpa_kernel(q, q, q)
+    assert not fused_sdpa_kernel(q, q, q, 0.1)  # attention dropout: torch's CPU flash kernel has none, math runs
     with sdpa_backend("unfused"):
         assert not fused_sdpa_kernel(q, q, q)
     x = torch.randn(64, 2, 128, requires_grad=True)

@@ -5,7 +5,7 @@
 inputs suit it (:func:`use_torch_grouped_mm`), else one ``F.linear`` per group. Without TE (``--transformer-impl
 local``) the experts' linears below use it; with TE the experts are TE's ``GroupedLinear``
 (``megatron.core.extensions.te_layers.TEColumnParallelGroupedLinear``), which runs TE's grouped GEMM for FP8/FP4 and
-expert tensor parallelism and this function on its own weights otherwise (unquantized bf16).
+expert tensor parallelism and this function on its own weights otherwise (unquantized bf16 on Hopper).
 
 ``ColumnParallelGroupedLinear`` / ``RowParallelGroupedLinear`` hold one weight per local expert under TE
 ``GroupedLinear``'s names (``weight0 .. weight{n-1}``, ``bias0 ..``), split over the expert tensor-parallel group
@@ -37,15 +37,16 @@ _EXTRA_STATE_N = re.compile(r"_extra_state\d+$")
 
 def use_torch_grouped_mm(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`grouped_gemm` runs ``torch._grouped_mm`` here: this torch has it, a 2-D input with rows, row
-    strides a multiple of 16 bytes; on CPU fp32/bf16; on CUDA bf16 on Hopper/Blackwell only (elsewhere torch falls
-    back to a loop that reads the group offsets on the host: a sync). Else :func:`grouped_gemm` loops over
+    strides a multiple of 16 bytes; on CPU fp32/bf16; on CUDA bf16 on Hopper only (elsewhere torch falls back to a
+    loop that reads the group offsets on the host, a sync; Blackwell is left out until tested there: torch's issue
+    172439 reports garbage weight gradients for empty groups on B200). Else :func:`grouped_gemm` loops over
     ``F.linear`` (which also keeps an empty input's gradient dense)."""
     if not hasattr(torch, "_grouped_mm") or x.dim() != 2 or x.shape[0] == 0 or not weights:
         return False
     if any(w.dtype != x.dtype for w in weights):
         return False
     if x.is_cuda:
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
             return False
     elif x.dtype not in (torch.float32, torch.bfloat16):
         return False

@@ -174,7 +174,7 @@ def test_recompute_fp8_delayed_scaling_equals_no_recompute():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unquantized_te_grouped_experts_run_torch_grouped_mm_like_te(dtype, monkeypatch):
-    """bf16 TE grouped experts (no FP8, TP 1) on Hopper/Blackwell run torch's grouped matmul on their own weights
+    """bf16 TE grouped experts (no FP8, TP 1) on Hopper run torch's grouped matmul on their own weights
     (fp32 and other GPUs stay on TE's grouped GEMM): the loss and every gradient equal those of TE's grouped GEMM
     (forced by turning the check off) up to rounding; FP8 stays on TE."""
     from megatron.core.extensions import te_layers
@@ -191,7 +191,7 @@ def test_unquantized_te_grouped_experts_run_torch_grouped_mm_like_te(dtype, monk
         loss = _loss(model)
         loss.backward()
         results.append((loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
-    torch_kernel = dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] in (9, 10)
+    torch_kernel = dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] == 9
     assert calls and all(c is torch_kernel for c in calls)  # every grouped linear call of the first model
     (loss_t, grads_t), (loss_te, grads_te) = results
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-3  # different GEMM kernels and summation order (measured: 2e-2, 2e-4)
