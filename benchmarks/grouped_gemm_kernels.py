@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.moe.grouped_gemm_util import grouped_gemm
+from megatron.core.fusions.grouped_mm import grouped_gemm
 
 
 def _splits(rows: int, experts: int, seed: int = 0):

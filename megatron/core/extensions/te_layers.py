@@ -22,6 +22,7 @@ import torch
 from megatron.core.dist_utils import is_distributed
 from megatron.core.extensions import te_extra_state
 from megatron.core.extensions import transformer_engine as _te
+from megatron.core.fusions.grouped_mm import add_grouped_bias, grouped_gemm, use_torch_grouped_mm
 from megatron.core.tensor_parallel.sharded_tensors import make_sharded_tensors_for_checkpoint
 from megatron.core.tensor_parallel.utils import set_param_attrs
 
@@ -290,8 +291,6 @@ if HAVE_TE and _te.TEGroupedLinear is not None:  # pragma: no cover - runs only 
         def forward(self, x, m_splits):
             m_splits = [int(m) for m in m_splits]
             if self.uses_torch_grouped_mm(x):
-                from megatron.core.transformer.moe.grouped_gemm_util import add_grouped_bias, grouped_gemm
-
                 out = grouped_gemm(x, self._weights(), m_splits)
                 if self.use_bias:
                     out = add_grouped_bias(out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)], m_splits)
@@ -309,7 +308,6 @@ if HAVE_TE and _te.TEGroupedLinear is not None:  # pragma: no cover - runs only 
             (``benchmarks/grouped_gemm_kernels.py``). FP8/FP4 runs, fp32, and TP > 1 (TE's communication) stay on
             TE."""
             from megatron.core.fp8_utils import is_quantized_tensor
-            from megatron.core.transformer.moe.grouped_gemm_util import use_torch_grouped_mm
 
             if self.tp_size > 1 or not x.is_cuda or getattr(self.config, "fp8", None) or getattr(self.config, "fp4",
                                                                                                   None):

@@ -1,11 +1,7 @@
-"""Grouped GEMM for the experts of ``--moe-grouped-gemm``.
-
-``grouped_gemm(x, weights, m_splits)``: rows ``[sum(m_splits[:i]), sum(m_splits[:i+1]))`` of ``x`` times
-``weights[i]^T``, in one call of torch's grouped matmul (``torch._grouped_mm``) where this torch has it and the
-inputs suit it (:func:`use_torch_grouped_mm`), else one ``F.linear`` per group. Without TE (``--transformer-impl
-local``) the experts' linears below use it; with TE the experts are TE's ``GroupedLinear``
-(``megatron.core.extensions.te_layers.TEColumnParallelGroupedLinear``), which runs TE's grouped GEMM for FP8/FP4 and
-expert tensor parallelism and this function on its own weights otherwise (unquantized bf16 on Hopper).
+"""Grouped-GEMM expert linears for ``--moe-grouped-gemm`` without Transformer Engine (``--transformer-impl local``);
+with TE the experts are TE's ``GroupedLinear`` (``megatron.core.extensions.te_layers.TEColumnParallelGroupedLinear``).
+Both run their GEMMs through ``megatron.core.fusions.grouped_mm.grouped_gemm`` (TE: unquantized bf16 on Hopper;
+FP8/FP4 and expert tensor parallelism stay on TE's grouped GEMM).
 
 ``ColumnParallelGroupedLinear`` / ``RowParallelGroupedLinear`` hold one weight per local expert under TE
 ``GroupedLinear``'s names (``weight0 .. weight{n-1}``, ``bias0 ..``), split over the expert tensor-parallel group
@@ -16,14 +12,13 @@ Initialisation does not depend on the expert parallel size: ``reset_parameters``
 in order, keeping this rank's and drawing the others' into a scratch tensor, so a layer at EP=k holds the same
 experts as at EP=1 built from the same seed.
 """
-import itertools
 import re
 from typing import Callable, List, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.fusions.grouped_mm import add_grouped_bias, grouped_gemm
 from megatron.core.tensor_parallel.layers import _init_split, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -33,78 +28,6 @@ from megatron.core.tensor_parallel.utils import divide, tp_group_info
 from megatron.core.transformer.utils import set_param_attrs
 
 _EXTRA_STATE_N = re.compile(r"_extra_state\d+$")
-
-
-def use_torch_grouped_mm(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether :func:`grouped_gemm` runs ``torch._grouped_mm`` here: this torch has it, a 2-D input with rows, row
-    strides a multiple of 16 bytes; on CPU fp32/bf16; on CUDA bf16 on Hopper only (elsewhere torch falls back to a
-    loop that reads the group offsets on the host, a sync; Blackwell is left out until tested there: torch's issue
-    172439 reports garbage weight gradients for empty groups on B200). Else :func:`grouped_gemm` loops over
-    ``F.linear`` (which also keeps an empty input's gradient dense)."""
-    if not hasattr(torch, "_grouped_mm") or x.dim() != 2 or x.shape[0] == 0 or not weights:
-        return False
-    if any(w.dtype != x.dtype for w in weights):
-        return False
-    if x.is_cuda:
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
-            return False
-    elif x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    out_f, in_f = weights[0].shape
-    size = x.element_size()
-    return (in_f * size) % 16 == 0 and (out_f * size) % 16 == 0
-
-
-def host_ints_to_device(values: Sequence[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)`` without stalling the host: on CUDA through pinned memory
-    and a non-blocking copy (a pageable copy synchronises the stream, which drains the queue of kernels the host
-    had launched ahead: twice per MoE layer on the grouped path, 16 of 49 synchronisations per step of the H200
-    benchmark). The caching host allocator keeps the pinned block until the copy has run."""
-    if torch.device(device).type != "cuda":
-        return torch.tensor(list(values), dtype=dtype, device=device)
-    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-class _GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(x, stack(weights)^T, offs)`` that keeps the weights themselves for backward (references)
-    rather than their stacked copy (a second copy of every local expert's weight per layer until backward); the
-    backward stacks them again. Gradients as torch's own formula for ``_grouped_mm``."""
-
-    @staticmethod
-    def forward(ctx, x, offs, *weights):
-        ctx.save_for_backward(x, offs, *weights)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, offs, *weights = ctx.saved_tensors
-        grad = grad.contiguous()  # an expanded gradient (zero strides) is not a valid operand
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs)  # [M, out] x [n, out, in]
-        grad_w = [None] * len(weights)
-        if any(ctx.needs_input_grad[2:]):
-            grad_w = list(torch._grouped_mm(grad.t(), x, offs=offs).unbind(0))  # [n, out, in]: dy_g^T x_g
-        return (grad_x, None, *grad_w)
-
-
-def grouped_gemm(x: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: Sequence[int]) -> torch.Tensor:
-    """``cat([x_i @ weights[i].T])`` for the row groups ``x_i`` of sizes ``m_splits`` (see the module docstring)."""
-    m_splits = [int(m) for m in m_splits]
-    if len(m_splits) != len(weights) or sum(m_splits) != x.shape[0]:
-        raise ValueError(f"grouped_gemm: m_splits {m_splits} does not match {len(weights)} weights and "
-                         f"{x.shape[0]} rows")
-    if use_torch_grouped_mm(x, weights):
-        offs = host_ints_to_device(itertools.accumulate(m_splits), x.device, torch.int32)
-        return _GroupedMM.apply(x.contiguous(), offs, *weights)
-    pieces = [F.linear(xi, w) for xi, w in zip(torch.split(x, m_splits, dim=0), weights)]
-    return torch.cat(pieces, dim=0) if pieces else x.new_zeros(0, weights[0].shape[0] if weights else 0)
-
-
-def add_grouped_bias(out: torch.Tensor, biases: Sequence[torch.Tensor], m_splits: Sequence[int]) -> torch.Tensor:
-    """``out`` with ``biases[i]`` added to row group ``i``."""
-    counts = host_ints_to_device([int(m) for m in m_splits], out.device)
-    return out + torch.repeat_interleave(torch.stack(list(biases)), counts, dim=0, output_size=out.shape[0])
 
 
 class _GroupedLinearBase(torch.nn.Module):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.transformer.moe import grouped_gemm_util
+from megatron.core.fusions import grouped_mm
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tensor_parallel._tp_common import SEQ, VOCAB, build, make_config, position_ids
@@ -25,14 +25,14 @@ def test_grouped_gemm_matches_per_expert_linears(torch_grouped, dtype, monkeypat
     if torch_grouped and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
     if not torch_grouped:
-        monkeypatch.setattr(grouped_gemm_util, "use_torch_grouped_mm", lambda x, w: False)
-    assert grouped_gemm_util.use_torch_grouped_mm(torch.zeros(1, 16, dtype=dtype),
+        monkeypatch.setattr(grouped_mm, "use_torch_grouped_mm", lambda x, w: False)
+    assert grouped_mm.use_torch_grouped_mm(torch.zeros(1, 16, dtype=dtype),
                                                    [torch.zeros(8, 16, dtype=dtype)]) is torch_grouped
     g = torch.Generator().manual_seed(0)
     splits = [3, 0, 6, 1]  # an expert without tokens
     x = torch.randn(10, 16, generator=g).to(dtype).requires_grad_()
     ws = [torch.randn(8, 16, generator=g).to(dtype).requires_grad_() for _ in splits]
-    out = grouped_gemm_util.grouped_gemm(x, ws, splits)
+    out = grouped_mm.grouped_gemm(x, ws, splits)
     out.sum().backward()  # an expanded (zero-stride) gradient
     xr = x.detach().clone().requires_grad_()
     wr = [w.detach().clone().requires_grad_() for w in ws]
@@ -45,7 +45,7 @@ def test_grouped_gemm_matches_per_expert_linears(torch_grouped, dtype, monkeypat
     for w, r in zip(ws, wr):
         torch.testing.assert_close(w.grad, r.grad, **tol)
     with pytest.raises(ValueError, match=r"m_splits \[3, 0, 6\] does not match 4 weights and 10 rows"):
-        grouped_gemm_util.grouped_gemm(x, ws, [3, 0, 6])
+        grouped_mm.grouped_gemm(x, ws, [3, 0, 6])
 
 
 def test_torch_grouped_gemm_keeps_the_weights_not_a_stacked_copy_and_empty_input():
@@ -59,14 +59,14 @@ def test_torch_grouped_gemm_keeps_the_weights_not_a_stacked_copy_and_empty_input
     x = torch.randn(10, 16, requires_grad=True)
     saved = []
     with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = grouped_gemm_util.grouped_gemm(x, ws, [3, 0, 6, 1])
+        out = grouped_mm.grouped_gemm(x, ws, [3, 0, 6, 1])
     assert len(saved) == 2 + len(ws)
     assert [t.data_ptr() for t in saved[2:]] == [w.data_ptr() for w in ws] and saved[0].data_ptr() == x.data_ptr()
     out.sum().backward()
     assert all(w.grad is not None for w in ws)
     empty = torch.randn(0, 16, requires_grad=True)
-    assert not grouped_gemm_util.use_torch_grouped_mm(empty, ws)
-    grouped_gemm_util.grouped_gemm(empty, ws, [0, 0, 0, 0]).sum().backward()
+    assert not grouped_mm.use_torch_grouped_mm(empty, ws)
+    grouped_mm.grouped_gemm(empty, ws, [0, 0, 0, 0]).sum().backward()
     assert empty.grad.shape == (0, 16)
 
 
