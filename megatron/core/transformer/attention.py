@@ -184,9 +184,9 @@ class SelfAttention(MegatronModule):
             fused = fused_sdpa_kernel(q, k, v, dropout_p)
         if fused and not _LOGGED_FUSED_SKIP[0]:
             _LOGGED_FUSED_SKIP[0] = True
-            logging.getLogger(__name__).info(
+            logging.getLogger(__name__).warning(
                 "--recompute-modules core_attn: causal core attention runs a fused SDPA kernel (no [s, s] "
-                "activations to free), so it is not recomputed")
+                "activations to free), so it is not recomputed (--attention-backend unfused recomputes it)")
         return fused
 
     def core_attention(self, q, k, v, attention_mask=None):

@@ -110,7 +110,7 @@ def _kept_bytes(attn, x) -> int:
     return sum(storages.values())
 
 
-def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch):
+def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch, caplog):
     """CPU, fp32, causal: torch's CPU flash kernel (``auto``) keeps no [s, s] tensors, so core attention is not
     recomputed and the gradients are exactly those without recompute; the math kernel (``unfused``) is recomputed
     and the bytes kept for backward drop by at least the probabilities; with an explicit mask it is recomputed."""
@@ -126,7 +126,15 @@ def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch):
     out_ref, _ = ref(x)
     out_ref.sum().backward()
     got = _attention("cpu", torch.float32)
-    assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
+    from megatron.core.transformer import attention
+
+    monkeypatch.setattr(attention, "_LOGGED_FUSED_SKIP", [False])
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
+        got(x)  # a second forward: warned once
+    assert [r.getMessage() for r in caplog.records].count(
+        "--recompute-modules core_attn: causal core attention runs a fused SDPA kernel (no [s, s] activations to "
+        "free), so it is not recomputed (--attention-backend unfused recomputes it)") == 1
     for (name, p), p_ref in zip(got.named_parameters(), ref.parameters()):
         assert (p.grad is None) == (p_ref.grad is None), name  # linear_proj's bias: returned, not added here
         if p_ref.grad is not None:
@@ -137,8 +145,6 @@ def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch):
     masked = _attention("cpu", torch.float32)
     mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).triu(1)  # True: not attended (upstream's convention)
     calls = []
-    from megatron.core.transformer import attention
-
     real = attention.recompute
     monkeypatch.setattr(attention, "recompute", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     masked(x, attention_mask=mask)[0].sum().backward()
