@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.dist_utils import log_once
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import model_parallel_rng_context, should_recompute
 from megatron.core.tensor_parallel.utils import divide
@@ -92,8 +93,6 @@ def fused_sdpa_kernel(q, k, v, dropout_p: float = 0.0) -> bool:
     return choice in (SDPBackend.FLASH_ATTENTION.value, SDPBackend.EFFICIENT_ATTENTION.value,
                       SDPBackend.CUDNN_ATTENTION.value)
 
-
-_LOGGED_FUSED_SKIP = [False]
 
 
 class SelfAttention(MegatronModule):
@@ -182,11 +181,11 @@ class SelfAttention(MegatronModule):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         with sdpa_backend(self.config.attention_backend):
             fused = fused_sdpa_kernel(q, k, v, dropout_p)
-        if fused and not _LOGGED_FUSED_SKIP[0]:
-            _LOGGED_FUSED_SKIP[0] = True
-            logging.getLogger(__name__).warning(
-                "--recompute-modules core_attn: causal core attention runs a fused SDPA kernel (no [s, s] "
-                "activations to free), so it is not recomputed (--attention-backend unfused recomputes it)")
+        if fused:
+            log_once(logging.getLogger(__name__), "core_attn not recomputed", logging.WARNING,
+                     "--recompute-modules core_attn: causal core attention runs a fused SDPA kernel (no [s, s] "
+                     "activations to free), so it is not recomputed (--attention-backend unfused recomputes it)",
+                     rank0=True)
         return fused
 
     def core_attention(self, q, k, v, attention_mask=None):

@@ -126,9 +126,10 @@ def test_core_attn_recompute_only_where_it_frees_the_probabilities(monkeypatch, 
     out_ref, _ = ref(x)
     out_ref.sum().backward()
     got = _attention("cpu", torch.float32)
+    from megatron.core import dist_utils
     from megatron.core.transformer import attention
 
-    monkeypatch.setattr(attention, "_LOGGED_FUSED_SKIP", [False])
+    monkeypatch.setattr(dist_utils, "_said_once", set())
     with caplog.at_level("WARNING", logger=attention.__name__):
         assert _recomputes(monkeypatch, got, x.detach().requires_grad_()) == 0
         got(x)  # a second forward: warned once
