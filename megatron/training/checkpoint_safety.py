@@ -446,6 +446,37 @@ def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, objec
     return out
 
 
+def _engine(a) -> str:
+    """The data-parallel engine of a run's arguments, in its flags."""
+    if getattr(a, "use_megatron_fsdp", False):
+        return "--use-megatron-fsdp"
+    return "--use-distributed-optimizer" if getattr(a, "use_distributed_optimizer", False) else "DDP"
+
+
+def _fsdp_main_params_are_the_weights(a) -> bool:
+    """Megatron-FSDP with --bf16 / --fp16 and unquantized weights: its fp32 sharded parameters are the main
+    parameters, written as the model's weights, with no fp32 copy in the optimizer state."""
+    return (bool(getattr(a, "use_megatron_fsdp", False)) and bool(getattr(a, "bf16", False) or getattr(a, "fp16", False))
+            and not (getattr(a, "fp8_param_gather", False) or getattr(a, "fp4_param_gather", False)))
+
+
+def optimizer_layout_problem(ckpt_args, args) -> Optional[str]:
+    """Why the optimizer state of a checkpoint saved with ``ckpt_args`` cannot load into this run's optimizer, or
+    None. With --bf16 / --fp16, DDP and the distributed optimizer keep fp32 copies of the weights in the optimizer
+    state while Megatron-FSDP's fp32 shards are the weights themselves: between the two the optimizer states differ
+    (the model weights load either way, floating-point dtypes convert)."""
+    if ckpt_args is None:
+        return None
+    saved, run = _fsdp_main_params_are_the_weights(ckpt_args), _fsdp_main_params_are_the_weights(args)
+    half = lambda a: bool(getattr(a, "bf16", False) or getattr(a, "fp16", False))
+    if saved == run or not (half(ckpt_args) and half(args)) or (_engine(ckpt_args) == _engine(args)):
+        return None
+    where = lambda fsdp: "in its fp32 sharded weights" if fsdp else "as fp32 copies in the optimizer state"
+    return (f"its optimizer state was saved by {_engine(ckpt_args)}, which keeps the fp32 main parameters "
+            f"{where(saved)}; this run's {_engine(args)} keeps them {where(run)}: resume with --no-load-optim (the "
+            f"model weights load and the optimizer starts afresh) or with the saving run's engine flags")
+
+
 def format_mismatches(mismatches) -> str:
     return ", ".join(f"{name} (checkpoint {old!r} vs run {new!r})" for name, old, new in mismatches)
 

@@ -694,7 +694,7 @@ def _requested_model_shapes(sharded_model_sds: dict) -> Tuple[dict, set]:
     return shapes, resizable
 
 
-def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bool) -> None:
+def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bool, load_optim: bool = False) -> None:
     """Before any tensor is read (collective; rank 0 reads the checkpoint's common state and tensor metadata):
     the model-shape arguments stored in the checkpoint vs the run's (upstream's ``check_checkpoint_args``; with
     ``--finetune`` a difference is only a warning, as long as the tensors still fit), then the model's tensor keys
@@ -724,7 +724,10 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
             if note:
                 print(f"checkpoint {checkpoint_dir}: {note}", flush=True)
             problems = [safety.short_list(problems, 2, "; ")] if problems else []  # one line: a count for the rest
-            if mismatches and not args.finetune:
+            layout = safety.optimizer_layout_problem(ckpt_args, args) if load_optim else None
+            if layout:
+                error = f"checkpoint {checkpoint_dir}: {layout}"
+            elif mismatches and not args.finetune:
                 error = (f"checkpoint {checkpoint_dir} was saved by a different model: {differ} "
                          f"(--finetune loads its weights anyway where every tensor still fits)")
             elif problems:
@@ -812,7 +815,7 @@ def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, sk
     sharded_model_sds = {k: v for k, v in state_dict.items() if k == "model" or k.startswith("model")}
     if opt_param_scheduler is not None and load_optim:
         state_dict.pop("opt_param_scheduler")  # a plain dict: comes from the checkpoint's common state
-    _check_resume(args, checkpoint_dir, sharded_model_sds, strict)
+    _check_resume(args, checkpoint_dir, sharded_model_sds, strict, load_optim)
     strategy = _load_strategy(args)
     on_cuda = torch.cuda.is_available()
     if on_cuda:

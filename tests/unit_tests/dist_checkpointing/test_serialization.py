@@ -244,9 +244,13 @@ def _errors(rank, world, tmp_path):
     # global shape mismatch
     with pytest.raises(CheckpointingException, match=r"shape mismatch.*'w'"):
         dist_checkpointing.load(ssd(torch.zeros(4 // world, 3)), ok)
-    # dtype mismatch
-    with pytest.raises(CheckpointingException, match=r"dtype mismatch.*'w'"):
-        dist_checkpointing.load(ssd(torch.zeros(4 // world, 2, dtype=torch.float64)), ok)
+    # another floating-point dtype converts on load, as upstream's DCP load does (another engine's checkpoint: DDP
+    # with --bf16 writes bf16 weights, Megatron-FSDP its fp32 shards)
+    got = dist_checkpointing.load(ssd(torch.zeros(4 // world, 2, dtype=torch.bfloat16)), ok)["w"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, w.chunk(world)[rank].to(torch.bfloat16))
+    # a floating-point tensor for an integer destination: a dtype mismatch
+    with pytest.raises(CheckpointingException, match=r"dtype mismatch.*'w'.*only floating-point dtypes convert"):
+        dist_checkpointing.load(ssd(torch.zeros(4 // world, 2, dtype=torch.int64)), ok)
     dist.barrier()
     # missing / truncated data file: the error names the file
     if rank == 0:

@@ -409,3 +409,33 @@ def test_full_disk_named_when_the_writer_lost_the_errno(tmp_path, monkeypatch):
     wrapped = RuntimeError("save of x failed: rank 1: OSError: [Errno 30] Read-only file system: '/ro/__1_0.distcp'")
     assert safety.describe_save_failure(wrapped, path) == \
         "read-only file system (errno EROFS) while writing /ro/__1_0.distcp"
+
+
+# ---- optimizer state across engines --------------------------------------------------------------------------
+def _a(**kw):
+    import argparse
+
+    base = dict(use_megatron_fsdp=False, use_distributed_optimizer=False, bf16=True, fp16=False,
+                fp8_param_gather=False, fp4_param_gather=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("saved, run, refused", [
+    (dict(use_megatron_fsdp=True), dict(), True),  # FSDP --bf16 -> DDP --bf16
+    (dict(), dict(use_megatron_fsdp=True), True),
+    (dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True), True),
+    (dict(use_megatron_fsdp=True), dict(use_distributed_optimizer=True), True),
+    (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True), False),  # the same engine
+    (dict(), dict(use_distributed_optimizer=True), False),  # not a question of FSDP: left to the load
+    (dict(use_megatron_fsdp=True, bf16=False), dict(bf16=False), False),  # fp32: no main copies anywhere
+    (dict(use_megatron_fsdp=True, fp8_param_gather=True), dict(use_distributed_optimizer=True), False),
+])
+def test_optimizer_layout_problem_between_fsdp_and_the_others(saved, run, refused):
+    from megatron.training import checkpoint_safety as safety
+
+    problem = safety.optimizer_layout_problem(_a(**saved), _a(**run))
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert "--no-load-optim" in problem and "--use-megatron-fsdp" in problem
+    assert safety.optimizer_layout_problem(None, _a(**run)) is None  # an upstream checkpoint without args

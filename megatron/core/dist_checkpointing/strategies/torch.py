@@ -597,6 +597,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     # -- load --
     def _precheck(self, tensors: List[ShardedTensor], objects: List[ShardedObject], metadata, checkpoint_dir):
         sdm = metadata.state_dict_metadata
+        converted = []
         for t in tensors:
             md = sdm.get(t.key)
             if md is None and t.numel() == 0 and math.prod(t.global_shape) == 0:
@@ -612,10 +613,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"{tuple(t.global_shape)}, checkpoint has {tuple(shape)}"
                 )
             if md.properties.dtype != t.dtype:
-                return (
-                    f"dtype mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested {t.dtype}, "
-                    f"checkpoint has {md.properties.dtype}"
-                )
+                if not (md.properties.dtype.is_floating_point and t.dtype.is_floating_point):
+                    return (
+                        f"dtype mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested {t.dtype}, "
+                        f"checkpoint has {md.properties.dtype} (only floating-point dtypes convert on load)"
+                    )
+                converted.append(t.key)
+        if converted:
+            # another engine's checkpoint: DDP with --bf16 writes bf16 weights, Megatron-FSDP its fp32 shards (the
+            # main parameters); read and cast by each destination's copy_, as upstream's DCP load does
+            keys = sorted(set(converted))
+            dist_utils.log_once(logger, ("dtype_converted", str(checkpoint_dir)), logging.INFO,
+                                f"checkpoint {checkpoint_dir}: {len(keys)} tensors are stored in another floating-point "
+                                f"dtype than requested (e.g. {keys[0]!r}); converting them on load")
         for o in objects:
             if o.unique_key not in sdm:
                 return f"sharded object {o.unique_key!r} (key {o.key!r}) not found in checkpoint {checkpoint_dir}"
