@@ -446,13 +446,6 @@ def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, objec
     return out
 
 
-def _engine(a) -> str:
-    """The data-parallel engine of a run's arguments, in its flags."""
-    if getattr(a, "use_megatron_fsdp", False):
-        return "--use-megatron-fsdp"
-    return "--use-distributed-optimizer" if getattr(a, "use_distributed_optimizer", False) else "DDP"
-
-
 def _fsdp_main_params_are_the_weights(a) -> bool:
     """Megatron-FSDP with --bf16 / --fp16 and unquantized weights: its fp32 sharded parameters are the main
     parameters, written as the model's weights, with no fp32 copy in the optimizer state."""
@@ -462,19 +455,19 @@ def _fsdp_main_params_are_the_weights(a) -> bool:
 
 def optimizer_layout_problem(ckpt_args, args) -> Optional[str]:
     """Why the optimizer state of a checkpoint saved with ``ckpt_args`` cannot load into this run's optimizer, or
-    None. With --bf16 / --fp16, DDP and the distributed optimizer keep fp32 copies of the weights in the optimizer
-    state while Megatron-FSDP's fp32 shards are the weights themselves: between the two the optimizer states differ
-    (the model weights load either way, floating-point dtypes convert)."""
+    None. DDP, the distributed optimizer and Megatron-FSDP read each other's fp32 main parameters (from the optimizer
+    state or, for Megatron-FSDP's checkpoints, the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``),
+    except the distributed optimizer from a Megatron-FSDP --bf16 / --fp16 checkpoint (its loader reads its own
+    layouts only)."""
     if ckpt_args is None:
         return None
-    saved, run = _fsdp_main_params_are_the_weights(ckpt_args), _fsdp_main_params_are_the_weights(args)
-    half = lambda a: bool(getattr(a, "bf16", False) or getattr(a, "fp16", False))
-    if saved == run or not (half(ckpt_args) and half(args)) or (_engine(ckpt_args) == _engine(args)):
+    if not (_fsdp_main_params_are_the_weights(ckpt_args) and getattr(args, "use_distributed_optimizer", False)
+            and not getattr(args, "use_megatron_fsdp", False)):
         return None
-    where = lambda fsdp: "in its fp32 sharded weights" if fsdp else "as fp32 copies in the optimizer state"
-    return (f"its optimizer state was saved by {_engine(ckpt_args)}, which keeps the fp32 main parameters "
-            f"{where(saved)}; this run's {_engine(args)} keeps them {where(run)}: resume with --no-load-optim (the "
-            f"model weights load and the optimizer starts afresh) or with the saving run's engine flags")
+    return ("its optimizer state was saved by --use-megatron-fsdp, whose fp32 main parameters are its model "
+            "weights; --use-distributed-optimizer reads them from its own optimizer-state layouts only: resume with "
+            "--no-load-optim (the model weights load and the optimizer starts afresh), or with --use-megatron-fsdp "
+            "or without --use-distributed-optimizer (both load this optimizer state)")
 
 
 def format_mismatches(mismatches) -> str:

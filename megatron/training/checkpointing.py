@@ -196,12 +196,30 @@ def loaded_sd_metadata(checkpoint_dir: str) -> dict:
     ``fully_sharded_model_space``."""
     from megatron.core.optimizer.distrib_optimizer import FULLY_SHARDED_MODEL_SPACE
 
-    found = [_read_content_metadata(checkpoint_dir) if get_rank() == 0 else None]
+    found = [(_read_content_metadata(checkpoint_dir), _fp32_main_params_location(checkpoint_dir))
+             if get_rank() == 0 else None]
     if get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
-    metadata = dict(found[0] or {})
+    content, where = found[0]
+    metadata = dict(content or {})
     metadata.setdefault("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
+    if where is not None:  # where the checkpoint keeps its fp32 main params (MegatronOptimizer.sharded_state_dict)
+        metadata["checkpoint_fp32_main_params"] = where
     return metadata
+
+
+def _fp32_main_params_location(checkpoint_dir: str) -> Optional[str]:
+    """``optimizer.fp32_main_params_location`` of the checkpoint's tensor keys; None where they cannot be read
+    (the load then says why)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.optimizer.optimizer import fp32_main_params_location
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return fp32_main_params_location(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
+    except (CheckpointingException, OSError):
+        return None
 
 
 def _read_content_metadata(checkpoint_dir: str) -> Optional[dict]:

@@ -418,8 +418,29 @@ def validate_integrity_and_strict_load(
             if global_metadata is not None:
                 global_metadata = [[sh for sh in md if sh.key not in _unexp_all] for md in global_metadata]
     if validate_access_integrity:
-        validate_sharding_integrity(global_metadata, process_group=process_group)
+        validate_sharding_integrity(_one_request_per_region(global_metadata), process_group=process_group)
     return sharded_state_dict, missing_keys, unexpected_keys
+
+
+def _one_request_per_region(global_metadata: List[List[ShardedBase]]) -> List[List[ShardedBase]]:
+    """A load's requests with, per rank, only the first of several ShardedTensors that ask for the same region of
+    one key (same offsets, shape and flattened range) in different dtypes: reading one region twice, once per
+    dtype, is a valid load (an optimizer's fp32 main params read from the model's weights beside the model's own
+    bf16 copy), not an overlap of two main replicas."""
+    out = []
+    for rank_md in global_metadata:
+        seen, kept = set(), []
+        for sh in rank_md:
+            if isinstance(sh, ShardedTensor):
+                fr = sh.flattened_range
+                ident = (sh.key, tuple(sh.global_offset), tuple(sh.local_shape),
+                         (fr.start, fr.stop) if fr is not None else None)
+                if ident in seen:
+                    continue
+                seen.add(ident)
+            kept.append(sh)
+        out.append(kept)
+    return out
 
 
 def _default_or_checked_strategy(strategy, action, backend, version):

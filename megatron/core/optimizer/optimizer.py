@@ -90,6 +90,49 @@ def scale_tensors_(tensors: List[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(ts, factor)
 
 
+FP32_MAIN_PARAMS_KEYS = ("optimizer.state.fp32_param", "optimizer.state.param")
+"""Where a checkpoint keeps fp32 main params besides the model weights, by key prefix: DDP with --bf16 / --fp16
+(``fp32_param``) and upstream's ``fully_reshardable`` distributed optimizer (``param``)."""
+
+
+def fp32_main_params_location(tensor_keys) -> Optional[str]:
+    """Where a checkpoint with these tensor keys keeps the fp32 main params: a key prefix of
+    :data:`FP32_MAIN_PARAMS_KEYS`, ``"model"`` (an optimizer state without them: the model weights are the main
+    params, Megatron-FSDP's fp32 shards or a fp32 DDP run), or None (no optimizer state, or another layout)."""
+    keys = list(tensor_keys)
+    for prefix in FP32_MAIN_PARAMS_KEYS:
+        if any(k.startswith(prefix + ".") for k in keys):
+            return prefix
+    if any(k.startswith("optimizer.state.") for k in keys):
+        return "model"
+    return None
+
+
+def fp32_main_params_request(opt, metadata: Optional[dict]) -> Optional[str]:
+    """What ``opt.sharded_state_dict`` asks for besides its own state when loading a checkpoint whose fp32 main
+    params are at ``metadata["checkpoint_fp32_main_params"]``: None where the checkpoint's layout is the one this
+    optimizer writes itself (main params as ``fp32_param``, or none beside fp32 weights), else that location."""
+    where = (metadata or {}).get("checkpoint_fp32_main_params")
+    if where is None:
+        return None
+    if opt.main_params is not None:
+        return None if where == "optimizer.state.fp32_param" else where
+    if where == "model":
+        return None
+    fp32 = all(_local(p).dtype == torch.float32 for p in opt.model_params)
+    return where if fp32 else None
+
+
+def _sharded_like(sh, tensor: torch.Tensor, prefix: Optional[str]):
+    """``sh`` (a parameter's ShardedTensor) for ``tensor``: key ``<prefix>.<key>``, or ``sh``'s own key for None."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    out = make_sharded_optimizer_tensor(sh, tensor, prefix or "_")
+    return out if prefix else dataclasses.replace(out, key=sh.key)
+
+
 def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
     ``param`` is a DTensor)."""
@@ -695,9 +738,9 @@ class MegatronOptimizer:
         self._load_grad_scaler(state_dict)
         if "optimizer" in state_dict and "state" not in state_dict:
             inner, mains = state_dict["optimizer"], state_dict.get("fp32_from_fp16_params")
-        else:
-            inner, mains = state_dict, None
-        inner = dict(inner)
+        else:  # the plain layout; with fp32 main params read from the model weights beside it (sharded_state_dict)
+            inner, mains = state_dict, state_dict.get("fp32_from_fp16_params")
+        inner = {k: v for k, v in inner.items() if k != "fp32_from_fp16_params"}
         inner["state"] = {k: v if k == "common_step" else dict(v) for k, v in inner.get("state", {}).items()}
         self._local_param_groups(inner)
         self.optimizer.load_state_dict(inner)
@@ -709,14 +752,15 @@ class MegatronOptimizer:
                 if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0:
                     st[k] = _as_layout_of(v, p)
         if mains is not None:
-            if self.main_params is None:
-                raise RuntimeError("optimizer checkpoint has fp32_from_fp16_params but this optimizer has no main params")
+            # without main params (Megatron-FSDP, fp32 DDP) the fp32 values go into the parameters themselves
+            targets = self.main_params if self.main_params is not None else self.model_params
             flat = [t for g in mains for t in g] if mains and isinstance(mains[0], (list, tuple)) else list(mains)
-            if len(flat) != len(self.main_params):
-                raise RuntimeError(f"fp32_from_fp16_params: {len(flat)} tensors, expected {len(self.main_params)}")
-            for main, v in zip(self.main_params, flat):
+            if len(flat) != len(targets):
+                raise RuntimeError(f"fp32_from_fp16_params: {len(flat)} tensors, expected {len(targets)}")
+            for main, v in zip(targets, flat):
                 _local(main).copy_(_local(_as_layout_of(v, main)))
-            self._copy_main_params_to_model()
+            if self.main_params is not None:
+                self._copy_main_params_to_model()
 
     def _local_param_groups(self, inner: dict) -> None:
         """In place: the param groups' ``params`` become this optimizer's own (the saving layout may have held other
@@ -749,12 +793,19 @@ class MegatronOptimizer:
                     st["step"] = torch.tensor(float(step), dtype=torch.float32)
         inner["state"] = {k: v for k, v in inner["state"].items() if k in ids and v}
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **unused) -> dict:
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None, **unused) -> dict:
         """The optimizer's ``state_dict()`` with each state tensor of the param named ``n`` replaced by a
         ShardedTensor shaped like that param's ShardedTensor in ``model_sharded_state_dict`` (key
         ``optimizer.state.<exp_avg|exp_avg_sq|momentum_buffer>.<param key>``; fp32 main params
         ``optimizer.state.fp32_param.<param key>``). ``step`` and the param-group hyper-parameters stay plain
-        (common state)."""
+        (common state).
+
+        Loading another engine's checkpoint (``metadata["checkpoint_fp32_main_params"]``, see
+        :func:`fp32_main_params_request`): the fp32 main params are read from where that checkpoint keeps them, the
+        optimizer state's ``fp32_param`` / ``param`` (DDP / the distributed optimizer with --bf16) or the fp32 model
+        weights (Megatron-FSDP, whose sharded weights are the main params), into this optimizer's main params or,
+        without them (Megatron-FSDP), into its fp32 parameters: the resume continues from the exact fp32 values."""
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
         self.init_state()
@@ -785,16 +836,28 @@ class MegatronOptimizer:
             for st in sd["state"].values():
                 st.pop("step", None)
             sd["state"]["common_step"] = common.detach().clone() if isinstance(common, torch.Tensor) else common
-        if self.main_params is None:
+        where = fp32_main_params_request(self, metadata) if is_loading else None
+        if where == "model":  # the fp32 model weights of the checkpoint: next to the plain layout it was saved in
+            sd["fp32_from_fp16_params"] = [_sharded_like(sh, self._main_param_target(i), None)
+                                           for i, sh in enumerate(shs)]
             return sd
-        mains = [
-            make_sharded_optimizer_tensor(sh, _local(m).detach(), "optimizer.state.fp32_param")
-            for sh, m in zip(shs, self.main_params)
-        ]
+        if self.main_params is None and where is None:
+            return sd
+        prefix = where or "optimizer.state.fp32_param"
+        mains = [_sharded_like(sh, self._main_param_target(i), prefix) for i, sh in enumerate(shs)]
         out = {"optimizer": sd, "fp32_from_fp16_params": mains}
         if self.grad_scaler is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
+
+    def _main_param_target(self, i: int) -> torch.Tensor:
+        """Where the ``i``-th fp32 main param is saved from / loaded into: the main param's local tensor, or, for an
+        optimizer without main params loading another engine's (``sharded_state_dict``), a fresh fp32 buffer shaped
+        like the parameter's local tensor (copied into the parameter by ``load_state_dict``, after the model's own
+        weights were loaded into it)."""
+        if self.main_params is not None:
+            return _local(self.main_params[i]).detach()
+        return torch.empty_like(_local(self.model_params[i]), dtype=torch.float32)
 
     def _param_sharded_tensor(self, p, model_sharded_state_dict: dict):
         """The ShardedTensor of parameter ``p``: the one of ``p``'s name, else the one holding ``p`` itself (several

@@ -1,54 +1,70 @@
-"""Switching engines with --bf16 through ``pretrain`` (CPU gloo, 2 ranks): DDP writes bf16 model weights (fp32 main
-parameters in the optimizer state), Megatron-FSDP its fp32 shards (which are its main parameters). The weights load
-across the two, converted; the optimizer state does not, and the resume says so before reading anything, naming
---no-load-optim, with which the resume continues from the saved weights."""
+"""Switching engines with --bf16 through ``pretrain`` (CPU gloo, 2 ranks). DDP writes bf16 model weights and keeps
+its fp32 main parameters in the optimizer state (``optimizer.state.fp32_param``), the distributed optimizer too
+(``optimizer.state.param``), Megatron-FSDP writes its fp32 shards as the model weights (they are its main
+parameters). A resume with another engine reads the fp32 main parameters from wherever the checkpoint keeps them
+and the Adam moments by name: it continues exactly (every fp32 main parameter and moment equal to the saving run's,
+the first loss after it equal to the saving run's own continuation). The one pair that does not load (the
+distributed optimizer from a Megatron-FSDP checkpoint) is refused before anything is read, naming --no-load-optim,
+and loads the weights with it."""
 import pytest
 import torch
 
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.test_training import NO_DROPOUT, TINY, _run
 
-ARGS = TINY + NO_DROPOUT + ["--bf16", "--train-iters", 3, "--log-interval", 1]
-FSDP = ["--use-megatron-fsdp"]
+ARGS = TINY + NO_DROPOUT + ["--bf16", "--train-iters", 4, "--log-interval", 1]
+ENGINES = {"ddp": [], "distopt": ["--use-distributed-optimizer"], "fsdp": ["--use-megatron-fsdp"]}
 
 
-def _weights(model) -> dict:
-    """{name: full fp32 value} of the (unwrapped) model's parameters (a DTensor gathered)."""
+def _full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
+
+
+def _fp32_state(opt) -> dict:
+    """{(parameter name, what): full fp32 tensor}: each main parameter (Megatron-FSDP: the parameter itself) and
+    its Adam moments."""
     out = {}
-    for n, p in model[0].module.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[n] = full.detach().float().clone()
+    mains = opt.main_params if opt.main_params is not None else opt.model_params
+    for p, main in zip(opt.model_params, mains):
+        name = opt.param_to_name[p]
+        out[(name, "main")] = _full(main)
+        for k, v in opt.optimizer.state.get(main, {}).items():
+            if k != "step":
+                out[(name, k)] = _full(v)
     return out
 
 
 def _body(rank, world_size, root):
     from megatron.training.checkpoint_safety import CheckpointError
 
-    for save_flags, load_flags in ((FSDP, []), ([], FSDP)):
-        ckpt = f"{root}/{'fsdp' if save_flags else 'ddp'}"
-        saved = _run(ARGS + save_flags + ["--save", ckpt, "--save-interval", 2, "--exit-interval", 2])
-        before = _weights(saved.model)
-        # the optimizer state of the other engine: refused before any tensor is read, naming the way out
-        with pytest.raises(CheckpointError, match=r"optimizer state was saved by .*--no-load-optim"):
-            _run(ARGS + load_flags + ["--load", ckpt])
-        # the weights alone: loaded in the run's dtype (bf16 <-> fp32), and training goes on from them
-        seen = {}
+    runs = {}
+    for name in ("ddp", "distopt", "fsdp"):  # each saves at iteration 2 and goes on to 4
+        ckpt = f"{root}/{name}"
+        runs[name] = _run(ARGS + ENGINES[name] + ["--save", ckpt, "--save-interval", 2])
+    saved_state = {}
+    for name in ("ddp", "fsdp"):  # the state at the save: its own engine loads it (--train-iters 2: no step)
+        saved_state[name] = _fp32_state(_run(ARGS + ENGINES[name] + ["--load", f"{root}/{name}", "--ckpt-step", 2,
+                                                                      "--train-iters", 2]).optimizer)
+    for saver, loader in (("fsdp", "ddp"), ("ddp", "fsdp"), ("distopt", "fsdp"), ("distopt", "ddp")):
+        ckpt = f"{root}/{saver}"
+        loaded = _run(ARGS + ENGINES[loader] + ["--load", ckpt, "--ckpt-step", 2, "--train-iters", 2])
+        if saver in saved_state:
+            got, want = _fp32_state(loaded.optimizer), saved_state[saver]
+            assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+            bad = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not bad, (saver, loader, bad[:5])
+        cont = _run(ARGS + ENGINES[loader] + ["--load", ckpt, "--ckpt-step", 2])
+        assert sorted(cont.losses) == [3, 4], cont.losses
+        # the first loss after the resume depends on the loaded weights only: the saving run's own
+        assert cont.losses[3] == runs[saver].losses[3], (saver, loader, cont.losses, runs[saver].losses)
+    # the distributed optimizer does not read a Megatron-FSDP optimizer state: refused by name, weights load
+    with pytest.raises(CheckpointError, match=r"saved by --use-megatron-fsdp.*--no-load-optim"):
+        _run(ARGS + ENGINES["distopt"] + ["--load", f"{root}/fsdp", "--ckpt-step", 2])
+    weights = _run(ARGS + ENGINES["distopt"] + ["--load", f"{root}/fsdp", "--ckpt-step", 2, "--no-load-optim", "--train-iters", 2])
+    fsdp_mains = {n: v for (n, k), v in saved_state["fsdp"].items() if k == "main"}
+    for n, p in weights.model[0].module.named_parameters():
+        assert torch.equal(_full(p), fsdp_mains[n].to(torch.bfloat16).float()), n  # fp32 -> bf16, rounded once
 
-        def first(iteration, model, loss):
-            if not seen:
-                seen.update(_weights(model))
 
-        res = _run(ARGS + load_flags + ["--load", ckpt, "--no-load-optim"], on_iteration_end=first)
-        assert sorted(res.losses) == [3], res.losses  # resumed after iteration 2
-        assert set(seen) == set(before)
-        # compare the values loaded (before the step of iteration 3 moved them): reload without training
-        again = _run(ARGS + load_flags + ["--load", ckpt, "--no-load-optim", "--exit-interval", 2])
-        loaded = _weights(again.model)
-        for n, v in before.items():
-            # fp32 -> bf16 rounds once; bf16 -> fp32 is exact
-            expect = v.to(torch.bfloat16).float()
-            assert torch.equal(loaded[n], expect), n
-
-
-def test_weights_cross_engines_with_bf16_optimizer_state_refused_by_name(tmp_path):
+def test_resume_across_engines_with_bf16(tmp_path):
     run_distributed(_body, 2, str(tmp_path))

@@ -781,7 +781,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         try:
             for t in tensors:
                 fr = t.flattened_range
-                ident = (t.key, t.global_offset, t.local_shape, (fr.start, fr.stop) if fr is not None else None)
+                # one key asked for twice in one dtype is read once (a main param asked for from the model's
+                # weights: in fp32, beside the model's bf16, reads its own)
+                ident = (t.key, t.global_offset, t.local_shape, (fr.start, fr.stop) if fr is not None else None,
+                         t.dtype)
                 if t.numel() == 0:
                     continue
                 if ident in first_of:
