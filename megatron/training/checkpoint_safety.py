@@ -446,28 +446,24 @@ def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, objec
     return out
 
 
-def _fsdp_main_params_are_the_weights(a) -> bool:
-    """Megatron-FSDP with --bf16 / --fp16 and unquantized weights: its fp32 sharded parameters are the main
-    parameters, written as the model's weights, with no fp32 copy in the optimizer state."""
-    return (bool(getattr(a, "use_megatron_fsdp", False)) and bool(getattr(a, "bf16", False) or getattr(a, "fp16", False))
-            and not (getattr(a, "fp8_param_gather", False) or getattr(a, "fp4_param_gather", False)))
+def _distributed_optimizer_layout(a) -> bool:
+    """A run whose optimizer state is the distributed optimizer's (``--use-distributed-optimizer`` without
+    Megatron-FSDP, which keeps its own)."""
+    return bool(getattr(a, "use_distributed_optimizer", False)) and not getattr(a, "use_megatron_fsdp", False)
 
 
 def optimizer_layout_problem(ckpt_args, args) -> Optional[str]:
     """Why the optimizer state of a checkpoint saved with ``ckpt_args`` cannot load into this run's optimizer, or
-    None. DDP, the distributed optimizer and Megatron-FSDP read each other's fp32 main parameters (from the optimizer
-    state or, for Megatron-FSDP's checkpoints, the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``),
-    except the distributed optimizer from a Megatron-FSDP --bf16 / --fp16 checkpoint (its loader reads its own
-    layouts only)."""
-    if ckpt_args is None:
+    None. DDP and Megatron-FSDP read each other's and the distributed optimizer's (their fp32 main params from the
+    optimizer state or the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``); the distributed optimizer
+    reads its own layouts only."""
+    if ckpt_args is None or not _distributed_optimizer_layout(args) or _distributed_optimizer_layout(ckpt_args):
         return None
-    if not (_fsdp_main_params_are_the_weights(ckpt_args) and getattr(args, "use_distributed_optimizer", False)
-            and not getattr(args, "use_megatron_fsdp", False)):
-        return None
-    return ("its optimizer state was saved by --use-megatron-fsdp, whose fp32 main parameters are its model "
-            "weights; --use-distributed-optimizer reads them from its own optimizer-state layouts only: resume with "
-            "--no-load-optim (the model weights load and the optimizer starts afresh), or with --use-megatron-fsdp "
-            "or without --use-distributed-optimizer (both load this optimizer state)")
+    saved = ("--use-megatron-fsdp" if getattr(ckpt_args, "use_megatron_fsdp", False)
+             else "DDP without --use-distributed-optimizer")
+    return (f"its optimizer state was saved by {saved}; --use-distributed-optimizer reads its own optimizer-state "
+            f"layouts only: resume with --no-load-optim (the model weights load and the optimizer starts afresh), or "
+            f"without --use-distributed-optimizer (DDP and Megatron-FSDP load this optimizer state)")
 
 
 def format_mismatches(mismatches) -> str:

@@ -423,19 +423,21 @@ def _a(**kw):
 
 @pytest.mark.parametrize("saved, run, refused", [
     (dict(use_megatron_fsdp=True), dict(use_distributed_optimizer=True), True),  # FSDP --bf16 -> distopt
+    (dict(), dict(use_distributed_optimizer=True), True),  # DDP -> distopt
+    (dict(use_megatron_fsdp=True, bf16=False), dict(bf16=False, use_distributed_optimizer=True), True),  # fp32
     (dict(use_megatron_fsdp=True), dict(), False),  # -> DDP: its main params come from the fp32 weights
     (dict(), dict(use_megatron_fsdp=True), False),
     (dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True), False),
+    (dict(use_distributed_optimizer=True), dict(), False),
     (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True), False),  # the same engine
     (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True, use_distributed_optimizer=True), False),
-    (dict(use_megatron_fsdp=True, bf16=False), dict(bf16=False, use_distributed_optimizer=True), False),  # fp32
-    (dict(use_megatron_fsdp=True, fp8_param_gather=True), dict(use_distributed_optimizer=True), False),
+    (dict(use_distributed_optimizer=True), dict(use_distributed_optimizer=True), False),
 ])
-def test_optimizer_layout_problem_between_fsdp_and_the_others(saved, run, refused):
+def test_optimizer_layout_problem_only_into_the_distributed_optimizer(saved, run, refused):
     from megatron.training import checkpoint_safety as safety
 
     problem = safety.optimizer_layout_problem(_a(**saved), _a(**run))
     assert (problem is not None) == refused, problem
     if refused:
-        assert "--no-load-optim" in problem and "--use-distributed-optimizer" in problem
+        assert "--no-load-optim" in problem and "reads its own optimizer-state layouts only" in problem
     assert safety.optimizer_layout_problem(None, _a(**run)) is None  # an upstream checkpoint without args

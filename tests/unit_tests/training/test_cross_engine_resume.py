@@ -3,9 +3,9 @@ its fp32 main parameters in the optimizer state (``optimizer.state.fp32_param``)
 (``optimizer.state.param``), Megatron-FSDP writes its fp32 shards as the model weights (they are its main
 parameters). A resume with another engine reads the fp32 main parameters from wherever the checkpoint keeps them
 and the Adam moments by name: it continues exactly (every fp32 main parameter and moment equal to the saving run's,
-the first loss after it equal to the saving run's own continuation). The one pair that does not load (the
-distributed optimizer from a Megatron-FSDP checkpoint) is refused before anything is read, naming --no-load-optim,
-and loads the weights with it."""
+the first loss after it equal to the saving run's own continuation). The distributed optimizer reads its own
+layouts only: a DDP or Megatron-FSDP checkpoint is refused before anything is read, naming --no-load-optim, with
+which the weights load."""
 import pytest
 import torch
 
@@ -60,6 +60,8 @@ def _body(rank, world_size, root):
     # the distributed optimizer does not read a Megatron-FSDP optimizer state: refused by name, weights load
     with pytest.raises(CheckpointError, match=r"saved by --use-megatron-fsdp.*--no-load-optim"):
         _run(ARGS + ENGINES["distopt"] + ["--load", f"{root}/fsdp", "--ckpt-step", 2])
+    with pytest.raises(CheckpointError, match=r"saved by DDP without --use-distributed-optimizer.*--no-load-optim"):
+        _run(ARGS + ENGINES["distopt"] + ["--load", f"{root}/ddp", "--ckpt-step", 2])
     weights = _run(ARGS + ENGINES["distopt"] + ["--load", f"{root}/fsdp", "--ckpt-step", 2, "--no-load-optim", "--train-iters", 2])
     fsdp_mains = {n: v for (n, k), v in saved_state["fsdp"].items() if k == "main"}
     for n, p in weights.model[0].module.named_parameters():
