@@ -446,24 +446,41 @@ def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, objec
     return out
 
 
-def _distributed_optimizer_layout(a) -> bool:
-    """A run whose optimizer state is the distributed optimizer's (``--use-distributed-optimizer`` without
-    Megatron-FSDP, which keeps its own)."""
-    return bool(getattr(a, "use_distributed_optimizer", False)) and not getattr(a, "use_megatron_fsdp", False)
+def _optimizer_kind(a) -> str:
+    """The optimizer-state layout a run's arguments write and read: ``distopt`` (the distributed optimizer, also
+    Megatron-FSDP's ``optim`` strategy, a DDP wrapper), ``fsdp`` (Megatron-FSDP on FSDP2) or ``ddp``."""
+    if getattr(a, "use_megatron_fsdp", False):
+        strategy = getattr(a, "data_parallel_sharding_strategy", None) or "optim_grads_params"
+        return {"optim": "distopt", "no_shard": "ddp"}.get(strategy, "fsdp")
+    return "distopt" if getattr(a, "use_distributed_optimizer", False) else "ddp"
 
 
-def optimizer_layout_problem(ckpt_args, args) -> Optional[str]:
-    """Why the optimizer state of a checkpoint saved with ``ckpt_args`` cannot load into this run's optimizer, or
-    None. DDP and Megatron-FSDP read each other's and the distributed optimizer's (their fp32 main params from the
-    optimizer state or the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``); the distributed optimizer
-    reads its own layouts only."""
-    if ckpt_args is None or not _distributed_optimizer_layout(args) or _distributed_optimizer_layout(ckpt_args):
+_KIND_FLAGS = {"distopt": "--use-distributed-optimizer", "fsdp": "--use-megatron-fsdp",
+               "ddp": "DDP without --use-distributed-optimizer"}
+
+
+def optimizer_layout_problem(ckpt_args, ckpt_keys: Iterable[str], args) -> Optional[str]:
+    """Why the optimizer state of a checkpoint (saved with ``ckpt_args``; its tensor keys) cannot load into this
+    run's optimizer, or None. DDP and Megatron-FSDP read each other's and the distributed optimizer's state (the fp32
+    main params from the optimizer state or the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``), except
+    a distributed optimizer's chained dense + expert state (expert parallelism); the distributed optimizer reads its
+    own layouts only. A checkpoint without optimizer state is left to the load (it names --no-load-optim)."""
+    keys = list(ckpt_keys)
+    if ckpt_args is None or not any(k.startswith("optimizer.") for k in keys):
         return None
-    saved = ("--use-megatron-fsdp" if getattr(ckpt_args, "use_megatron_fsdp", False)
-             else "DDP without --use-distributed-optimizer")
-    return (f"its optimizer state was saved by {saved}; --use-distributed-optimizer reads its own optimizer-state "
-            f"layouts only: resume with --no-load-optim (the model weights load and the optimizer starts afresh), or "
-            f"without --use-distributed-optimizer (DDP and Megatron-FSDP load this optimizer state)")
+    saved, run = _optimizer_kind(ckpt_args), _optimizer_kind(args)
+    if run == "distopt" and saved != "distopt":
+        return (f"its optimizer state was saved by {_KIND_FLAGS[saved]}; {_KIND_FLAGS[run]} reads its own "
+                f"optimizer-state layouts only: resume with --no-load-optim (the model weights load and the optimizer "
+                f"starts afresh), or without --use-distributed-optimizer (DDP and Megatron-FSDP load this state)")
+    chained = (int(getattr(ckpt_args, "expert_model_parallel_size", 1) or 1) > 1
+               or any(".chained_" in k or k.startswith("optimizer.chained_") for k in keys))
+    if saved == "distopt" and run != "distopt" and chained:
+        return (f"its optimizer state was saved by --use-distributed-optimizer with expert parallelism (a dense and "
+                f"an expert optimizer, chained); this run's {_KIND_FLAGS[run]} reads one optimizer's state: resume "
+                f"with --no-load-optim (the model weights load and the optimizer starts afresh), or with "
+                f"--use-distributed-optimizer")
+    return None
 
 
 def format_mismatches(mismatches) -> str:

@@ -95,17 +95,20 @@ FP32_MAIN_PARAMS_KEYS = ("optimizer.state.fp32_param", "optimizer.state.param")
 (``fp32_param``) and upstream's ``fully_reshardable`` distributed optimizer (``param``)."""
 
 
-def fp32_main_params_location(tensor_keys) -> Optional[str]:
-    """Where a checkpoint with these tensor keys keeps the fp32 main params: a key prefix of
-    :data:`FP32_MAIN_PARAMS_KEYS`, ``"model"`` (an optimizer state without them: the model weights are the main
-    params, Megatron-FSDP's fp32 shards or a fp32 DDP run), or None (no optimizer state, or another layout)."""
-    keys = list(tensor_keys)
-    for prefix in FP32_MAIN_PARAMS_KEYS:
-        if any(k.startswith(prefix + ".") for k in keys):
-            return prefix
-    if any(k.startswith("optimizer.state.") for k in keys):
+def fp32_main_params_location(tensor_dtypes: Dict[str, torch.dtype]) -> Optional[str]:
+    """Where a checkpoint (``{tensor key: dtype}``) keeps the fp32 main params: a key prefix of
+    :data:`FP32_MAIN_PARAMS_KEYS` where its floating-point model weights are not all fp32 (DDP / the distributed
+    optimizer with --bf16 / --fp16), ``"model"`` where they are (Megatron-FSDP's fp32 shards, a fp32 run: the
+    weights are the main params), or None (no optimizer state, or another layout)."""
+    if not any(k.startswith("optimizer.state.") for k in tensor_dtypes):
+        return None
+    weights = [d for k, d in tensor_dtypes.items() if not k.startswith("optimizer.") and d.is_floating_point]
+    if weights and all(d == torch.float32 for d in weights):
         return "model"
-    return None
+    for prefix in FP32_MAIN_PARAMS_KEYS:
+        if any(k.startswith(prefix + ".") for k in tensor_dtypes):
+            return prefix
+    return "model"
 
 
 def fp32_main_params_request(opt, metadata: Optional[dict]) -> Optional[str]:
@@ -852,12 +855,13 @@ class MegatronOptimizer:
 
     def _main_param_target(self, i: int) -> torch.Tensor:
         """Where the ``i``-th fp32 main param is saved from / loaded into: the main param's local tensor, or, for an
-        optimizer without main params loading another engine's (``sharded_state_dict``), a fresh fp32 buffer shaped
-        like the parameter's local tensor (copied into the parameter by ``load_state_dict``, after the model's own
-        weights were loaded into it)."""
+        optimizer without main params loading another engine's (``sharded_state_dict``), an fp32 copy of the
+        parameter's local values (copied back into the parameter by ``load_state_dict``, after the model's own
+        weights were loaded into it; elements the checkpoint does not hold keep their values)."""
         if self.main_params is not None:
             return _local(self.main_params[i]).detach()
-        return torch.empty_like(_local(self.model_params[i]), dtype=torch.float32)
+        # the parameter's values: elements the checkpoint does not hold (vocabulary rows padded differently) keep them
+        return _local(self.model_params[i]).detach().float().clone()
 
     def _param_sharded_tensor(self, p, model_sharded_state_dict: dict):
         """The ShardedTensor of parameter ``p``: the one of ``p``'s name, else the one holding ``p`` itself (several

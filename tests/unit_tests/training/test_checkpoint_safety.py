@@ -416,7 +416,7 @@ def _a(**kw):
     import argparse
 
     base = dict(use_megatron_fsdp=False, use_distributed_optimizer=False, bf16=True, fp16=False,
-                fp8_param_gather=False, fp4_param_gather=False)
+                data_parallel_sharding_strategy=None, expert_model_parallel_size=1)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -425,19 +425,27 @@ def _a(**kw):
     (dict(use_megatron_fsdp=True), dict(use_distributed_optimizer=True), True),  # FSDP --bf16 -> distopt
     (dict(), dict(use_distributed_optimizer=True), True),  # DDP -> distopt
     (dict(use_megatron_fsdp=True, bf16=False), dict(bf16=False, use_distributed_optimizer=True), True),  # fp32
+    (dict(), dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), True),  # into ZeRO-1
+    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2), dict(), True),  # chained -> DDP
+    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2), dict(use_megatron_fsdp=True), True),
     (dict(use_megatron_fsdp=True), dict(), False),  # -> DDP: its main params come from the fp32 weights
     (dict(), dict(use_megatron_fsdp=True), False),
     (dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True), False),
     (dict(use_distributed_optimizer=True), dict(), False),
     (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True), False),  # the same engine
-    (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True, use_distributed_optimizer=True), False),
     (dict(use_distributed_optimizer=True), dict(use_distributed_optimizer=True), False),
+    (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), dict(use_distributed_optimizer=True),
+     False),  # Megatron-FSDP's ZeRO-1 is the distributed optimizer
+    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2),
+     dict(use_distributed_optimizer=True, expert_model_parallel_size=2), False),
 ])
 def test_optimizer_layout_problem_only_into_the_distributed_optimizer(saved, run, refused):
     from megatron.training import checkpoint_safety as safety
 
-    problem = safety.optimizer_layout_problem(_a(**saved), _a(**run))
+    keys = ["embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight"]
+    problem = safety.optimizer_layout_problem(_a(**saved), keys, _a(**run))
     assert (problem is not None) == refused, problem
     if refused:
-        assert "--no-load-optim" in problem and "reads its own optimizer-state layouts only" in problem
-    assert safety.optimizer_layout_problem(None, _a(**run)) is None  # an upstream checkpoint without args
+        assert "--no-load-optim" in problem
+    assert safety.optimizer_layout_problem(_a(**saved), keys[:1], _a(**run)) is None  # no optimizer state saved
+    assert safety.optimizer_layout_problem(None, keys, _a(**run)) is None  # a checkpoint without args
