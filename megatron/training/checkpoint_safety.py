@@ -459,27 +459,43 @@ _KIND_FLAGS = {"distopt": "--use-distributed-optimizer", "fsdp": "--use-megatron
                "ddp": "DDP without --use-distributed-optimizer"}
 
 
-def optimizer_layout_problem(ckpt_args, ckpt_keys: Iterable[str], args) -> Optional[str]:
-    """Why the optimizer state of a checkpoint (saved with ``ckpt_args``; its tensor keys) cannot load into this
-    run's optimizer, or None. DDP and Megatron-FSDP read each other's and the distributed optimizer's state (the fp32
-    main params from the optimizer state or the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``), except
-    a distributed optimizer's chained dense + expert state (expert parallelism); the distributed optimizer reads its
+def _saved_optimizer_form(common) -> Tuple[bool, set]:
+    """(whether a checkpoint's optimizer state is chained, its distributed-optimizer sharding types) from its common
+    state: upstream's chained dense + expert optimizers are ``{0: ..., 1: ...}`` under ``optimizer``."""
+    opt = common.get("optimizer") if isinstance(common, dict) else None
+    if not isinstance(opt, dict):
+        return False, set()
+    chained = bool(opt) and all(isinstance(k, int) for k in opt)
+    parts = list(opt.values()) if chained else [opt]
+    kinds = {p.get("param_state_sharding_type") for p in parts if isinstance(p, dict)} - {None}
+    return chained, kinds
+
+
+def optimizer_layout_problem(ckpt_args, ckpt_keys: Iterable[str], args, common=None) -> Optional[str]:
+    """Why the optimizer state of a checkpoint (saved with ``ckpt_args``; its tensor keys; its common state) cannot
+    load into this run's optimizer, or None. DDP and Megatron-FSDP read each other's and the distributed optimizer's
+    unchained ``fully_reshardable`` / ``fully_sharded_model_space`` state (the fp32 main params from the optimizer
+    state or the fp32 model weights: ``MegatronOptimizer.sharded_state_dict``); the distributed optimizer reads its
     own layouts only. A checkpoint without optimizer state is left to the load (it names --no-load-optim)."""
     keys = list(ckpt_keys)
-    if ckpt_args is None or not any(k.startswith("optimizer.") for k in keys):
+    if ckpt_args is None or not any(k.startswith(("optimizer.", "chained_")) for k in keys):
         return None
     saved, run = _optimizer_kind(ckpt_args), _optimizer_kind(args)
+    way_out = "resume with --no-load-optim (the model weights load and the optimizer starts afresh), or with "
     if run == "distopt" and saved != "distopt":
         return (f"its optimizer state was saved by {_KIND_FLAGS[saved]}; {_KIND_FLAGS[run]} reads its own "
-                f"optimizer-state layouts only: resume with --no-load-optim (the model weights load and the optimizer "
-                f"starts afresh), or without --use-distributed-optimizer (DDP and Megatron-FSDP load this state)")
-    chained = (int(getattr(ckpt_args, "expert_model_parallel_size", 1) or 1) > 1
-               or any(".chained_" in k or k.startswith("optimizer.chained_") for k in keys))
-    if saved == "distopt" and run != "distopt" and chained:
-        return (f"its optimizer state was saved by --use-distributed-optimizer with expert parallelism (a dense and "
-                f"an expert optimizer, chained); this run's {_KIND_FLAGS[run]} reads one optimizer's state: resume "
-                f"with --no-load-optim (the model weights load and the optimizer starts afresh), or with "
+                f"optimizer-state layouts only: {way_out}the saving run's engine (DDP and Megatron-FSDP load this "
+                f"state)")
+    if run == "distopt":
+        return None
+    chained, kinds = _saved_optimizer_form(common)
+    if chained:
+        return (f"its optimizer state is a distributed optimizer's chained dense and expert optimizers (expert "
+                f"parallelism); this run's {_KIND_FLAGS[run]} reads one optimizer's state: {way_out}"
                 f"--use-distributed-optimizer")
+    if "dp_reshardable" in kinds:
+        return (f"its optimizer state is a distributed optimizer's dp_reshardable layout (by gradient buckets); "
+                f"this run's {_KIND_FLAGS[run]} reads states by parameter only: {way_out}--use-distributed-optimizer")
     return None
 
 
@@ -487,7 +503,7 @@ def format_mismatches(mismatches) -> str:
     return ", ".join(f"{name} (checkpoint {old!r} vs run {new!r})" for name, old, new in mismatches)
 
 
-NON_MODEL_TENSOR_PREFIXES = ("optimizer.",)
+NON_MODEL_TENSOR_PREFIXES = ("optimizer.", "chained_")  # upstream's chained dp_reshardable: chained_<i>.optimizer...
 
 
 def _rows_may_differ(key: str, model_shape: tuple, ckpt_shape: tuple, resizable) -> bool:

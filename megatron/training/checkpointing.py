@@ -209,8 +209,8 @@ def loaded_sd_metadata(checkpoint_dir: str) -> dict:
 
 
 def _fp32_main_params_location(checkpoint_dir: str) -> Optional[str]:
-    """``optimizer.fp32_main_params_location`` of the checkpoint's tensors (their keys and dtypes, from its DCP
-    metadata); None where they cannot be read (the load then says why)."""
+    """``optimizer.fp32_main_params_location`` of the checkpoint's tensor keys (from its DCP metadata); None where
+    they cannot be read (the load then says why)."""
     from pathlib import Path
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -223,8 +223,7 @@ def _fp32_main_params_location(checkpoint_dir: str) -> Optional[str]:
         sdm = read_dcp_metadata(Path(checkpoint_dir)).state_dict_metadata
     except (CheckpointingException, OSError):
         return None
-    return fp32_main_params_location({k: md.properties.dtype for k, md in sdm.items()
-                                      if isinstance(md, TensorStorageMetadata)})
+    return fp32_main_params_location(k for k, md in sdm.items() if isinstance(md, TensorStorageMetadata))
 
 
 def _read_content_metadata(checkpoint_dir: str) -> Optional[dict]:
@@ -747,7 +746,8 @@ def _check_resume(args, checkpoint_dir: str, sharded_model_sds: dict, strict: bo
             if note:
                 print(f"checkpoint {checkpoint_dir}: {note}", flush=True)
             problems = [safety.short_list(problems, 2, "; ")] if problems else []  # one line: a count for the rest
-            layout = safety.optimizer_layout_problem(ckpt_args, ckpt_shapes or (), args) if load_optim else None
+            layout = (safety.optimizer_layout_problem(ckpt_args, ckpt_shapes or (), args, common)
+                      if load_optim else None)
             if layout:
                 error = f"checkpoint {checkpoint_dir}: {layout}"
             elif mismatches and not args.finetune:

@@ -95,20 +95,16 @@ FP32_MAIN_PARAMS_KEYS = ("optimizer.state.fp32_param", "optimizer.state.param")
 (``fp32_param``) and upstream's ``fully_reshardable`` distributed optimizer (``param``)."""
 
 
-def fp32_main_params_location(tensor_dtypes: Dict[str, torch.dtype]) -> Optional[str]:
-    """Where a checkpoint (``{tensor key: dtype}``) keeps the fp32 main params: a key prefix of
-    :data:`FP32_MAIN_PARAMS_KEYS` where its floating-point model weights are not all fp32 (DDP / the distributed
-    optimizer with --bf16 / --fp16), ``"model"`` where they are (Megatron-FSDP's fp32 shards, a fp32 run: the
-    weights are the main params), or None (no optimizer state, or another layout)."""
-    if not any(k.startswith("optimizer.state.") for k in tensor_dtypes):
-        return None
-    weights = [d for k, d in tensor_dtypes.items() if not k.startswith("optimizer.") and d.is_floating_point]
-    if weights and all(d == torch.float32 for d in weights):
-        return "model"
-    for prefix in FP32_MAIN_PARAMS_KEYS:
-        if any(k.startswith(prefix + ".") for k in tensor_dtypes):
+def fp32_main_params_location(tensor_keys) -> Optional[str]:
+    """Where a checkpoint with these tensor keys keeps the fp32 main params: a key prefix of
+    :data:`FP32_MAIN_PARAMS_KEYS` (DDP / the distributed optimizer with --bf16 / --fp16, or FP8 weights), ``"model"``
+    (an optimizer state without them: the weights are the main params, Megatron-FSDP's fp32 shards or a fp32 run), or
+    None (no optimizer state, or another layout)."""
+    keys = list(tensor_keys)
+    for prefix in FP32_MAIN_PARAMS_KEYS:  # first: fp32 weights may be quantized values (FP8 params, fp32 nominal)
+        if any(k.startswith(prefix + ".") for k in keys):
             return prefix
-    return "model"
+    return "model" if any(k.startswith("optimizer.state.") for k in keys) else None
 
 
 def fp32_main_params_request(opt, metadata: Optional[dict]) -> Optional[str]:

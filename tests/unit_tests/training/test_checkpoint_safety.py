@@ -421,31 +421,36 @@ def _a(**kw):
     return argparse.Namespace(**base)
 
 
-@pytest.mark.parametrize("saved, run, refused", [
-    (dict(use_megatron_fsdp=True), dict(use_distributed_optimizer=True), True),  # FSDP --bf16 -> distopt
-    (dict(), dict(use_distributed_optimizer=True), True),  # DDP -> distopt
-    (dict(use_megatron_fsdp=True, bf16=False), dict(bf16=False, use_distributed_optimizer=True), True),  # fp32
-    (dict(), dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), True),  # into ZeRO-1
-    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2), dict(), True),  # chained -> DDP
-    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2), dict(use_megatron_fsdp=True), True),
-    (dict(use_megatron_fsdp=True), dict(), False),  # -> DDP: its main params come from the fp32 weights
-    (dict(), dict(use_megatron_fsdp=True), False),
-    (dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True), False),
-    (dict(use_distributed_optimizer=True), dict(), False),
-    (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True), False),  # the same engine
-    (dict(use_distributed_optimizer=True), dict(use_distributed_optimizer=True), False),
+CHAINED = {"optimizer": {0: {"param_state_sharding_type": "fully_reshardable"},
+                         1: {"param_state_sharding_type": "fully_reshardable"}}}
+BUCKETS = {"optimizer": {"param_state_sharding_type": "dp_reshardable", "optimizer": {}}}
+
+
+@pytest.mark.parametrize("saved, run, common, refused", [
+    (dict(use_megatron_fsdp=True), dict(use_distributed_optimizer=True), None, True),  # FSDP --bf16 -> distopt
+    (dict(), dict(use_distributed_optimizer=True), None, True),  # DDP -> distopt
+    (dict(use_megatron_fsdp=True, bf16=False), dict(bf16=False, use_distributed_optimizer=True), None, True),
+    (dict(), dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), None, True),  # into ZeRO-1
+    (dict(use_distributed_optimizer=True), dict(), CHAINED, True),  # chained dense + expert -> DDP
+    (dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True), CHAINED, True),
+    (dict(use_distributed_optimizer=True), dict(), BUCKETS, True),  # dp_reshardable -> DDP
+    (dict(use_megatron_fsdp=True), dict(), None, False),  # -> DDP: its main params come from the fp32 weights
+    (dict(), dict(use_megatron_fsdp=True), None, False),
+    (dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True), None, False),
+    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2), dict(), None, False),  # unchained
+    (dict(use_megatron_fsdp=True), dict(use_megatron_fsdp=True), None, False),  # the same engine
+    (dict(use_distributed_optimizer=True), dict(use_distributed_optimizer=True), CHAINED, False),
+    (dict(use_distributed_optimizer=True), dict(use_distributed_optimizer=True), BUCKETS, False),
     (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), dict(use_distributed_optimizer=True),
-     False),  # Megatron-FSDP's ZeRO-1 is the distributed optimizer
-    (dict(use_distributed_optimizer=True, expert_model_parallel_size=2),
-     dict(use_distributed_optimizer=True, expert_model_parallel_size=2), False),
+     None, False),  # Megatron-FSDP's ZeRO-1 is the distributed optimizer
 ])
-def test_optimizer_layout_problem_only_into_the_distributed_optimizer(saved, run, refused):
+def test_optimizer_layout_problem_only_where_the_state_cannot_load(saved, run, common, refused):
     from megatron.training import checkpoint_safety as safety
 
     keys = ["embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight"]
-    problem = safety.optimizer_layout_problem(_a(**saved), keys, _a(**run))
+    problem = safety.optimizer_layout_problem(_a(**saved), keys, _a(**run), common)
     assert (problem is not None) == refused, problem
     if refused:
         assert "--no-load-optim" in problem
-    assert safety.optimizer_layout_problem(_a(**saved), keys[:1], _a(**run)) is None  # no optimizer state saved
-    assert safety.optimizer_layout_problem(None, keys, _a(**run)) is None  # a checkpoint without args
+    assert safety.optimizer_layout_problem(_a(**saved), keys[:1], _a(**run), common) is None  # no optimizer state
+    assert safety.optimizer_layout_problem(None, keys, _a(**run), common) is None  # a checkpoint without args
