@@ -94,7 +94,6 @@ def fused_sdpa_kernel(q, k, v, dropout_p: float = 0.0) -> bool:
                       SDPBackend.CUDNN_ATTENTION.value)
 
 
-
 class SelfAttention(MegatronModule):
     def __init__(self, config, layer_number: int = 1, fuse_input_layernorm: bool = False):
         if getattr(config, "multi_latent_attention", False):
