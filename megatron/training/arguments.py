@@ -1141,7 +1141,8 @@ def validate_args(args, defaults={}):
         try:
             import wandb  # noqa: F401
         except ImportError:
-            _fail("--wandb-project needs the wandb package (pip install wandb), which is not installed")
+            _fail("--wandb-project needs the wandb package, which is not installed: "
+                  "pip install 'megatron-core-fork[wandb]'")
     if args.tensorboard_log_interval <= 0:
         _fail(f"--tensorboard-log-interval must be positive (got {args.tensorboard_log_interval})")
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:

@@ -36,8 +36,8 @@ def get_tensorboard_writer():
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ImportError("--tensorboard-dir needs the 'tensorboard' package: pip install tensorboard "
-                                  "(or the 'tensorboard' extra of this package)") from None
+                raise ImportError("--tensorboard-dir needs the 'tensorboard' package: pip install "
+                                  "'megatron-core-fork[tensorboard]'") from None
             _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir,
                                                        max_queue=args.tensorboard_queue_size)
     return _GLOBAL_TENSORBOARD_WRITER
@@ -56,7 +56,7 @@ def get_wandb_writer():
             try:
                 import wandb
             except ImportError:
-                raise ImportError("--wandb-project needs the 'wandb' package: pip install wandb") from None
+                raise ImportError("--wandb-project needs the 'wandb' package: pip install 'megatron-core-fork[wandb]'") from None
             wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None,
                        dir=args.wandb_save_dir or None, entity=args.wandb_entity or None, config=vars(args))
             _GLOBAL_WANDB_WRITER = wandb
