@@ -61,6 +61,9 @@ class OptimizerParamScheduler:
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.num_steps = 0
+        # The per-group peak / minimum learning rates the arguments gave (decoupled embedding lr, ...): a loaded
+        # optimizer state brings the saving run's, which --override-opt_param-scheduler must not keep.
+        self._arg_group_lrs = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in self._groups()]
         for group in self._groups():
             group.setdefault("lr_mult", 1.0)
             group.setdefault("wd_mult", 0.0 if group.get("weight_decay", 1.0) == 0.0 and self.start_wd > 0 else 1.0)
@@ -137,22 +140,35 @@ class OptimizerParamScheduler:
         return sd_value
 
     def load_state_dict(self, sd: dict) -> None:
-        self.max_lr = self._check_and_set(self.max_lr, sd.get("max_lr", self.max_lr), "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, sd.get("min_lr", self.min_lr), "minimum learning rate")
+        self.max_lr = self._check_and_set(self.max_lr, sd.get("max_lr", self.max_lr), "learning rate (--lr)")
+        self.min_lr = self._check_and_set(self.min_lr, sd.get("min_lr", self.min_lr), "minimum learning rate (--min-lr)")
         self.lr_warmup_steps = self._check_and_set(
-            self.lr_warmup_steps, sd.get("lr_warmup_steps", self.lr_warmup_steps), "warmup steps"
+            self.lr_warmup_steps, sd.get("lr_warmup_steps", self.lr_warmup_steps), "warmup steps (--lr-warmup-iters / --lr-warmup-samples)"
         )
         self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, sd.get("lr_decay_steps", self.lr_decay_steps), "total number of decay steps"
+            self.lr_decay_steps, sd.get("lr_decay_steps", self.lr_decay_steps), "total number of decay steps (--lr-decay-iters / --lr-decay-samples)"
         )
         self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, sd.get("lr_decay_style", self.lr_decay_style), "learning rate decay style"
+            self.lr_decay_style, sd.get("lr_decay_style", self.lr_decay_style), "learning rate decay style (--lr-decay-style)"
         )
-        for name in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+        for name, flag in (("start_wd", "--start-weight-decay"), ("end_wd", "--end-weight-decay"),
+                           ("wd_incr_steps", "--train-iters"), ("wd_incr_style", "--weight-decay-incr-style")):
             if name == "wd_incr_steps" and self.wd_incr_style == "constant" and sd.get("wd_incr_style") == "constant":
                 continue  # irrelevant for a constant weight decay (it follows --train-iters)
             if name in sd:
-                setattr(self, name, self._check_and_set(getattr(self, name), sd[name], name))
+                setattr(self, name, self._check_and_set(getattr(self, name), sd[name], f"{name} ({flag})"))
+        if self.override_opt_param_scheduler:
+            self._restore_arg_group_lrs()
         num_steps = sd.get("num_steps", sd.get("num_iters", 0))
         self.num_steps = 0
         self.step(int(num_steps))
+
+    def _restore_arg_group_lrs(self) -> None:
+        """Put the arguments' per-group ``max_lr`` / ``min_lr`` back into the optimizer's param groups, over those a
+        loaded optimizer state carried (the checkpoint's --lr / --min-lr / --decoupled-lr)."""
+        groups = self._groups()
+        if len(groups) != len(self._arg_group_lrs):
+            raise ValueError(f"--override-opt_param-scheduler: the optimizer has {len(groups)} param groups after the "
+                             f"load, {len(self._arg_group_lrs)} when the scheduler was built")
+        for group, lrs in zip(groups, self._arg_group_lrs):
+            group.update(lrs)

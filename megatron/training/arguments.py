@@ -7,6 +7,7 @@ naming the flags) on incompatible combinations.
 """
 import argparse
 import difflib
+import math
 import os
 import warnings
 
@@ -695,6 +696,22 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     return parsed
 
 
+# Optimizer hyperparameters become float32 scalars inside the optimizer's kernels: a value outside float32's range
+# (say --lr 1e39) would stop the first step with torch's "value cannot be converted ... without overflow".
+OPTIMIZER_FLOAT_FLAGS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "start_weight_decay",
+                         "end_weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")
+
+
+def _check_optimizer_floats(args):
+    limit = torch.finfo(torch.float32).max
+    for name in OPTIMIZER_FLOAT_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and abs(value) <= limit):
+            _fail(f"--{name.replace('_', '-')} {value} is not a finite float32 value (|value| <= {limit:.4g})")
+        if value is not None and value < 0:
+            _fail(f"--{name.replace('_', '-')} must not be negative (got {value})")
+
+
 def _fail(message: str):
     """Exit with a clear message (a ``SystemExit`` whose text names the flags)."""
     raise SystemExit(f"megatron argument error: {message}")
@@ -1110,6 +1127,7 @@ def validate_args(args, defaults={}):
         _fail(f"--train-iters (or --train-samples) is required and must be >= 0 (got {args.train_iters})")
     if args.lr is None:
         _fail("--lr is required")
+    _check_optimizer_floats(args)
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:

@@ -878,7 +878,10 @@ def _load_checkpoint(model, optimizer, opt_param_scheduler, load_arg, strict, sk
     if opt_param_scheduler is not None and load_optim:
         if "opt_param_scheduler" not in loaded:
             raise CheckpointError(f"checkpoint {checkpoint_dir} has no opt_param_scheduler state")
-        opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        try:
+            opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        except ValueError as e:  # a scheduler value differs from the checkpoint's: one line naming the flags
+            raise CheckpointError(f"{checkpoint_dir}: {e}") from None
     if load_rng:
         if "rng_state" not in loaded:
             raise CheckpointError(f"checkpoint {checkpoint_dir} has no rng_state (use --no-load-rng)")

@@ -222,6 +222,10 @@ ERRORS = [
     (["--group-query-attention", "--num-query-groups", 3], None, ["--num-attention-heads=4", "--num-query-groups=3"]),
     (["--log-interval", 0], None, ["--log-interval"]),
     (["--moe-router-bias-update-rate", -1], None, ["--moe-router-bias-update-rate"]),
+    (["--lr", "1e39"], None, ["--lr 1e+39 is not a finite float32 value"]),
+    (["--lr", "nan"], None, ["--lr nan is not a finite float32 value"]),
+    (["--adam-eps=-1e-8"], None, ["--adam-eps must not be negative"]),
+    (["--clip-grad", "inf"], None, ["--clip-grad inf is not a finite float32 value"]),
 ]
 
 

@@ -181,3 +181,45 @@ def _said_once_body(rank, world_size):
 
 def test_same_warning_on_every_rank_said_once(tmp_path):
     run_distributed(_said_once_body, 2)
+
+
+# ---- the learning-rate schedule on a resume (issue 41) -----------------------------------------------------------
+def _save_at_lr_1e3(rank, world_size, ckpt):
+    _run(TINY + ["--train-iters", 2, "--save", ckpt, "--save-interval", 2])
+
+
+def _with_lr(extra):
+    argv = list(TINY)
+    argv[argv.index("--lr") + 1] = "2e-3"
+    return argv + extra
+
+
+def _pretrain(argv):
+    return subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + [str(a) for a in argv],
+                          env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_scheduler_on_resume_override_and_mismatch(tmp_path):
+    """--override-opt_param-scheduler --lr 2e-3 resumes a --lr 1e-3 checkpoint at 2e-3 (the loaded optimizer's
+    param groups kept 1e-3 before); without it the mismatch is one "error:" line naming --lr and both flags."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_at_lr_1e3, 1, ckpt)
+    done = _pretrain(_with_lr(["--train-iters", 4, "--load", ckpt, "--override-opt_param-scheduler"]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lrs = re.findall(r"iteration\s+(\d+)/\s*4 \|.* learning rate: (\S+) \|", done.stdout)
+    # --lr-decay-style linear (the default) from 2e-3 to --min-lr 0 over 100 iterations: 2e-3 x (1 - n / 100)
+    assert lrs == [("3", "1.940000E-03"), ("4", "1.920000E-03")], done.stdout[-3000:]
+    done = _pretrain(_with_lr(["--train-iters", 4, "--load", ckpt]))
+    lines = [l for l in (done.stdout + done.stderr).splitlines() if l.startswith("error: ")]
+    assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.search(r"learning rate \(--lr\) is 0\.002 in the arguments but 0\.001 in the checkpoint; pass "
+                     r"--use-checkpoint-opt_param-scheduler or --override-opt_param-scheduler$", lines[0]), lines[0]
+
+
+def test_lr_out_of_float32_range_is_one_line():
+    argv = _with_lr(["--train-iters", 1])
+    argv[argv.index("--lr") + 1] = "1e39"
+    done = _pretrain(argv)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: megatron argument error: --lr 1e+39 is not a finite "
+                                                           "float32 value"), done.stderr[-2000:]

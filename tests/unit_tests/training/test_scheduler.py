@@ -67,3 +67,42 @@ def test_state_dict_roundtrip():
 def test_bad_style():
     with pytest.raises(ValueError, match="--lr-decay-style"):
         _sched(_opt(), "bogus")
+
+
+def _lr_groups_opt(lr):
+    """Two groups as get_megatron_optimizer builds them: each with its own max_lr / min_lr (decoupled lr)."""
+    p1, p2 = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    return torch.optim.AdamW([{"params": [p1], "max_lr": lr, "min_lr": lr / 10},
+                              {"params": [p2], "max_lr": 2 * lr, "min_lr": lr / 5}], lr=lr)
+
+
+def _constant_sched(opt, lr, **kwargs):
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=0,
+                                   lr_decay_steps=10, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                   wd_incr_steps=10, wd_incr_style="constant", **kwargs)
+
+
+def test_override_scheduler_takes_the_arguments_lr_over_the_loaded_optimizer_groups():
+    """--override-opt_param-scheduler --lr 2e-3 on a resume: the optimizer's loaded param groups carry the saving
+    run's max_lr (3e-3); the new lr must win in every group (before: the checkpoint's lr stayed)."""
+    saved_opt = _lr_groups_opt(3e-3)
+    saved = _constant_sched(saved_opt, 3e-3, use_checkpoint_opt_param_scheduler=False)
+    saved.step(4)
+    opt = _lr_groups_opt(2e-3)
+    sched = _constant_sched(opt, 2e-3, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    opt.load_state_dict(saved_opt.state_dict())
+    assert opt.param_groups[0]["max_lr"] == 3e-3  # what torch's load brings back
+    sched.load_state_dict(saved.state_dict())
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(2e-3), pytest.approx(4e-3)]
+    assert [g["max_lr"] for g in opt.param_groups] == [2e-3, 4e-3] and sched.num_steps == 4
+
+    # without the override the checkpoint's values stay when asked for ...
+    opt = _lr_groups_opt(2e-3)
+    sched = _constant_sched(opt, 2e-3, use_checkpoint_opt_param_scheduler=True)
+    opt.load_state_dict(saved_opt.state_dict())
+    sched.load_state_dict(saved.state_dict())
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(3e-3), pytest.approx(6e-3)]
+    # ... and a mismatch is refused naming the flag
+    sched = _constant_sched(_lr_groups_opt(2e-3), 2e-3, use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(ValueError, match=r"learning rate \(--lr\) is 0.002 in the arguments but 0.003"):
+        sched.load_state_dict(saved.state_dict())
