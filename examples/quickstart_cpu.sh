@@ -4,16 +4,18 @@
 #
 #   bash examples/quickstart_cpu.sh
 #
-# Environment: TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) to install torch from that index;
+# Environment: VENV (default .venv) the virtual environment to make or reuse; TORCH_INDEX_URL (e.g.
+# https://download.pytorch.org/whl/cpu) to install torch from that index;
 # NPROC (default 1) to run with torchrun and that many data-parallel processes; RUN_DIR for the checkpoints
 # (default runs/quickstart_<date>, a new directory each time: an existing checkpoint is never overwritten).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
 fi
-. .venv/bin/activate
+. "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 if ! python -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then
     python -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}

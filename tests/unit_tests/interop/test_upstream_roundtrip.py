@@ -19,6 +19,10 @@ import pytest
 
 from tests.unit_tests.interop import roundtrip_cases as rc
 
+# One worker runs the whole module (pytest -n 2 --dist loadgroup): its tests share the minutes-long launches of the
+# module-scoped round trip, which a second worker would repeat.
+pytestmark = pytest.mark.xdist_group("upstream_roundtrip")
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 
@@ -146,6 +150,7 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_roundtrip_with_upstream_te_fp8_on_gpu(upstream_site, tmp_path):
     """The same with Transformer Engine on one GPU: TE layer specs, FP8 weights (``--fp8-param-gather``) per recipe
     and their extra state, both ways (logits within ``roundtrip_cases.tolerance``). Delayed scaling: a TE pickle

@@ -99,7 +99,7 @@ def _have_te():
     return HAVE_TE
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine")]
 
 
 def _torchrun(out, argv, log, nproc=1):
