@@ -274,3 +274,50 @@ def _tp_body(rank, world_size):
 
 def test_learnable_sinks_tensor_parallel_equals_tp1():
     run_distributed(_tp_body, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["auto", "fused", "unfused"])
+def test_window_and_sinks_on_cuda_kernels(backend):
+    """bf16 on CUDA (memory-efficient attention takes the float mask and gives the sink its gradient): window and
+    learnable sink equal the float64 reference up to bf16 rounding, gradients included."""
+    torch.manual_seed(0)
+    cfg = _cfg(window_size=(16, 0), softmax_type="learnable", attention_backend=backend, bf16=True,
+               params_dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        core = CoreAttention(cfg, 1, 4)
+    init_weights(core)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = core(q, k, v)
+    sink = core.softmax_offset.detach().float().cpu().requires_grad_()
+    qr, kr, vr = (t.detach().float().cpu().requires_grad_() for t in (q, k, v))
+    ref = _ref_attention(qr, kr, vr, (16, 0), sink)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    g = torch.randn_like(ref)
+    out.backward(g.to(out))
+    ref.backward(g)
+    torch.testing.assert_close(core.softmax_offset.grad.float().cpu(), sink.grad, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(q.grad.float().cpu(), qr.grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_te_layer_spec_has_the_window_and_the_sink():
+    """``--transformer-impl transformer_engine``: the same SelfAttention (TE linears, SDPA core attention) with the
+    window and the learnable sink equals the local one with the same weights (fp32), and keeps the sink's key."""
+    pytest.importorskip("transformer_engine.pytorch")
+    torch.manual_seed(0)
+    kw = dict(num_query_groups=2, window_size=(8, 0), softmax_type="learnable")
+    local = SelfAttention(_cfg(**kw)).cuda()
+    init_weights(local)
+    with torch.device("cuda"):
+        te = SelfAttention(_cfg(transformer_impl="transformer_engine", **kw))
+    init_weights(te)
+    missing, unexpected = te.load_state_dict(local.state_dict(), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    assert torch.equal(te.core_attention.softmax_offset, local.core_attention.softmax_offset)
+    x = torch.randn(32, 2, 32, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(te(x)[0], local(x)[0], rtol=2e-3, atol=2e-3)  # TF32 GEMMs in TE
+    assert "core_attention.softmax_offset" in te.sharded_state_dict()
