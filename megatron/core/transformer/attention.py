@@ -182,7 +182,7 @@ class SelfAttention(MegatronModule):
         ``linear_proj`` keeps: 4 of 8397 MiB kept for backward in ``benchmarks/moe_grouped_recompute.py`` on the
         H200), so the core attention is not recomputed (Megatron-LM's legacy ``ParallelAttention`` skipped it under
         ``--use-flash-attn`` too). With the math kernel (which keeps the ``[s, s]`` probabilities) or an explicit
-        mask (a fused kernel would keep the mask converted per layer) it is."""
+        mask (a fused kernel would keep the mask converted per layer; sliding windows and sinks have one) it is."""
         if attention_mask is not None or self.core_attention.window_size is not None or (
                 self.config.softmax_type != "vanilla"):
             return False

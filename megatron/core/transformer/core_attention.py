@@ -9,10 +9,12 @@ Sliding window ``(left, right)`` (upstream's convention, -1 unbounded): query ``
 Sinks: one more logit per head in the softmax's denominator, ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j
 exp(s_ij))`` (upstream's ``SoftmaxOne``): 0 for off-by-one, the learnable per-head parameter
 ``core_attention.softmax_offset`` (upstream's name and checkpoint key; ``[heads / tp]`` on each tensor-parallel
-rank, split over heads like the QKV projection) for learnable. SDPA computes it with one extra key and value of
-zeros whose additive mask entry is the sink logit: its score is ``0 + sink_h`` and its value adds nothing, so the
-output is the sink softmax's and the sink gets its gradient through the mask (any SDPA kernel that takes a mask:
-the math one, memory-efficient attention on CUDA).
+rank, split over heads like the QKV projection) for learnable. SDPA computes it with one extra key: the head
+dimension gets ``SINK_PAD`` more channels, ones in the queries' first one, zeros in the real keys' (their scores are
+unchanged) and ``sink_h * sqrt(d)`` in the sink key's, so the sink key scores ``sink_h`` against every query; its
+value is zero, so the output is the sink softmax's, and the sink gets its gradient through the key (any SDPA kernel
+that takes a boolean mask shared by the heads: the math one, memory-efficient attention on CUDA; no per-head mask
+is materialised).
 
 The Transformer Engine layer spec computes core attention here too (this fork's TE layers are its linears), so
 both specs have the window and the sinks, and the same checkpoint keys as upstream's (``softmax_offset`` of its
@@ -53,6 +55,9 @@ def sliding_window_mask(sq: int, sk: int, window: Optional[Tuple[int, int]], dev
     return mask
 
 
+SINK_PAD = 8  # channels added to the head dimension for the sink key (a multiple of 8 keeps the kernels' alignment)
+
+
 def attention(q, k, v, mask: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0) -> torch.Tensor:
     """``[b, n, s, d]`` core attention by ``F.scaled_dot_product_attention``. ``mask``: None (causal) or bool
@@ -63,16 +68,21 @@ def attention(q, k, v, mask: Optional[torch.Tensor] = None, sink: Optional[torch
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, dropout_p=dropout_p)
     b, n, sq, d = q.shape
-    sk = k.shape[2]
+    sk, scale = k.shape[2], d ** -0.5
     if mask is None:
         mask = sliding_window_mask(sq, sk, None, q.device)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask, float("-inf"))
-    bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(-1, n, sq, sk)
-    sink_col = sink.to(q.dtype).view(1, n, 1, 1).expand(bias.shape[0], n, sq, 1)
-    bias = torch.cat([bias, sink_col], dim=-1)  # [b|1, n, sq, sk + 1]
-    zero = q.new_zeros(b, k.shape[1], 1, d)
-    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=d ** -0.5)
+    # one more key whose score is sink_h for every query: the queries get a channel of ones, the real keys a channel
+    # of zeros (their scores unchanged) and the sink key sink_h / scale there; its value is zero
+    ones, zeros = q.new_ones(b, n, sq, 1), q.new_zeros(b, n, sq, SINK_PAD - 1)
+    qx = torch.cat([q, ones, zeros], dim=-1)
+    kx = F.pad(k, (0, SINK_PAD))
+    sink_channel = (sink.float() / scale).to(q.dtype).view(n, 1)
+    sink_key = torch.cat([q.new_zeros(n, d), sink_channel, q.new_zeros(n, SINK_PAD - 1)], dim=-1)
+    kx = torch.cat([kx, sink_key.view(1, n, 1, d + SINK_PAD).expand(b, n, 1, d + SINK_PAD)], dim=2)
+    vx = F.pad(v, (0, SINK_PAD, 0, 1))  # the sink's value row (zero), and the head dimension of q and k
+    allowed = torch.cat([~mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)  # the sink key: always
+    out = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    return out[..., :d]
 
 
 class CoreAttention(MegatronModule):

@@ -35,11 +35,14 @@ MODELS = {
                            ffn_hidden_size=128, qk_layernorm=True),
                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
     # gpt-oss class: sliding window (4, 0) on every other layer, learnable attention sinks
-    # (core_attention.softmax_offset), clamped quick-GeGLU with a linear offset, GQA, RoPE
+    # (core_attention.softmax_offset), clamped quick-GeGLU with a linear offset in the experts (4, top-2), GQA, RoPE
     "swa": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=128, normalization="RMSNorm", window_size=(4, 0), window_attn_skip_freq=2,
                             softmax_type="learnable", gated_linear_unit=True, activation_func="quick_gelu",
-                            glu_linear_offset=1.0, activation_func_clamp_value=7.0),
+                            glu_linear_offset=1.0, activation_func_clamp_value=7.0, num_moe_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True, moe_token_dispatcher_type="allgather",
+                            add_bias_linear=False),
                 gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
 }
 ONE_SAVE_KIND = ("qk", "swa")  # models saved with the fully parallel save only (the save paths are the others')
