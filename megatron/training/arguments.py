@@ -27,6 +27,36 @@ PARAM_GATHER_LOAD_WARNING = (
 )
 
 
+def window_size_type(text: str):
+    """``--window-size``: "(left,right)" or "left,right" -> a tuple of ints (upstream's ``tuple_type``)."""
+    try:
+        return tuple(int(part) for part in str(text).strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'--window-size {text!r}: expected "(left,right)", e.g. "(128,0)"')
+
+
+def layer_freq_type(text: str):
+    """A per-layer frequency flag (upstream's ``moe_freq_type``): an int N, or a Python list expression of 0/1 per
+    layer such as "([1]*3+[0])*2" (only digits, brackets, parentheses, commas, * and + are evaluated)."""
+    text = str(text).strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an int or a list expression like \"([1]*3+[0])\"")
+    import re
+
+    if not re.fullmatch(r"[0-9\[\]()*+,\s]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a list expression may use only digits, [], (), *, + and ,")
+    try:
+        value = eval(text, {"__builtins__": {}}, {})  # noqa: S307 (the characters are checked above)
+    except Exception as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list expression ({e})")
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"{text!r}: evaluates to {type(value).__name__}, not a list")
+    return value
+
+
 def _add_network_size_args(parser):
     g = parser.add_argument_group(title="network size")
     g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
@@ -67,6 +97,22 @@ def _add_network_size_args(parser):
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                    help="No learned absolute position embedding (with the default --position-embedding-type "
                         "learned_absolute: none; rotary embeddings are unaffected).")
+    # -- gpt-oss: sliding windows, attention sinks, clamped GLU (upstream's flags and formats) --
+    g.add_argument("--window-size", type=window_size_type, default=None,
+                   help='Sliding-window attention "(left,right)": query i attends keys i-left..i+right (-1: '
+                        'unbounded; causal: right 0), e.g. "(128,0)". Default: full attention.')
+    g.add_argument("--window-attn-skip-freq", type=layer_freq_type, default=None,
+                   help='Full-attention layers among the sliding-window ones: N makes every N-th layer full; a '
+                        'Python list expression gives each layer (1 window, 0 full), e.g. "([1]+[0])*12".')
+    g.add_argument("--softmax-type", type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
+                   help="Attention softmax: off-by-one adds a logit 0 per head to the denominator (attention "
+                        "sink), learnable a learned per-head logit (core_attention.softmax_offset).")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated linear unit with quick GeLU, x * sigmoid(1.702 x) (gpt-oss).")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Gated linear unit act(x_glu) * (x_linear + offset).")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="Gated linear unit: clamp x_glu to <= value and x_linear to [-value, value].")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="Size of the vocabulary without the end-of-document token (NullTokenizer; its eod id is "
                         "this value, its vocabulary one larger).")
@@ -172,13 +218,8 @@ REFUSED_FLAGS = (
      "per-layer precision (FP8 layers with the first and last in bf16) is not implemented"),
     (("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"), dict(type=int, default=None),
      "per-layer precision (--first-last-layers-bf16) is not implemented"),
-    (("--window-size",), dict(type=str, default=None), "sliding-window attention is not implemented"),
-    (("--window-attn-skip-freq",), dict(type=int, default=None), "sliding-window attention is not implemented"),
     (("--rotary-scaling-factor", "--mscale", "--mscale-all-dim"), dict(type=float, default=None),
      "rotary embedding scaling (Llama 3.1 / YaRN) is not implemented"),
-    (("--glu-linear-offset", "--activation-func-clamp-value"), dict(type=float, default=None),
-     "gpt-oss's clamped GLU activation is not implemented"),
-    (("--quick-geglu",), dict(action="store_true"), "the quick-GeGLU activation is not implemented"),
     (("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub",
       "--fsdp-db-use-persist-buf-on-alloc-fail"), dict(action="store_true"),
      "Megatron-FSDP's NCCL buffer options: this fork's Megatron-FSDP runs on FSDP2, which has no such buffers"),
@@ -193,8 +234,6 @@ REFUSED_FLAGS = (
 ACCEPTED_VALUE_FLAGS = (
     ("--rope-type", dict(type=str, default=None, choices=["rope", "yarn"]), "rope",
      "YaRN rotary embeddings are not implemented"),
-    ("--softmax-type", dict(type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"]), "vanilla",
-     "only the vanilla attention softmax is implemented"),
     ("--cuda-graph-impl", dict(type=str, default="none", choices=["none", "local", "transformer_engine"]), "none",
      "CUDA graphs are not implemented"),
     ("--moe-router-dtype", dict(type=str, default=None, choices=["fp32", "fp64"]), "fp32",
@@ -1053,6 +1092,8 @@ def validate_args(args, defaults={}):
     if args.seq_length > args.max_position_embeddings and args.position_embedding_type == "learned_absolute":
         _fail(f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
               f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute")
+    if args.swiglu and args.quick_geglu:
+        _fail("--swiglu and --quick-geglu are mutually exclusive (two gated activations)")
     if args.ffn_hidden_size is None:
         if args.swiglu:  # keep the MLP parameter count of a 4h GELU MLP, rounded to a multiple of 64
             args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
@@ -1263,7 +1304,12 @@ def core_transformer_config_from_args(args, config_class=None):
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
-        gated_linear_unit=args.swiglu,
+        gated_linear_unit=bool(args.swiglu or args.quick_geglu),
+        window_size=args.window_size,
+        window_attn_skip_freq=args.window_attn_skip_freq,
+        softmax_type=args.softmax_type,
+        glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_func_clamp_value,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
         apply_rope_fusion=bool(args.apply_rope_fusion),
@@ -1325,6 +1371,10 @@ def core_transformer_config_from_args(args, config_class=None):
         import torch.nn.functional as F
 
         kw["activation_func"] = F.silu
+    elif args.quick_geglu:
+        from megatron.core.activations import quick_gelu
+
+        kw["activation_func"] = quick_gelu
     return _build(config_class, kw)
 
 

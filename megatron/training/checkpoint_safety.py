@@ -420,7 +420,7 @@ MODEL_ARGS = (
     ("max_position_embeddings", None), ("position_embedding_type", "learned_absolute"),
     ("normalization", "LayerNorm"), ("swiglu", False), ("add_bias_linear", True), ("add_qkv_bias", False),
     ("untie_embeddings_and_output_weights", False), ("num_experts", None), ("moe_ffn_hidden_size", None),
-    ("moe_layer_freq", 1),
+    ("moe_layer_freq", 1), ("quick_geglu", False),
 )  # Parallel sizes are not compared: torch_dist checkpoints reshard (upstream skips them with dist ckpt too). Nor is
 # ``padded_vocab_size`` (upstream does not with dist ckpt): the padding depends on TP, and the word-embedding and
 # output-layer rows load where both have them (``vocab_padding_note``).

@@ -654,7 +654,8 @@ CHECKPOINT_MODEL_ARGS = _FILL_ONLY_ARGS + (
     "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by", "moe_layer_freq",
     "moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor", "moe_grouped_gemm", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
+    "moe_shared_expert_gate", "window_size", "window_attn_skip_freq", "softmax_type", "quick_geglu",
+    "glu_linear_offset", "activation_func_clamp_value",
 )
 
 

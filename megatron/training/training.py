@@ -214,7 +214,7 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     head_dim = args.kv_channels or h // heads
     groups = args.num_query_groups if args.group_query_attention else heads
     attn_params = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
-    gate = 2 if args.swiglu else 1
+    gate = 2 if args.swiglu or getattr(args, "quick_geglu", False) else 1
 
     def mlp(ffn):
         return h * ffn * gate + ffn * h

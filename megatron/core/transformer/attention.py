@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.dist_utils import log_once
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
-from megatron.core.tensor_parallel.random import model_parallel_rng_context, should_recompute
+from megatron.core.tensor_parallel.random import should_recompute
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.core_attention import CoreAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
 
@@ -53,7 +53,7 @@ def build_linear(config, kind: str, input_size: int, output_size: int, *, init_m
 @dataclass
 class SelfAttentionSubmodules:
     """Upstream's attention submodule spec; here it records the linear classes ``SelfAttention`` builds (core
-    attention is torch's ``scaled_dot_product_attention``: None; no q/k norms)."""
+    attention is ``core_attention.CoreAttention`` on torch's ``scaled_dot_product_attention``: None)."""
 
     linear_qkv: object = None
     core_attention: object = None
@@ -123,6 +123,13 @@ class SelfAttention(MegatronModule):
             config, "row", self.query_projection_size, config.hidden_size, init_method=out_init,
             bias=config.add_bias_linear, skip_bias_add=True,
         )
+        tp_rank = 0
+        if tp > 1:
+            from megatron.core import parallel_state
+
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        # sliding window, attention sinks (``softmax_offset``); see core_attention.py
+        self.core_attention = CoreAttention(config, layer_number, self.num_heads, tp_rank, tp)
         if config.qk_layernorm:  # upstream's keys; a TE layer's norms carry TE's _extra_state as upstream's TENorm
             from megatron.core.transformer.torch_norm import build_norm
 
@@ -160,11 +167,12 @@ class SelfAttention(MegatronModule):
         if per_group > 1:
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
+        core = self.core_attention
         if should_recompute(self.config, "core_attn") and not self._fused_core_attention(q, k, v, attention_mask):
-            ctx = recompute(self.config, self.core_attention, q, k, v, attention_mask, parameter_free=True,
+            ctx = recompute(self.config, core, q, k, v, attention_mask, core.sink(q), parameter_free=True,
                             preserve_rng_state=self.training and self.config.attention_dropout > 0)
         else:
-            ctx = self.core_attention(q, k, v, attention_mask)
+            ctx = core(q, k, v, attention_mask)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(ctx)
 
@@ -174,8 +182,9 @@ class SelfAttention(MegatronModule):
         ``linear_proj`` keeps: 4 of 8397 MiB kept for backward in ``benchmarks/moe_grouped_recompute.py`` on the
         H200), so the core attention is not recomputed (Megatron-LM's legacy ``ParallelAttention`` skipped it under
         ``--use-flash-attn`` too). With the math kernel (which keeps the ``[s, s]`` probabilities) or an explicit
-        mask (a fused kernel would keep the mask converted per layer) it is."""
-        if attention_mask is not None:
+        mask (a fused kernel would keep the mask converted per layer; sliding windows and sinks have one) it is."""
+        if attention_mask is not None or self.core_attention.window_size is not None or (
+                self.config.softmax_type != "vanilla"):
             return False
         dropout_p = self.config.attention_dropout if self.training else 0.0
         with sdpa_backend(self.config.attention_backend):
@@ -186,15 +195,3 @@ class SelfAttention(MegatronModule):
                      "activations to free), so it is not recomputed (--attention-backend unfused recomputes it)",
                      rank0=True)
         return fused
-
-    def core_attention(self, q, k, v, attention_mask=None):
-        """``softmax(q k^T / sqrt(d)) v`` with dropout, ``[b, n, s, d]``; recomputed in backward with
-        ``--recompute-modules core_attn``."""
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
-        # upstream's core attention)
-        rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
-        with rng if rng is not None else contextlib.nullcontext(), sdpa_backend(self.config.attention_backend):
-            if attention_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout_p)

@@ -1,4 +1,5 @@
-"""MLP: ``fc2(act(fc1(x)))``, or gated (``act(x W1) * (x V)``, e.g. SwiGLU) with ``gated_linear_unit``."""
+"""MLP: ``fc2(act(fc1(x)))``, or gated (``act(x W1) * (x V)``, e.g. SwiGLU; gpt-oss's clamped quick-GeGLU) with
+``gated_linear_unit``."""
 import functools
 import math
 from dataclasses import dataclass
@@ -91,16 +92,21 @@ def apply_swiglu_sharded_factory(original, sharded_offsets=(), tp_rank: int = 0,
 
 
 def apply_activation(config, x: torch.Tensor) -> torch.Tensor:
-    """``act(x)``, or ``act(x1) * x2`` for the halves ``[x1, x2]`` of the last axis with ``gated_linear_unit``.
-    SwiGLU with ``config.bias_activation_fusion`` (``--bias-swiglu-fusion``, upstream's default) runs fused
-    (``megatron.core.fusions.fused_bias_swiglu``: Transformer Engine's kernels on CUDA, fp32 torch ops else; only
-    ``x`` is saved for backward)."""
-    if use_fused_swiglu(config):
+    """``act(x)``, or ``act(x1) * (x2 + glu_linear_offset)`` for the halves ``[x1, x2]`` of the last axis with
+    ``gated_linear_unit``, where ``activation_func_clamp_value`` c first clamps ``x1`` to ``<= c`` and ``x2`` to
+    ``[-c, c]`` (gpt-oss's clamped GLU with ``--quick-geglu``, upstream's formula). SwiGLU with
+    ``config.bias_activation_fusion`` (``--bias-swiglu-fusion``, upstream's default) and neither offset nor clamp
+    runs fused (``megatron.core.fusions.fused_bias_swiglu``: Transformer Engine's kernels on CUDA, fp32 torch ops
+    else; only ``x`` is saved for backward)."""
+    clamp, offset = getattr(config, "activation_func_clamp_value", None), getattr(config, "glu_linear_offset", 0.0)
+    if use_fused_swiglu(config) and clamp is None and not offset:
         return swiglu_impl(x)
     act = config.activation_func
     if config.gated_linear_unit:
         x1, x2 = torch.chunk(x, 2, dim=-1)
-        return act(x1) * x2
+        if clamp is not None:
+            x1, x2 = x1.clamp(max=clamp), x2.clamp(min=-clamp, max=clamp)
+        return act(x1) * (x2 + offset if offset else x2)
     return act(x)
 
 

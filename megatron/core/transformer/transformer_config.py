@@ -5,7 +5,7 @@ defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size) a
 an error that names the field (and the command-line flag where there is one).
 """
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +173,22 @@ class TransformerConfig:
     recompute_modules: Optional[List[str]] = None  # selective; default ['core_attn'] as upstream
     distribute_saved_activations: bool = False
 
+    # ---- gpt-oss: sliding-window attention, attention sinks, clamped GLU (upstream's fields) -----------------------
+    window_size: Optional[Tuple[int, int]] = None
+    """--window-size "(left,right)": a query at position i attends the keys in [i - left, i + right] (causal: right
+    0; -1: unbounded), on the layers ``is_layer_window_attention`` picks. None: full attention everywhere."""
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    """--window-attn-skip-freq: an int N makes every N-th layer (layer_number % N == 0) a full-attention layer; a list
+    gives each layer (1: sliding window, 0: full). None: every layer has the window."""
+    softmax_type: str = "vanilla"
+    """--softmax-type: 'vanilla'; 'off-by-one' (an extra logit 0 per head in the softmax's denominator); 'learnable'
+    (that logit is the parameter ``core_attention.softmax_offset`` [heads], TP-sharded over heads)."""
+    glu_linear_offset: float = 0.0
+    """--glu-linear-offset: a gated linear unit computes ``act(x_glu) * (x_linear + offset)``."""
+    activation_func_clamp_value: Optional[float] = None
+    """--activation-func-clamp-value c: a gated linear unit clamps ``x_glu`` to ``<= c`` and ``x_linear`` to
+    ``[-c, c]`` before the activation (gpt-oss)."""
+
     qk_layernorm: bool = False
     """--qk-layernorm: a norm (``normalization``, over each head's ``kv_channels``) on the queries and the keys before
     rotary embedding (upstream's ``self_attention.q_layernorm`` / ``k_layernorm``)."""
@@ -292,6 +308,7 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
         self._check_pipeline()
         self._check_recompute()
+        self._check_gpt_oss()
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.num_moe_experts is not None:
@@ -346,6 +363,39 @@ class TransformerConfig:
             )
         if self.moe_router_bias_update_rate < 0:
             raise ValueError("moe_router_bias_update_rate (--moe-router-bias-update-rate) must be >= 0")
+
+    def _check_gpt_oss(self) -> None:
+        """Sliding window, softmax type and the clamped GLU fields (upstream's values), named by their flags."""
+        w = self.window_size
+        if w is not None:
+            if isinstance(w, list):
+                w = self.window_size = tuple(w)
+            if (not isinstance(w, tuple) or len(w) != 2 or not all(isinstance(x, int) and x >= -1 for x in w)
+                    or w == (-1, -1)):
+                raise ValueError(f"{_named('window_size', w)} must be a pair (left, right) of ints >= -1 (-1: "
+                                 "unbounded), not both -1, e.g. --window-size \"(128,0)\"")
+        f = self.window_attn_skip_freq
+        if f is not None:
+            if w is None:
+                raise ValueError(f"{_named('window_attn_skip_freq', f)} needs window_size (--window-size)")
+            if isinstance(f, bool) or not (isinstance(f, int) and f >= 1 or isinstance(f, (list, tuple)) and len(f) ==
+                                            self.num_layers and set(f) <= {0, 1}):
+                raise ValueError(f"{_named('window_attn_skip_freq', f)} must be an int >= 1 or a list of "
+                                 f"num_layers={self.num_layers} entries 0/1 (1: sliding window)")
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"{_named('softmax_type', self.softmax_type)} must be 'vanilla', 'off-by-one' or "
+                             "'learnable'")
+        if self.attention_backend == AttnBackend.flash and (w is not None or self.softmax_type != "vanilla"):
+            raise ValueError("sliding windows / attention sinks (--window-size / --softmax-type) run core attention "
+                             "with a mask, which --attention-backend flash has no kernel for: use fused, unfused or "
+                             "auto")
+        c = self.activation_func_clamp_value
+        if c is not None and not c > 0:
+            raise ValueError(f"{_named('activation_func_clamp_value', c)} must be positive")
+        if (c is not None or self.glu_linear_offset != 0.0) and not self.gated_linear_unit:
+            raise ValueError("glu_linear_offset / activation_func_clamp_value (--glu-linear-offset / "
+                             "--activation-func-clamp-value) act on a gated linear unit: give --swiglu or "
+                             "--quick-geglu (gated_linear_unit=True)")
 
     def _check_recompute(self) -> None:
         """Upstream's rules for the recompute fields; module names this fork has no module for are refused by name."""

@@ -106,3 +106,20 @@ def apply_prefix_mapping(sharded_state_dict: dict, prefix_map: Dict[str, str]) -
             if sh.key.startswith(old):
                 sh.key = new + sh.key[len(old):]
                 break
+
+
+# ---- sliding-window attention (``--window-size``, ``--window-attn-skip-freq``) ------------------------------------
+def is_layer_window_attention(window_size, window_attn_skip_freq, layer_number: int) -> bool:
+    """Whether layer ``layer_number`` (1-based, global) uses sliding-window attention, upstream's rule: never
+    without ``window_size``; every layer without ``window_attn_skip_freq``; an int N: every layer but each N-th
+    (``layer_number % N == 0`` is full attention); a list: entry ``layer_number - 1`` (1: window, 0: full)."""
+    if not window_size:
+        return False
+    if window_attn_skip_freq is None:
+        return True
+    if isinstance(window_attn_skip_freq, int):
+        return layer_number % window_attn_skip_freq != 0
+    if isinstance(window_attn_skip_freq, (list, tuple)):
+        return bool(window_attn_skip_freq[layer_number - 1])
+    raise ValueError(f"window_attn_skip_freq (--window-attn-skip-freq) must be an int or a list of 0/1, got "
+                     f"{window_attn_skip_freq!r}")

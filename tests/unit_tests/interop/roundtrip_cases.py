@@ -34,7 +34,18 @@ MODELS = {
     "qk": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                            ffn_hidden_size=128, qk_layernorm=True),
                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
+    # gpt-oss class: sliding window (4, 0) on every other layer, learnable attention sinks
+    # (core_attention.softmax_offset), clamped quick-GeGLU with a linear offset in the experts (4, top-2), GQA, RoPE
+    "swa": dict(config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, normalization="RMSNorm", window_size=(4, 0), window_attn_skip_freq=2,
+                            softmax_type="learnable", gated_linear_unit=True, activation_func="quick_gelu",
+                            glu_linear_offset=1.0, activation_func_clamp_value=7.0, num_moe_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True, moe_token_dispatcher_type="allgather",
+                            add_bias_linear=False),
+                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
 }
+ONE_SAVE_KIND = ("qk", "swa")  # models saved with the fully parallel save only (the save paths are the others')
 
 # name: (world size, TP, EP, sequence parallel, PP)
 LAYOUTS = {
@@ -70,6 +81,10 @@ def model_config(model: str, layout: str) -> dict:
     _, tp, ep, sp, pp = LAYOUTS[layout]
     cfg = dict(MODELS[model]["config"])
     ep = ep if "num_moe_experts" in cfg else 1
+    if cfg.get("activation_func") == "quick_gelu":  # by name: each side's own megatron.core.activations
+        from megatron.core.activations import quick_gelu
+
+        cfg["activation_func"] = quick_gelu
     cfg.update(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=sp,
                pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
     return cfg
@@ -84,12 +99,12 @@ def stage_kwargs() -> dict:
 
 def cases(layout: str):
     """(model, fully_parallel_save, async_save, fp8 recipe) of one layout: on CPU every model with the fully
-    parallel save on and off (the qk-layernorm model with one save kind), the dense model once more with an async
-    save (tp1 only), recipe False (local layers); on the GPU every model with TE layers per FP8 recipe (None: no
-    FP8)."""
-    if layout in GPU_LAYOUTS:
-        return [(m, False, False, r) for m in MODELS if m != "qk" for r in FP8_RECIPES]
-    out = [(m, fp, False, False) for m in MODELS for fp in (True, False) if m != "qk" or fp]  # recipe False: no TE
+    parallel save on and off (the qk-layernorm and sliding-window models with one save kind), the dense model once
+    more with an async save (tp1 only), recipe False (local layers); on the GPU every model with TE layers per FP8
+    recipe (None: no FP8; the sliding-window model without FP8 only)."""
+    if layout in GPU_LAYOUTS:  # the sliding-window model with TE layers without FP8
+        return [(m, False, False, r) for m in MODELS if m != "qk" for r in FP8_RECIPES if m != "swa" or r is None]
+    out = [(m, fp, False, False) for m in MODELS for fp in (True, False) if m not in ONE_SAVE_KIND or fp]
     if layout == "tp1":
         out.append(("dense", True, True, False))
     return out

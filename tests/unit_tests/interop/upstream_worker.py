@@ -8,7 +8,7 @@ with upstream's ``dist_checkpointing.load`` (see ``roundtrip_cases.drive``).
 
 Small shims for CUDA-only calls (this runs on CPU): ``torch.cuda.current_device`` is "cpu" (new buffers such as the
 router's expert bias are made there), upstream's CUDA RNG tracker is given CPU generator states,
-``torch.cuda.synchronize`` does nothing, ``Tensor.cuda()`` (its tied embeddings' all-reduce over the
+``torch.cuda.synchronize`` does nothing, its sliding-window mask is made on CPU, ``Tensor.cuda()`` (its tied embeddings' all-reduce over the
 pipeline stages) keeps a tensor where it is, and upstream's torch norm is built with sequence parallelism (it refuses
 it, wanting TE's or Apex's norm; the forward is the same, and a round trip runs no backward). Its fully parallel load
 exchanges with ``exchange_algo="gather_object"``: its default ``broadcast`` exchange moves every tensor to CUDA.
@@ -50,6 +50,7 @@ def _shim_cuda():
             config.sequence_parallel = sp
 
     torch_norm.WrappedTorchNorm.__new__ = _new
+    _shim_window_mask()
 
     # the optimizer's scalars and norms made with device="cuda" (its loss scale of 1, the grad norm): made on CPU
     def _on_cpu(make):
@@ -73,6 +74,17 @@ def _shim_cuda():
 
     torch.Tensor.type = _type
     _shim_adam_step()
+
+
+def _shim_window_mask():
+    """Its sliding-window mask is made with ``device="cuda"``: made on CPU (the same triu / tril of ones)."""
+    from megatron.core.fusions import fused_softmax
+
+    def mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = mask
 
 
 def _shim_adam_step():
