@@ -17,6 +17,7 @@ from megatron.core.dist_utils import log_once
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import model_parallel_rng_context, should_recompute
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
 
@@ -190,6 +191,8 @@ class SelfAttention(MegatronModule):
     def core_attention(self, q, k, v, attention_mask=None):
         """``softmax(q k^T / sqrt(d)) v`` with dropout, ``[b, n, s, d]``; recomputed in backward with
         ``--recompute-modules core_attn``."""
+        if self.config.context_parallel_size > 1:  # the sequence split over the CP group: context_parallel.py
+            return context_parallel_attention(q, k, v, attention_mask, self.config, self.layer_number)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)
