@@ -92,16 +92,17 @@ def check_context_parallel_config(config) -> None:
             raise ValueError("--cp-comm-type a2a needs --transformer-impl transformer_engine (TE's "
                              "DotProductAttention); the local ring attention does p2p and allgather")
     refused = (
-        (config.attention_dropout > 0, f"--attention-dropout {config.attention_dropout} (use 0)"),
-        (getattr(config, "window_size", None) is not None, "sliding-window attention (--window-size)"),
+        (config.attention_dropout > 0, f"--attention-dropout {config.attention_dropout}",
+         " (the ring attention has no dropout: use --attention-dropout 0)"),
+        (getattr(config, "window_size", None) is not None, "sliding-window attention (--window-size)", ""),
         (getattr(config, "softmax_type", "vanilla") != "vanilla",
-         f"attention sinks (--softmax-type {getattr(config, 'softmax_type', None)})"),
-        (config.num_moe_experts is not None, "MoE layers (--num-experts)"),
-        (getattr(config, "multi_latent_attention", False), "multi-latent attention"),
+         f"attention sinks (--softmax-type {getattr(config, 'softmax_type', None)})", ""),
+        (config.num_moe_experts is not None, "MoE layers (--num-experts)", ""),
+        (getattr(config, "multi_latent_attention", False), "multi-latent attention", ""),
     )
-    for bad, what in refused:
+    for bad, what, hint in refused:
         if bad:
-            raise ValueError(f"{what} is not supported with --context-parallel-size {cp} yet")
+            raise ValueError(f"{what} is not supported with --context-parallel-size {cp} yet{hint}")
 
 
 # ---- ring attention (local path) --------------------------------------------------------------------------------

@@ -62,3 +62,26 @@ def test_refusals_name_the_flag():
         TransformerConfig(**{**base, "context_parallel_size": 0})
     with pytest.raises(ValueError, match="--num-experts"):
         TransformerConfig(**base, num_moe_experts=2)
+
+
+def _groups_body(rank, world_size):
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+        # upstream's order tp-cp-ep-dp-pp: CP varies fastest (TP 1), then DP
+        assert ps.get_context_parallel_global_ranks() == ranks(ps.get_context_parallel_group()) == \
+            [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert ps.get_context_parallel_world_size() == 2 and ps.get_context_parallel_rank() == rank % 2
+        assert ranks(ps.get_data_parallel_group()) == [rank % 2, rank % 2 + 2]
+        assert ranks(ps.get_data_parallel_group(with_context_parallel=True)) == [0, 1, 2, 3]
+        assert ps.get_data_parallel_world_size() == 2 and ps.get_data_parallel_world_size(with_context_parallel=True) == 4
+        assert ps.get_data_parallel_rank(with_context_parallel=True) == rank
+        assert ranks(ps.get_tensor_and_context_parallel_group()) == ranks(ps.get_context_parallel_group())
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_context_parallel_groups_in_upstream_order(tmp_path):
+    run_distributed(_groups_body, 4)
