@@ -227,16 +227,14 @@ def _te_attention(config, num_heads: int, head_dim: int, comm_type: str):
     """One TE ``DotProductAttention`` (no parameters, outside the module tree: no state-dict keys) per shape and
     communication type, with this rank's CP group set."""
     from megatron.core import parallel_state
-    from megatron.core.extensions.transformer_engine import require_te
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention, require_te
 
     require_te("context parallelism with --transformer-impl transformer_engine")
-    import transformer_engine.pytorch as te
-
     kind = "all_gather" if comm_type == "allgather" else comm_type
-    key = (num_heads, head_dim, kind)
+    key = (num_heads, head_dim, kind, id(parallel_state.get_context_parallel_group()))
     if key not in _TE_ATTENTION:
-        attn = te.DotProductAttention(num_heads, head_dim, attention_dropout=0.0, qkv_format="sbhd",
-                                      attn_mask_type="causal")
+        attn = TEDotProductAttention(num_heads, head_dim, attention_dropout=0.0, qkv_format="sbhd",
+                                     attn_mask_type="causal")
         attn.set_context_parallel_group(parallel_state.get_context_parallel_group(),
                                         parallel_state.get_context_parallel_global_ranks(),
                                         torch.cuda.Stream(), cp_comm_type=kind)
