@@ -1019,7 +1019,8 @@ def _validate_context_parallel_args(args):
     if args.seq_length is not None and args.seq_length % (2 * cp):
         _fail(f"--seq-length ({args.seq_length}) must be a multiple of 2 x --context-parallel-size ({2 * cp})")
     refused = (
-        (args.use_megatron_fsdp, "--use-megatron-fsdp"),
+        (args.use_megatron_fsdp and args.num_distributed_optimizer_instances > 1,
+         "--use-megatron-fsdp with --num-distributed-optimizer-instances > 1 (hybrid sharding)"),
         (args.reset_attention_mask, "--reset-attention-mask (context-parallel attention is causal only)"),
         (args.num_experts is not None, "--num-experts (MoE layers)"),
         (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),

@@ -96,7 +96,25 @@ def test_context_parallel_flags_are_checked():
         check(CP2 + ["--hierarchical-context-parallel-sizes", 2, 1])
     with pytest.raises(SystemExit, match=r"--seq-length \(20\) must be a multiple of 2 x --context-parallel-size"):
         check(["--context-parallel-size", 4, "--seq-length", 16 + 4], world_size=4)
-    with pytest.raises(SystemExit, match="--use-megatron-fsdp is not supported with --context-parallel-size"):
-        check(CP2 + ["--use-megatron-fsdp"])
+    with pytest.raises(SystemExit, match="--num-distributed-optimizer-instances > 1 \\(hybrid sharding\\) is not "
+                                         "supported with --context-parallel-size"):
+        check(CP2 + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", 2], world_size=4)
     with pytest.raises(SystemExit, match="--context-parallel-size \\(4\\)"):
         check(["--context-parallel-size", 4])
+
+
+def _fsdp_body(rank, world_size, ckpt):
+    fsdp = BASE + ["--use-megatron-fsdp", "--init-model-with-meta-device", "--train-iters", 4]
+    ref = _run(fsdp)  # Megatron-FSDP over DP=2
+    cp = _run(fsdp + CP2 + ["--save", ckpt, "--save-interval", 2, "--exit-interval", 2])  # sharded over dp x cp
+    assert type(cp.model[0]).__name__ == "FullyShardedDataParallel"
+    got = [cp.losses[i] for i in (1, 2)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [ref.losses[1], ref.losses[2]], rtol=1e-5, atol=0)
+    resumed = _run(fsdp + ["--load", ckpt])  # the CP=2 Megatron-FSDP checkpoint at CP=1
+    np.testing.assert_allclose([resumed.losses[i] for i in (3, 4)], [ref.losses[3], ref.losses[4]], rtol=1e-5,
+                               atol=0)
+
+
+def test_megatron_fsdp_cp2_equals_cp1_and_resumes_at_cp1(tmp_path):
+    run_distributed(_fsdp_body, 2, str(tmp_path / "ckpt"), timeout=600)
