@@ -1,7 +1,8 @@
 """pretrain_gpt with --context-parallel-size 2 on CPU gloo ranks: each sequence split over the CP group (2 x CP
 load-balanced chunks, ring attention), the losses of the same global batches equal the CP=1 run's (fp32 rounding),
 with RoPE and learned positions, with TP x sequence parallelism, the distributed optimizer and pipeline
-parallelism; a CP=2 checkpoint resumes at CP=1 on the uninterrupted curve."""
+parallelism, and CP=4 over 4 ranks; under Megatron-FSDP; a CP=2 checkpoint resumes at CP=1 (DDP and Megatron-FSDP)
+and at CP=4 on the uninterrupted curve."""
 import numpy as np
 import pytest
 
@@ -69,6 +70,18 @@ def _cp2_tp2_body(rank, world_size, ckpt):
     got = [pp.losses[i] for i in (2, 3, 4)]
     _same_on_all_ranks(got)
     np.testing.assert_allclose(got, [ref.losses[i] for i in (2, 3, 4)], rtol=1e-5, atol=0)
+    # CP=4 (ring over 4 ranks, 8 chunks of 2 tokens) equals CP=1 x DP=4; a CP=2 x DP=2 save resumes at CP=4
+    four = BASE + ["--train-iters", 3]
+    ref = _run(four)
+    cp4 = _run(four + ["--context-parallel-size", 4])
+    np.testing.assert_allclose([cp4.losses[i] for i in (1, 2, 3)], [ref.losses[i] for i in (1, 2, 3)], rtol=1e-5,
+                               atol=0)
+    cp2 = _run(four + CP2 + ["--save", ckpt + "_cp2", "--save-interval", 1, "--exit-interval", 1])
+    np.testing.assert_allclose([cp2.losses[1]], [ref.losses[1]], rtol=1e-5, atol=0)
+    resumed = _run(four + ["--context-parallel-size", 4, "--load", ckpt + "_cp2"])
+    got = [resumed.losses[i] for i in (2, 3)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [ref.losses[2], ref.losses[3]], rtol=1e-5, atol=0)
 
 
 def test_pretrain_gpt_cp2_tp2_and_cp2_pp2_equal_cp1(tmp_path):
