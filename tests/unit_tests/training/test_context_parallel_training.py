@@ -41,9 +41,20 @@ def _cp2_body(rank, world_size, ckpt):
     cp = _run(rope + per_token + CP2 + ["--cp-comm-type", "allgather"])
     np.testing.assert_allclose([cp.losses[i] for i in (1, 2, 3)], [ref.losses[i] for i in (1, 2, 3)], rtol=1e-5,
                                atol=0)
+    # Megatron-FSDP: FSDP2 shards over data x context ranks; its CP=2 checkpoint resumes at CP=1
+    fsdp = BASE + ["--use-megatron-fsdp", "--init-model-with-meta-device", "--train-iters", 4]
+    ref = _run(fsdp)  # Megatron-FSDP over DP=2
+    cp = _run(fsdp + CP2 + ["--save", ckpt + "_fsdp", "--save-interval", 2, "--exit-interval", 2])
+    assert type(cp.model[0]).__name__ == "FullyShardedDataParallel"
+    got = [cp.losses[i] for i in (1, 2)]
+    _same_on_all_ranks(got)
+    np.testing.assert_allclose(got, [ref.losses[1], ref.losses[2]], rtol=1e-5, atol=0)
+    resumed = _run(fsdp + ["--load", ckpt + "_fsdp"])  # the CP=2 Megatron-FSDP checkpoint at CP=1
+    np.testing.assert_allclose([resumed.losses[i] for i in (3, 4)], [ref.losses[3], ref.losses[4]], rtol=1e-5,
+                               atol=0)
 
 
-def test_pretrain_gpt_cp2_equals_cp1_and_resumes_at_cp1(tmp_path):
+def test_pretrain_gpt_cp2_equals_cp1_and_resumes_at_cp1_ddp_and_megatron_fsdp(tmp_path):
     run_distributed(_cp2_body, 2, str(tmp_path / "ckpt"), timeout=600)
 
 
@@ -61,27 +72,20 @@ def _cp2_tp2_body(rank, world_size, ckpt):
     _same_on_all_ranks(got)
     np.testing.assert_allclose(got, [ref.losses[i] for i in (1, 2, 3)], rtol=1e-5, atol=0)
     # CP=2 x PP=2 with the distributed optimizer (sharded over data x context ranks) against PP=1 x DP=4, from the
-    # same weights and optimizer state (the PP=1 checkpoint of iteration 1: each pipeline stage draws its own
-    # initial weights)
-    dist_opt = BASE + ["--num-layers", 4, "--use-distributed-optimizer", "--train-iters", 4]
-    ref = _run(dist_opt + ["--save", ckpt, "--save-interval", 1, "--exit-interval", 4])
-    pp = _run(dist_opt + CP2 + ["--pipeline-model-parallel-size", 2, "--load", ckpt, "--ckpt-step", 1])
-    assert sorted(pp.losses) == [2, 3, 4]
-    got = [pp.losses[i] for i in (2, 3, 4)]
+    # same weights and optimizer state (the PP=1 checkpoint of iteration 2: each pipeline stage draws its own
+    # initial weights); its save of iteration 4 resumed at CP=4 (ring over 4 ranks, 8 chunks of 2 tokens)
+    dist_opt = BASE + ["--num-layers", 4, "--use-distributed-optimizer", "--train-iters", 6]
+    ref = _run(dist_opt + ["--save", ckpt, "--save-interval", 2, "--exit-interval", 6])
+    pp = _run(dist_opt + CP2 + ["--pipeline-model-parallel-size", 2, "--load", ckpt, "--ckpt-step", 2,
+                                "--save", ckpt + "_cp2", "--save-interval", 4, "--exit-interval", 4])
+    assert sorted(pp.losses) == [3, 4]
+    got = [pp.losses[i] for i in (3, 4)]
     _same_on_all_ranks(got)
-    np.testing.assert_allclose(got, [ref.losses[i] for i in (2, 3, 4)], rtol=1e-5, atol=0)
-    # CP=4 (ring over 4 ranks, 8 chunks of 2 tokens) equals CP=1 x DP=4; a CP=2 x DP=2 save resumes at CP=4
-    four = BASE + ["--train-iters", 3]
-    ref = _run(four)
-    cp4 = _run(four + ["--context-parallel-size", 4])
-    np.testing.assert_allclose([cp4.losses[i] for i in (1, 2, 3)], [ref.losses[i] for i in (1, 2, 3)], rtol=1e-5,
-                               atol=0)
-    cp2 = _run(four + CP2 + ["--save", ckpt + "_cp2", "--save-interval", 1, "--exit-interval", 1])
-    np.testing.assert_allclose([cp2.losses[1]], [ref.losses[1]], rtol=1e-5, atol=0)
-    resumed = _run(four + ["--context-parallel-size", 4, "--load", ckpt + "_cp2"])
-    got = [resumed.losses[i] for i in (2, 3)]
+    np.testing.assert_allclose(got, [ref.losses[i] for i in (3, 4)], rtol=1e-5, atol=0)
+    cp4 = _run(dist_opt + ["--context-parallel-size", 4, "--load", ckpt + "_cp2"])
+    got = [cp4.losses[i] for i in (5, 6)]
     _same_on_all_ranks(got)
-    np.testing.assert_allclose(got, [ref.losses[2], ref.losses[3]], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(got, [ref.losses[i] for i in (5, 6)], rtol=1e-5, atol=0)
 
 
 def test_pretrain_gpt_cp2_tp2_and_cp2_pp2_equal_cp1(tmp_path):
@@ -115,19 +119,3 @@ def test_context_parallel_flags_are_checked():
     with pytest.raises(SystemExit, match="--context-parallel-size \\(4\\)"):
         check(["--context-parallel-size", 4])
 
-
-def _fsdp_body(rank, world_size, ckpt):
-    fsdp = BASE + ["--use-megatron-fsdp", "--init-model-with-meta-device", "--train-iters", 4]
-    ref = _run(fsdp)  # Megatron-FSDP over DP=2
-    cp = _run(fsdp + CP2 + ["--save", ckpt, "--save-interval", 2, "--exit-interval", 2])  # sharded over dp x cp
-    assert type(cp.model[0]).__name__ == "FullyShardedDataParallel"
-    got = [cp.losses[i] for i in (1, 2)]
-    _same_on_all_ranks(got)
-    np.testing.assert_allclose(got, [ref.losses[1], ref.losses[2]], rtol=1e-5, atol=0)
-    resumed = _run(fsdp + ["--load", ckpt])  # the CP=2 Megatron-FSDP checkpoint at CP=1
-    np.testing.assert_allclose([resumed.losses[i] for i in (3, 4)], [ref.losses[3], ref.losses[4]], rtol=1e-5,
-                               atol=0)
-
-
-def test_megatron_fsdp_cp2_equals_cp1_and_resumes_at_cp1(tmp_path):
-    run_distributed(_fsdp_body, 2, str(tmp_path / "ckpt"), timeout=600)
