@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.dist_utils import barrier, is_distributed
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -15,7 +16,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.training import ModelType, pretrain
-from megatron.training.utils import exit_on_user_error, print_rank_0
+from megatron.training.utils import exit_on_user_error, get_batch_on_this_cp_rank, print_rank_0
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, **unused):
@@ -43,7 +44,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 def get_batch(data_iterator):
     """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (attention_mask None:
     causal, applied inside attention; a bool ``[b, 1, s, s]`` with --reset-attention-mask)."""
-    batch = next(data_iterator)
+    batch = get_batch_on_this_cp_rank(next(data_iterator))  # --context-parallel-size: this rank's two chunks
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
 
 
@@ -56,6 +57,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     if get_args().calculate_per_token_loss:
         total, tokens = torch.sum(losses * mask), mask.sum()
         return total, tokens, {"lm loss": torch.stack([total.detach(), tokens])}
+    if get_args().context_parallel_size > 1:
+        # this rank's loss sum over the tokens of the whole CP group (the training loop multiplies it by the CP
+        # size, as upstream's schedule does, and the gradients are averaged over data x context parallel ranks);
+        # reported: the CP group's loss sum over its tokens
+        total = torch.sum(losses * mask)
+        group_sums = torch.stack([total.detach(), mask.sum()])
+        torch.distributed.all_reduce(group_sums, group=parallel_state.get_context_parallel_group())
+        tokens = group_sums[1].clamp(min=1.0)
+        return total / tokens, {"lm loss": group_sums[0] / tokens}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     # a non-finite loss is caught once per iteration by the training loop (--check-for-nan-in-loss-and-grad), not
     # here: checking each micro-batch would stall the host on the device every micro-batch

@@ -5,8 +5,9 @@ global ranks) into the rank lists of every group. ``initialize_model_parallel`` 
 (with and without context), context, model (tp-pp), pipeline, embedding, position embedding, tensor+data,
 tensor+context parallelism, and the expert groups: expert-model, expert-tensor (size defaults to the tensor size),
 expert-tensor+model, expert-tensor+model+pipeline, expert-data. Tensor, pipeline (with virtual stages: the interleaved
-schedule) and expert sizes > 1 are accepted; context parallelism (and the other features listed in
-``_refuse_unsupported``) is refused with a message naming the flag.
+schedule), context and expert sizes > 1 are accepted (context parallelism: ``transformer/context_parallel.py``); the
+features listed in ``_refuse_unsupported`` (hierarchical context parallelism among them) are refused with a message
+naming the flag.
 
 Before ``initialize_model_parallel`` the layout is pure data parallelism: the groups spanning every rank in that
 layout (data, expert-data, tensor+data) are the default (WORLD) group, or None without torch.distributed; model
@@ -183,7 +184,6 @@ def _refuse_unsupported(tp, pp, vpp, cp, hcp, hybrid_cp, ep, etp, gtp, egtp, ins
                            f"(virtual_pipeline_model_parallel_size={vpp}, {vpp_flags}, needs "
                            f"--pipeline-model-parallel-size > 1)")
     refused = (
-        (cp > 1, f"context_parallel_size={cp} (--context-parallel-size): context parallelism"),
         (bool(hcp) and math.prod(hcp) != 1,
          f"hierarchical_context_parallel_sizes={hcp} (--hierarchical-context-parallel-sizes)"),
         (bool(hybrid_cp), "hybrid_context_parallel=True: hybrid data x context parallelism"),
@@ -609,8 +609,8 @@ def get_context_parallel_global_ranks(check_initialized=True):
 
 
 def get_hierarchical_context_parallel_groups(check_initialized=True):
-    """The inner rings of hierarchical context parallelism: never built here (this fork has no context
-    parallelism; ``hierarchical_context_parallel_sizes`` is refused), so None, or with ``check_initialized`` an
+    """The inner rings of hierarchical context parallelism: never built here
+    (``hierarchical_context_parallel_sizes`` is refused), so None, or with ``check_initialized`` an
     AssertionError as upstream's when they were not built."""
     assert not check_initialized, (
         "hierarchical context parallel groups are not initialized (hierarchical_context_parallel_sizes is not "

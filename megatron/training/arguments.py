@@ -228,6 +228,9 @@ REFUSED_FLAGS = (
      "main params; gradients reduced in fp32, --grad-reduce-in-bf16 for bf16)"),
     (("--step-batch-size-schedule",), dict(type=str, default=None),
      "batch-size schedules are not supported (as --rampup-batch-size): the global batch size is fixed"),
+    (("--hierarchical-context-parallel-sizes",), dict(type=int, nargs="+", default=None),
+     "hierarchical context parallelism (the a2a+p2p groups) is not implemented: use --context-parallel-size with "
+     "--cp-comm-type p2p or allgather"),
 )
 # Given with these values they select what the fork does anyway; other values are refused (flag, kwargs, accepted
 # value, reason)
@@ -521,7 +524,12 @@ def _add_distributed_args(parser):
                    help="Layers of the first pipeline stage (uneven split; the others share the rest equally).")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="Layers of the last pipeline stage (uneven split; the others share the rest equally).")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 is supported.")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Context-parallel size: each sequence split over this many ranks (2 x size load-balanced "
+                        "chunks; ring attention, or TE's with --transformer-impl transformer_engine).")
+    g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+                   help="Context-parallel communication: p2p or allgather (a2a with Transformer Engine); one type, "
+                        "or one per layer.")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Split norms/dropout regions on the sequence over the tensor-parallel ranks (needs TP > 1).")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
@@ -1003,8 +1011,7 @@ def _validate_tensor_parallel_model_args(args):
 def _validate_pipeline_args(args):
     """--pipeline-model-parallel-size P: P divides WORLD_SIZE / TP and --num-layers (even split);
     --num-layers-per-virtual-pipeline-stage L: L divides the layers of a stage (``virtual_pipeline_model_parallel_size``
-    = layers / (P x L) chunks per rank). Refused by name where it does not compose: Megatron-FSDP (context
-    parallelism is refused for every P)."""
+    = layers / (P x L) chunks per rank). Refused by name where it does not compose: Megatron-FSDP."""
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     args.virtual_pipeline_model_parallel_size = None
     if pp < 1 or args.world_size % (tp * pp) != 0:
@@ -1052,6 +1059,33 @@ def _validate_pipeline_args(args):
               "pipeline schedules here average per-micro-batch losses)")
 
 
+def _validate_context_parallel_args(args):
+    """--context-parallel-size C: C x TP x PP divides WORLD_SIZE, 2 x C divides --seq-length (the load-balanced
+    chunks); --cp-comm-type: one type or one per layer (a single type is passed on as a string). Refused by name
+    where it does not compose yet."""
+    cp = args.context_parallel_size
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if cp < 1 or args.world_size % (model * cp) != 0:
+        _fail(f"--context-parallel-size ({cp}) x --tensor-model-parallel-size x --pipeline-model-parallel-size "
+              f"({model}) must divide WORLD_SIZE ({args.world_size})")
+    kinds = args.cp_comm_type
+    args.cp_comm_type = kinds[0] if isinstance(kinds, (list, tuple)) and len(kinds) == 1 else kinds
+    if cp == 1:
+        return
+    if args.seq_length is not None and args.seq_length % (2 * cp):
+        _fail(f"--seq-length ({args.seq_length}) must be a multiple of 2 x --context-parallel-size ({2 * cp})")
+    refused = (
+        (args.use_megatron_fsdp and args.num_distributed_optimizer_instances > 1,
+         "--use-megatron-fsdp with --num-distributed-optimizer-instances > 1 (hybrid sharding)"),
+        (args.reset_attention_mask, "--reset-attention-mask (context-parallel attention is causal only)"),
+        (args.num_experts is not None, "--num-experts (MoE layers)"),
+        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),
+    )
+    for bad, what in refused:
+        if bad:
+            _fail(f"{what} is not supported with --context-parallel-size {cp} yet")
+
+
 def validate_args(args, defaults={}):
     """Fill derived defaults and exit with a message naming the flags on bad combinations."""
     for key, value in defaults.items():  # args_defaults of pretrain(): used where the flag was not given
@@ -1065,16 +1099,14 @@ def validate_args(args, defaults={}):
         load_args_from_checkpoint(args)
 
     # ---- parallelism ------------------------------------------------------------------------------------
-    if args.context_parallel_size != 1:
-        _fail(f"--context-parallel-size={args.context_parallel_size} is not supported: context parallelism needs "
-              "Transformer Engine attention on GPUs (use 1)")
     if args.world_size <= 0:
         _fail(f"WORLD_SIZE={args.world_size} must be positive")
     tp = args.tensor_model_parallel_size
     if tp < 1 or args.world_size % tp != 0:
         _fail(f"--tensor-model-parallel-size ({tp}) must be a positive divisor of WORLD_SIZE ({args.world_size})")
     _validate_pipeline_args(args)
-    args.data_parallel_size = args.world_size // (tp * args.pipeline_model_parallel_size)
+    _validate_context_parallel_args(args)
+    args.data_parallel_size = args.world_size // (tp * args.pipeline_model_parallel_size * args.context_parallel_size)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -1297,6 +1329,8 @@ def core_transformer_config_from_args(args, config_class=None):
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,

@@ -139,7 +139,7 @@ def get_rng_state():
     pp, pp_rank = (parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_rank())
     return ShardedObject("rng_state", [state], (pp, tp), (pp_rank, tp_rank),
-                         replica_id=parallel_state.get_data_parallel_rank())
+                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
 def set_rng_state(rng_state) -> None:
@@ -262,8 +262,8 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 
 def _parallelization_group():
     """The data-parallel group for the fully-parallel wrappers; None (= WORLD) when it spans every rank, as it
-    always does in this DP-only fork."""
-    group = parallel_state.get_data_parallel_group()
+    does without model parallelism (CP ranks are replicas too)."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group is None or get_world_size(group) == get_world_size():
         return None
     return group

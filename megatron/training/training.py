@@ -327,17 +327,21 @@ def build_train_valid_test_datasets(train_valid_test_dataset_provider):
 # ---- steps -----------------------------------------------------------------------------------------------
 def _unpack_loss(out):
     """loss_func output: ``(loss, {'lm loss': ...})`` (a mean) or ``(loss_sum, num_tokens, {...})``."""
+    cp = parallel_state.get_context_parallel_world_size()
     if isinstance(out, tuple) and len(out) == 3:
         loss, num_tokens, reported = out
         loss = loss / num_tokens
         value = reported.get("lm loss", loss.detach())
         if isinstance(value, torch.Tensor) and value.numel() == 2:
+            if cp > 1:  # the CP group's loss sum over its tokens
+                value = value.detach().float().clone()
+                torch.distributed.all_reduce(value, group=parallel_state.get_context_parallel_group())
             value = value[0] / value[1]
         return loss, value
-    if isinstance(out, tuple) and len(out) == 2:
-        loss, reported = out
-        return loss, reported.get("lm loss", loss.detach()) if isinstance(reported, dict) else loss.detach()
-    return out, out.detach()
+    if isinstance(out, tuple) and len(out) == 2:  # as upstream's schedule: multiplied by the CP size (the grads
+        loss, reported = out  # are averaged over data x context parallel ranks)
+        return loss * cp, reported.get("lm loss", loss.detach()) if isinstance(reported, dict) else loss.detach()
+    return out * cp, out.detach()
 
 
 def _loss_sum_and_tokens(out) -> torch.Tensor:
@@ -351,8 +355,9 @@ def _loss_sum_and_tokens(out) -> torch.Tensor:
 
 
 def _per_token_mean(sum_and_tokens: torch.Tensor) -> torch.Tensor:
-    """Loss sum / tokens of this rank's ``[loss sum, tokens]`` summed over the data-parallel ranks (collective)."""
-    group = parallel_state.get_data_parallel_group()
+    """Loss sum / tokens of this rank's ``[loss sum, tokens]`` summed over the data (x context) parallel ranks
+    (collective)."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group is not None and torch.distributed.get_world_size(group) > 1:
         sum_and_tokens = sum_and_tokens.to(parallel_state.collective_device(group))
         torch.distributed.all_reduce(sum_and_tokens, group=group)

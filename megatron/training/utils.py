@@ -95,3 +95,20 @@ def exit_on_user_error():
     if is_distributed():
         dist.destroy_process_group()
     raise SystemExit(1)
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """Upstream's batch split for context parallelism: each ``[b, s, ...]`` tensor of ``batch`` (tokens, labels,
+    loss mask, position ids; ``attention_mask`` ``[b, 1, s, s]`` on its query axis) cut into ``2 * cp`` chunks
+    along the sequence, this CP rank keeping chunks ``r`` and ``2 cp - 1 - r`` (load-balanced for causal masks).
+    None values are kept; the batch is returned unchanged without context parallelism."""
+    from megatron.core.transformer.context_parallel import split_for_cp_rank
+
+    if cp_group is None:
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    size = dist.get_world_size(cp_group) if cp_group is not None else 1
+    if size == 1:
+        return batch
+    rank = dist.get_rank(cp_group)
+    return {key: val if val is None else split_for_cp_rank(val, 2 if key == "attention_mask" else 1, size, rank)
+            for key, val in batch.items()}

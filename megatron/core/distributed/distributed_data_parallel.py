@@ -40,7 +40,8 @@ class DistributedDataParallel(MegatronModule):
         super().__init__(config)
         self.ddp_config = ddp_config
         self.module = module
-        self.process_group = process_group if process_group is not None else parallel_state.get_data_parallel_group()
+        self.process_group = (process_group if process_group is not None  # CP ranks are replicas too, as upstream's
+                              else parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.expert_process_group = (
             self.process_group if process_group is not None else parallel_state.get_expert_data_parallel_group()
         )

@@ -107,7 +107,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     allreduce_word_embedding_grads(model)
     if num_tokens is not None:
         total = num_tokens.detach().clone().float().reshape(1)
-        group = parallel_state.get_data_parallel_group()
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         ws = get_world_size(group) if group is not None else 1
         if ws > 1:
             dist.all_reduce(total, group=group)

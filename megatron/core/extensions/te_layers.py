@@ -73,7 +73,7 @@ def _call_with_recipe(fn, recipe, **kwargs):
 
 def te_quantization_autocast(config):
     """TE autocast (``te.pytorch.autocast`` or the older ``fp8_autocast``) for the config's fp8/fp4 recipe; amax
-    reduction (delayed scaling) over the data-parallel group when torch.distributed is initialised."""
+    reduction (delayed scaling) over the data x context parallel group when torch.distributed is initialised."""
     check_te_available()
     kwargs = {"enabled": True}
     if is_distributed():
@@ -82,7 +82,7 @@ def te_quantization_autocast(config):
         params = inspect.signature(_te.te_autocast).parameters
         group_key = "amax_reduction_group" if "amax_reduction_group" in params else "fp8_group"
         if group_key in params:
-            kwargs[group_key] = parallel_state.get_data_parallel_group()
+            kwargs[group_key] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return _call_with_recipe(_te.te_autocast, get_quantization_recipe(config), **kwargs)
 
 

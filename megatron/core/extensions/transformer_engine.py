@@ -80,6 +80,7 @@ te_post_all_gather_processing = _optional("transformer_engine.pytorch.tensor.uti
 TELinear = _optional("transformer_engine.pytorch", "Linear")
 TELayerNormLinear = _optional("transformer_engine.pytorch", "LayerNormLinear")
 TEGroupedLinear = _optional("transformer_engine.pytorch", "GroupedLinear")
+TEDotProductAttention = _optional("transformer_engine.pytorch", "DotProductAttention")  # context parallelism
 te_checkpoint = _optional("transformer_engine.pytorch", "checkpoint")
 te_autocast = _optional("transformer_engine.pytorch", "autocast") or _optional(
     "transformer_engine.pytorch", "fp8_autocast"

@@ -113,7 +113,7 @@ class _Space:
 def _dp_group_and_size(expert: bool = False):
     """``(group, size, rank)`` of the data-parallel group (``expert``: the expert-data-parallel group)."""
     group = (parallel_state.get_expert_data_parallel_group(check_initialized=False) if expert
-             else parallel_state.get_data_parallel_group())
+             else parallel_state.get_data_parallel_group(with_context_parallel=True))
     if group is None or not is_distributed():
         return None, 1, 0
     return group, get_world_size(group), get_rank(group)

@@ -608,7 +608,7 @@ class MegatronOptimizer:
         local = sum(int((_local(g) == 0).sum().item()) for g in sharded)
         if sharded and is_distributed():
             t = torch.tensor([local], dtype=torch.int64, device=_local(sharded[0]).device)
-            group = parallel_state.get_data_parallel_group()
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             if group is not None:
                 dist.all_reduce(t, group=group)
             # hybrid sharding: each shard is held by every instance of the data-parallel group
@@ -627,7 +627,7 @@ class MegatronOptimizer:
             if not torch.isfinite(local).all():
                 found.fill_(1.0)
         if is_distributed():
-            group = parallel_state.get_data_parallel_group()
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             found = found.to(parallel_state.collective_device(group))
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
             mp_group = parallel_state.get_model_parallel_group(check_initialized=False)

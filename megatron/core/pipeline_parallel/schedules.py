@@ -97,8 +97,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
                 if not config.calculate_per_token_loss:
                     output_tensor = output_tensor / torch.clamp(num_tokens, min=1) / num_microbatches
             elif len(outputs) == 2:
-                output_tensor, reported = outputs
-                output_tensor = output_tensor / num_microbatches
+                output_tensor, reported = outputs  # as upstream: x the CP size (grads averaged over dp x cp)
+                output_tensor = output_tensor * parallel_state.get_context_parallel_world_size() / num_microbatches
             else:
                 raise ValueError(f"loss_func must return (loss, dict) or (loss, num_tokens, dict), got "
                                  f"{len(outputs)} values")
@@ -159,9 +159,10 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
 
 # ---- pipelined --------------------------------------------------------------------------------------------
 def get_tensor_shapes(seq_length: int, micro_batch_size: int, config) -> tuple:
-    """The shape of the activations exchanged between stages: ``[s (/ tp with sequence parallelism), b, h]``."""
+    """The shape of the activations exchanged between stages: ``[s / cp (/ tp with sequence parallelism), b, h]``."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    s = seq_length // tp if config.sequence_parallel else seq_length
+    s = seq_length // parallel_state.get_context_parallel_world_size()
+    s = s // tp if config.sequence_parallel else s
     return (s, micro_batch_size, config.hidden_size)
 
 

@@ -27,7 +27,7 @@ def _tp_info(tp_group=None) -> Tuple[int, int]:
 
 def _dp_replica_id(tp_group=None) -> Tuple[int, int, int]:
     """Upstream's replica id of a TP-replicated tensor: ``(0, tp_rank, dp_rank)`` (rank 0 of both writes it)."""
-    return (0, _tp_info(tp_group)[0], parallel_state.get_data_parallel_rank())
+    return (0, _tp_info(tp_group)[0], parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
 def _check_prepend_offsets(key: str, prepend_offsets) -> Tuple[Tuple[int, int, int], ...]:
@@ -109,7 +109,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key: str, tp_axis: int = 0, pr
     offs = _check_prepend_offsets(key, prepend_offsets)
     tp_rank, tp_size = _tp_info(tp_group)
     if replica_id is None:
-        replica_id = (0, 0, parallel_state.get_data_parallel_rank())
+        replica_id = (0, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
     return ShardedTensor.from_rank_offsets(
         key, tensor, *offs, (tp_axis + len(offs), tp_rank, tp_size), replica_id=replica_id,
         prepend_axis_num=len(offs), **kwargs

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.random import model_parallel_rng_context
+from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import init_method_normal, is_layer_window_attention
 
@@ -94,7 +95,7 @@ class CoreAttention(MegatronModule):
         super().__init__(config)
         self.window_size = (tuple(config.window_size) if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
-        self.num_heads, self.tp_rank, self.tp_size = num_heads, tp_rank, tp_size
+        self.layer_number, self.num_heads, self.tp_rank, self.tp_size = layer_number, num_heads, tp_rank, tp_size
         if config.softmax_type == "learnable":
             self.softmax_offset = torch.nn.Parameter(torch.empty(num_heads, dtype=config.params_dtype))
             # split over heads like the QKV projection: the distributed optimizer and the grad norm see a TP shard
@@ -145,6 +146,8 @@ class CoreAttention(MegatronModule):
         """``softmax(q k^T / sqrt(d)) v`` with dropout; ``attention_mask`` as ``SelfAttention.forward``'s. ``sink``
         (default ``self.sink(q)``) is an argument so that a recompute of this call (``--recompute-modules
         core_attn``) sees the parameter as an input."""
+        if self.config.context_parallel_size > 1:  # the sequence split over the CP group (no window / sink there)
+            return context_parallel_attention(q, k, v, attention_mask, self.config, self.layer_number)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)

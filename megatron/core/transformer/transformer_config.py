@@ -108,12 +108,13 @@ class TransformerConfig:
     # ---- implementation -------------------------------------------------------------------------------------
     transformer_impl: str = "local"  # 'local' | 'transformer_engine' (GPTModel sets it from its layer spec)
 
-    # ---- parallelism (tensor, sequence, pipeline, expert; context parallelism must stay 1) ----------------------
+    # ---- parallelism (tensor, sequence, pipeline, expert, context) ---------------------------------------------
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    cp_comm_type: Optional[Union[str, List[str]]] = None  # --cp-comm-type: one, or one per layer (None: p2p)
     virtual_pipeline_model_parallel_size: Optional[int] = None
     num_layers_in_first_pipeline_stage: Optional[int] = None  # --decoder-first-pipeline-num-layers
     num_layers_in_last_pipeline_stage: Optional[int] = None  # --decoder-last-pipeline-num-layers
@@ -303,9 +304,14 @@ class TransformerConfig:
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
             raise ValueError("moe_token_dispatcher_type (--moe-token-dispatcher-type) must be 'allgather' or "
                              f"'alltoall', got {self.moe_token_dispatcher_type!r}")
-        for name in ("context_parallel_size",):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
+        if isinstance(self.context_parallel_size, bool) or not isinstance(self.context_parallel_size, int) \
+                or self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size={self.context_parallel_size!r} (--context-parallel-size) must be "
+                             "a positive integer")
+        if self.context_parallel_size > 1:
+            from megatron.core.transformer.context_parallel import check_context_parallel_config
+
+            check_context_parallel_config(self)
         self._check_pipeline()
         self._check_recompute()
         self._check_gpt_oss()

@@ -132,7 +132,8 @@ def test_positional_arguments_in_upstream_order():
 REFUSALS = [
     (dict(pipeline_model_parallel_size=3), RuntimeError, r"world_size \(2\) is not divisible by 3 .*"
                                                          "--pipeline-model-parallel-size 3"),
-    (dict(context_parallel_size=2), ValueError, "--context-parallel-size"),
+    (dict(context_parallel_size=3), RuntimeError, r"world_size \(2\) is not divisible by 3 .*--context-parallel-size 3"),
+    (dict(context_parallel_size=0), ValueError, r"context_parallel_size=0 \(--context-parallel-size\)"),
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=0), ValueError,
      "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"),
     (dict(virtual_pipeline_model_parallel_size=2), RuntimeError, "--num-layers-per-virtual-pipeline-stage"),

@@ -181,7 +181,8 @@ def test_pipeline_flags():
         (("--pipeline-model-parallel-size", 2, "--num-layers", 4, "--decoder-last-pipeline-num-layers", 3,
           "--num-layers-per-virtual-pipeline-stage", 1), ["--num-layers-per-virtual-pipeline-stage",
                                                          "--decoder-last-pipeline-num-layers"]),
-        (("--pipeline-model-parallel-size", 2, "--context-parallel-size", 2), ["--context-parallel-size"]),
+        (("--pipeline-model-parallel-size", 2, "--context-parallel-size", 4), ["--context-parallel-size (4)",
+                                                                               "must divide WORLD_SIZE (4)"]),
     ):
         with pytest.raises(SystemExit) as exc:
             _args(*extra, world_size=4)

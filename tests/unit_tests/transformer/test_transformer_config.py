@@ -53,7 +53,9 @@ def test_bad_config_names_the_flag(kwargs, needle):
         (dict(num_moe_experts=4, moe_layer_freq=[1, 2]), "--moe-layer-freq"),
         (dict(num_moe_experts=4, moe_layer_freq=[1]), "--moe-layer-freq"),
         (dict(recompute_granularity="full"), "--recompute-granularity"),
-        (dict(context_parallel_size=2), "--context-parallel-size"),
+        (dict(context_parallel_size=0), "--context-parallel-size"),
+        (dict(context_parallel_size=2, attention_dropout=0.1), "--attention-dropout 0.1 is not supported with "
+                                                               "--context-parallel-size 2"),
     ],
 )
 def test_unsupported_options_rejected(kwargs, needle):

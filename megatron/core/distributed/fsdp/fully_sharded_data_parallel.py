@@ -182,7 +182,9 @@ class FullyShardedDataParallel(MegatronModule):
 
         self.ddp_config = ddp_config
         self.module = module
-        self.process_group = process_group if process_group is not None else parallel_state.get_data_parallel_group()
+        # context-parallel ranks shard like data-parallel ones (upstream's dp_cp group)
+        self.process_group = (process_group if process_group is not None
+                              else parallel_state.get_data_parallel_group(with_context_parallel=True))
         if self.process_group is None or not dist.is_initialized():
             raise RuntimeError("FullyShardedDataParallel (--use-megatron-fsdp) needs torch.distributed initialised")
         if reshard_after_forward is None:

@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import tp_group_info
+from megatron.core.transformer.context_parallel import get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -249,8 +250,11 @@ class GPTModel(MegatronModule):
             hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
         rotary = None
         if self.rotary_pos_emb is not None:
-            rotary = self.rotary_pos_emb(self._sequence_length(input_ids, hidden),
+            cp = self.config.context_parallel_size  # the angles of the whole sequence, then this CP rank's chunks
+            rotary = self.rotary_pos_emb(self._sequence_length(input_ids, hidden) * cp,
                                          device=self._decoder_input_device(hidden))
+            if cp > 1:
+                rotary = get_pos_emb_on_this_cp_rank(rotary, 0)
         hidden = self.decoder(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden

@@ -115,7 +115,7 @@ class _ExpertsBase(MegatronModule):
     def _expert_shards(sd: dict) -> dict:
         """``sd`` with replicas over the expert-data-parallel ranks (``replica_id=(0, 0, expert_dp_rank)``; a
         Megatron-FSDP shard keeps its own replica id 0)."""
-        dense_replica = (0, 0, parallel_state.get_data_parallel_rank())
+        dense_replica = (0, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
         expert_replica = (0, 0, parallel_state.get_expert_data_parallel_rank())
         for sh in _sharded_leaves(sd):
             if sh.replica_id == dense_replica:

@@ -1,0 +1,262 @@
+"""Context parallelism (``--context-parallel-size``): the sequence split over the ranks of the CP group.
+
+Layout (upstream's load balancing for causal masks): a sequence of length ``s`` is cut into ``2 * cp`` chunks of
+``s / (2 cp)`` tokens; CP rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (in that order), so every rank has the
+same amount of causal attention work. ``cp_rank_positions`` gives a rank's global token positions;
+``split_for_cp_rank`` takes a rank's chunks of any tensor along its sequence axis (tokens, labels, loss masks,
+position ids, rotary frequencies).
+
+Attention with CP (``context_parallel_attention``, hooked into ``SelfAttention.core_attention``):
+- the local path (CPU or ``--transformer-impl local``): ring attention in torch. Each rank keeps its queries and
+  visits every rank's key/value block, ``--cp-comm-type p2p`` passing the blocks around the ring (send to rank
+  ``r + 1``, receive from ``r - 1``) and ``allgather`` gathering them at once. Per block, causal scores from the
+  global positions, a softmax with its log-sum-exp, merged online into the running output. Backward recomputes each
+  block's probabilities from the saved log-sum-exp; the key/value gradients travel the ring back to their owners
+  (``allgather``: summed over the group). Saved for backward: this rank's q, k, v, output and log-sum-exp, so the
+  activations per rank fall as ``1 / cp``. Equal to unsplit causal attention within fp32 rounding.
+- Transformer Engine on CUDA (``--transformer-impl transformer_engine``): TE's ``DotProductAttention`` with its CP
+  communication (``set_context_parallel_group``; ``p2p``, ``a2a``, ``all_gather``), which expects the same layout.
+
+Not handled (refused by name in ``check_context_parallel_config``): attention dropout, explicit attention masks
+(``--reset-attention-mask``), sliding windows and attention sinks, ``a2a+p2p`` (needs the hierarchical groups of
+``--hierarchical-context-parallel-sizes``, not built), MoE layers.
+"""
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+CP_COMM_TYPES = ("p2p", "allgather", "all_gather", "a2a", "a2a+p2p")
+_LOCAL_COMM_TYPES = ("p2p", "allgather", "all_gather")
+
+
+# ---- layout -----------------------------------------------------------------------------------------------------
+def cp_rank_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The global positions (int64) of CP rank ``cp_rank``'s tokens: chunks ``cp_rank`` and ``2 cp - 1 - cp_rank``
+    of ``2 cp`` equal chunks of ``seq_length`` tokens (the whole sequence with ``cp_size`` 1)."""
+    if cp_size == 1:
+        return torch.arange(seq_length, device=device)
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_length} must be a multiple of 2 x --context-parallel-size "
+                         f"({2 * cp_size})")
+    c = seq_length // (2 * cp_size)
+    first, second = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
+    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
+
+
+def split_for_cp_rank(t: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This CP rank's two chunks of ``t`` along ``seq_dim`` (the full length), concatenated."""
+    if cp_size == 1:
+        return t
+    s = t.shape[seq_dim]
+    if s % (2 * cp_size):
+        raise ValueError(f"sequence length {s} must be a multiple of 2 x --context-parallel-size ({2 * cp_size})")
+    chunks = t.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """Upstream's name: this CP rank's rows of rotary frequencies computed for the full sequence."""
+    from megatron.core import parallel_state
+
+    return split_for_cp_rank(pos_emb, seq_dim, parallel_state.get_context_parallel_world_size(),
+                             parallel_state.get_context_parallel_rank())
+
+
+def layer_cp_comm_type(config, layer_number: int) -> str:
+    """The CP communication of layer ``layer_number`` (1-based): ``config.cp_comm_type`` (one string, or one per
+    layer as upstream's list); default p2p."""
+    kind = getattr(config, "cp_comm_type", None) or "p2p"
+    if isinstance(kind, (list, tuple)):
+        kind = kind[layer_number - 1]
+    return kind
+
+
+def check_context_parallel_config(config) -> None:
+    """Refuse, naming the flag, what context parallelism does not handle here (``TransformerConfig`` calls this
+    when ``context_parallel_size > 1``)."""
+    cp = config.context_parallel_size
+    kinds = getattr(config, "cp_comm_type", None) or "p2p"
+    kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+    if len(kinds) > 1 and len(kinds) != config.num_layers:
+        raise ValueError(f"cp_comm_type (--cp-comm-type) lists {len(kinds)} types: give one, or one per layer "
+                         f"({config.num_layers}, --num-layers)")
+    for kind in kinds:
+        if kind not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={kind!r} (--cp-comm-type): expected one of {', '.join(CP_COMM_TYPES)}")
+        if kind == "a2a+p2p":
+            raise ValueError("--cp-comm-type a2a+p2p needs the hierarchical context-parallel groups of "
+                             "--hierarchical-context-parallel-sizes, which this fork does not build (use p2p, a2a "
+                             "or allgather)")
+        if kind == "a2a" and config.transformer_impl != "transformer_engine":
+            raise ValueError("--cp-comm-type a2a needs --transformer-impl transformer_engine (TE's "
+                             "DotProductAttention); the local ring attention does p2p and allgather")
+    refused = (
+        (config.attention_dropout > 0, f"--attention-dropout {config.attention_dropout}",
+         " (the ring attention has no dropout: use --attention-dropout 0)"),
+        (getattr(config, "window_size", None) is not None, "sliding-window attention (--window-size)", ""),
+        (getattr(config, "softmax_type", "vanilla") != "vanilla",
+         f"attention sinks (--softmax-type {getattr(config, 'softmax_type', None)})", ""),
+        (config.num_moe_experts is not None, "MoE layers (--num-experts)", ""),
+        (getattr(config, "multi_latent_attention", False), "multi-latent attention", ""),
+    )
+    for bad, what, hint in refused:
+        if bad:
+            raise ValueError(f"{what} is not supported with --context-parallel-size {cp} yet{hint}")
+
+
+# ---- ring attention (local path) --------------------------------------------------------------------------------
+def _block_scores(q, k, q_pos, k_pos, scale):
+    """fp32 causal scores ``[b, n, sq, sk]`` of queries at ``q_pos`` against keys at ``k_pos`` (-inf: masked)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
+def _finite(x):
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+class _Ring:
+    """The CP group's ring: this rank's index, the global ranks, and block exchange (p2p or all-gather)."""
+
+    def __init__(self, group, comm_type: str):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group)
+        self.gather = comm_type in ("allgather", "all_gather")
+
+    def shift(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Send ``tensors`` to the next rank of the ring, return the previous rank's (p2p)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors]).contiguous()
+        recv = torch.empty_like(flat)
+        nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+        reqs = [dist.isend(flat, nxt, group=self.group), dist.irecv(recv, prv, group=self.group)]
+        for req in reqs:
+            req.wait()
+        out, i = [], 0
+        for t in tensors:
+            out.append(recv[i:i + t.numel()].view_as(t))
+            i += t.numel()
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> List[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the keys/values of the whole CP group (see the module
+    docstring). ``q, k, v``: ``[b, n, s_local, d]`` in the load-balanced layout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, comm_type, seq_length, scale):
+        ring = _Ring(group, comm_type)
+        q_pos = cp_rank_positions(seq_length, ring.size, ring.rank, q.device)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        blocks = (ring.all_gather(torch.stack([k, v])) if ring.gather else None)
+        kv = torch.stack([k, v])
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            if ring.gather:
+                kv = blocks[src]
+            elif step > 0:
+                kv, = ring.shift([kv])
+            scores = _block_scores(q, kv[0], q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), scale)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            block_out = torch.matmul(torch.exp(scores - _finite(block_lse)[..., None]), kv[1].float())
+            new_lse = torch.logaddexp(lse, block_lse)
+            safe = _finite(new_lse)[..., None]
+            out = out * torch.exp(lse[..., None] - safe) + block_out * torch.exp(block_lse[..., None] - safe)
+            lse = new_lse
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.comm_type, ctx.seq_length, ctx.scale = group, comm_type, seq_length, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale, seq_length = _Ring(ctx.group, ctx.comm_type), ctx.scale, ctx.seq_length
+        q_pos = cp_rank_positions(seq_length, ring.size, ring.rank, q.device)
+        do = grad_out.float()
+        delta = (do * out.float()).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        blocks = ring.all_gather(kv) if ring.gather else None
+        dkv_all = torch.zeros((ring.size,) + kv.shape, dtype=torch.float32, device=q.device) if ring.gather else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block (p2p)
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            if ring.gather:
+                kv = blocks[src]
+            elif step > 0:
+                kv, dkv = ring.shift([kv, dkv])
+            scores = _block_scores(q, kv[0], q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), scale)
+            p = torch.exp(scores - _finite(lse)[..., None])
+            dv = torch.matmul(p.transpose(-2, -1), do)
+            ds = p * (torch.matmul(do, kv[1].float().transpose(-2, -1)) - delta)
+            dq += torch.matmul(ds, kv[0].float()) * scale
+            dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+            if ring.gather:
+                dkv_all[src] += torch.stack([dk, dv])
+            else:
+                dkv = dkv + torch.stack([dk, dv])
+        if ring.gather:  # each rank's key/value gradients summed over the ranks whose queries used them
+            dist.all_reduce(dkv_all, group=ring.group)
+            dkv = dkv_all[ring.rank]
+        else:  # the block (and its gradients) of rank r - 1 (size - 1 steps ago: ours) returns home
+            dkv, = ring.shift([dkv])
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, group, comm_type: str = "p2p", scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention ``[b, n, s_local, d]`` of this CP rank's queries over the whole sequence (the torch path)."""
+    size = dist.get_world_size(group)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, group, comm_type, q.shape[-2] * size, scale)
+
+
+# ---- Transformer Engine path ------------------------------------------------------------------------------------
+_TE_ATTENTION = {}
+
+
+def _te_attention(config, num_heads: int, head_dim: int, comm_type: str):
+    """One TE ``DotProductAttention`` (no parameters, outside the module tree: no state-dict keys) per shape and
+    communication type, with this rank's CP group set."""
+    from megatron.core import parallel_state
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention, require_te
+
+    require_te("context parallelism with --transformer-impl transformer_engine")
+    kind = "all_gather" if comm_type == "allgather" else comm_type
+    key = (num_heads, head_dim, kind, id(parallel_state.get_context_parallel_group()))
+    if key not in _TE_ATTENTION:
+        attn = TEDotProductAttention(num_heads, head_dim, attention_dropout=0.0, qkv_format="sbhd",
+                                     attn_mask_type="causal")
+        attn.set_context_parallel_group(parallel_state.get_context_parallel_group(),
+                                        parallel_state.get_context_parallel_global_ranks(),
+                                        torch.cuda.Stream(), cp_comm_type=kind)
+        _TE_ATTENTION[key] = attn
+    return _TE_ATTENTION[key]
+
+
+def use_te_attention(config, q: torch.Tensor) -> bool:
+    return config.transformer_impl == "transformer_engine" and q.is_cuda
+
+
+def context_parallel_attention(q, k, v, attention_mask, config, layer_number: int = 1) -> torch.Tensor:
+    """Causal core attention ``[b, n, s_local, d]`` under context parallelism (the ``SelfAttention`` hook)."""
+    from megatron.core import parallel_state
+
+    if attention_mask is not None:
+        raise ValueError("an explicit attention mask (--reset-attention-mask) is not supported with "
+                         f"--context-parallel-size {config.context_parallel_size}: context parallelism is causal only")
+    comm_type = layer_cp_comm_type(config, layer_number)
+    if use_te_attention(config, q):
+        b, n, s, d = q.shape
+        attn = _te_attention(config, n, d, comm_type)
+        q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k, v))  # [s, b, n, d]
+        return attn(q, k, v).view(s, b, n, d).permute(1, 2, 0, 3)
+    return ring_attention(q, k, v, parallel_state.get_context_parallel_group(), comm_type)
