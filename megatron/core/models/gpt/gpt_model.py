@@ -49,11 +49,15 @@ class GPTModel(MegatronModule):
     ``parallel_output=False`` gathers the full vocab). The loss is computed on the vocab-parallel logits.
     The constructor ends with ``init_weights(self)`` (skipped when the parameters are on the meta device).
 
+    RoPE: ``rope_scaling`` / ``rope_scaling_factor`` scale its frequencies as Llama 3.1 (upstream's); with
+    multi-latent attention (``MLATransformerConfig``) each attention layer rotates with its own embedding (rope or
+    YaRN, ``config.rope_type``) and the model builds none, as upstream.
+
     Upstream's signature and parameter order. ``transformer_layer_spec`` (``models.gpt.gpt_layer_specs``: a layer
     ModuleSpec for every layer, or ``get_gpt_decoder_block_spec``'s block spec) chooses Transformer Engine or local
     layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
     ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
-    does not implement are refused when set (fp16 cross entropy, RoPE scaling, sequence-length interpolation, no
+    does not implement are refused when set (fp16 cross entropy, sequence-length interpolation, no
     sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups).
 
     Pipeline parallelism (upstream's arguments): ``pre_process`` (the first stage) holds the embedding,
@@ -95,7 +99,7 @@ class GPTModel(MegatronModule):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTModel: {name} must be a positive int, got {value!r}")
         unsupported = {
-            "fp16_lm_cross_entropy": fp16_lm_cross_entropy, "rope_scaling": rope_scaling,
+            "fp16_lm_cross_entropy": fp16_lm_cross_entropy,
             "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
             "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
             "mtp_block_spec": mtp_block_spec is not None, "pg_collection": pg_collection is not None,
@@ -119,11 +123,13 @@ class GPTModel(MegatronModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
-        if position_embedding_type == "rope":
+        if position_embedding_type == "rope" and not getattr(config, "multi_latent_attention", False):
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
                 rotary_percent=_rope_setting(config, "rotary_percent", rotary_percent, 1.0),
                 rotary_base=_rope_setting(config, "rotary_base", rotary_base, 10000),
+                rope_scaling=rope_scaling,  # Llama 3.1 (--use-rope-scaling / --rope-scaling-factor)
+                rope_scaling_factor=rope_scaling_factor,
             )
         else:
             self.rotary_pos_emb = None
