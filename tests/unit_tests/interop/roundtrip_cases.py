@@ -36,6 +36,31 @@ MODELS = {
                gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope")),
 }
 
+# Models with a test of their own (selected by ROUNDTRIP_MODELS in the workers' and the test's environment), not in
+# the main matrix: their layouts and the resharding loads they run ({loader layout: source layouts}).
+# MLA: multi-latent attention with q-LoRA and q/kv latent norms, YaRN rotary embeddings (the ramp between 0 and 3
+# of its 8 frequencies, a softmax scale and an attention factor other than 1), SwiGLU, RMSNorm
+MODELS["mla"] = dict(
+    config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, q_lora_rank=32,
+                kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16, qk_layernorm=True,
+                rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                original_max_position_embeddings=64, beta_fast=4.0, beta_slow=0.5, normalization="RMSNorm",
+                gated_linear_unit=True, add_bias_linear=False),
+    gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope"), mla=True)
+SEPARATE = {"mla": dict(layouts=("tp1", "tp2"), reshard={"tp1": ("tp2",)})}
+
+
+def selected_models() -> list:
+    """``ROUNDTRIP_MODELS`` (comma-separated) when set, else every model of the main matrix."""
+    names = os.environ.get("ROUNDTRIP_MODELS")
+    return names.split(",") if names else [m for m in MODELS if m not in SEPARATE]
+
+
+def config_class_name(model: str) -> str:
+    """The ``megatron.core.transformer`` config class of a model (both sides have the same names)."""
+    return "MLATransformerConfig" if MODELS[model].get("mla") else "TransformerConfig"
+
+
 # name: (world size, TP, EP, sequence parallel, PP)
 LAYOUTS = {
     "tp1": (2, 1, 1, False, 1),
@@ -87,10 +112,12 @@ def cases(layout: str):
     parallel save on and off (the qk-layernorm model with one save kind), the dense model once more with an async
     save (tp1 only), recipe False (local layers); on the GPU every model with TE layers per FP8 recipe (None: no
     FP8)."""
+    models = selected_models()
     if layout in GPU_LAYOUTS:
-        return [(m, False, False, r) for m in MODELS if m != "qk" for r in FP8_RECIPES]
-    out = [(m, fp, False, False) for m in MODELS for fp in (True, False) if m != "qk" or fp]  # recipe False: no TE
-    if layout == "tp1":
+        return [(m, False, False, r) for m in models if m != "qk" for r in FP8_RECIPES]
+    out = [(m, fp, False, False) for m in models for fp in (True, False)  # recipe False: no TE
+           if (m not in ("qk", *SEPARATE) or fp) and layout in SEPARATE.get(m, {}).get("layouts", (layout,))]
+    if layout == "tp1" and "dense" in models:
         out.append(("dense", True, True, False))
     return out
 
@@ -126,8 +153,9 @@ def jobs(phase: str, layout: str):
     for model, fp, async_save, recipe in cases(layout):
         name = case_name(model, fp, async_save, recipe)
         out.append((model, fp, async_save, recipe, layout, name))
+        reshard = SEPARATE[model]["reshard"] if model in SEPARATE else RESHARD
         if phase == "load" and not async_save:
-            out += [(model, fp, False, recipe, src, f"{name}<-{src}") for src in RESHARD.get(layout, ())]
+            out += [(model, fp, False, recipe, src, f"{name}<-{src}") for src in reshard.get(layout, ())]
     return out
 
 
@@ -437,7 +465,7 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
     from megatron.core import parallel_state as ps
 
     for layout in layouts.split(","):
-        if layout not in OPTIM_CASES:
+        if layout not in OPTIM_CASES or os.environ.get("ROUNDTRIP_MODELS"):  # the main matrix's run only
             continue
         world, tp, ep, _, pp = LAYOUTS[layout]
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
