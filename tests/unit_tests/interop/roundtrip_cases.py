@@ -47,7 +47,7 @@ MODELS["mla"] = dict(
                 original_max_position_embeddings=64, beta_fast=4.0, beta_slow=0.5, normalization="RMSNorm",
                 gated_linear_unit=True, add_bias_linear=False),
     gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope"), mla=True)
-SEPARATE = {"mla": dict(layouts=("tp1", "tp2"), reshard={"tp1": ("tp2",)})}
+SEPARATE = {"mla": dict(layouts=("tp1", "tp2_dp1"), reshard={"tp1": ("tp2_dp1",)})}
 
 
 def selected_models() -> list:
@@ -69,10 +69,13 @@ LAYOUTS = {
     # two pipeline stages of one layer each (the first holds the embedding, the last the output layer: with tied
     # embeddings its copy of the word embeddings)
     "pp2": (2, 1, 1, False, 2),
+    # TP2 on 2 ranks: launched with tp1 (one launch per side and phase); separate models' runs only
+    "tp2_dp1": (2, 2, 1, False, 1),
     # one GPU with Transformer Engine: TE layer specs, and FP8 weights (--fp8-param-gather) per recipe
     "gpu_te": (1, 1, 1, False, 1),
 }
 GPU_LAYOUTS = ("gpu_te",)
+SEPARATE_LAYOUTS = ("tp2_dp1",)  # not in the main matrix
 FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
 # Logit tolerances on the GPU: the two sides' compute paths differ there (attention kernels, TF32 in fp32 GEMMs; in
 # MoE layers FP8 rounding, most likely through where the router probabilities are applied). Measured on the H200

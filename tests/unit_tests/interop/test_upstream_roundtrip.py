@@ -78,7 +78,7 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
 def roundtrip_cpu(upstream_site, tmp_path_factory):
     """The CPU round trip's work directory, after the launches (the model and the optimizer cases run in them)."""
     workdir = tmp_path_factory.mktemp("roundtrip")
-    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS]
+    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS + rc.SEPARATE_LAYOUTS]
     return workdir, _roundtrip(upstream_site, workdir, layouts)
 
 
@@ -147,14 +147,14 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
 
 def test_mla_yarn_roundtrip_with_upstream(upstream_site, tmp_path, monkeypatch):
     """Multi-latent attention with YaRN (``roundtrip_cases.MODELS['mla']``), both ways: upstream's MLA model (local
-    spec) saved at TP1 x DP2 and TP2 x DP2 loads here with its logits within 1e-5, and ours loads there; each side
-    also loads the other's TP2 checkpoint at TP1 (resharded). The same checkpoint keys on both sides, or the strict
+    spec) saved at TP1 x DP2 and at TP2 (2 ranks, the same launches) loads here with its logits within 1e-5, and ours
+    loads there; each side also loads the other's TP2 checkpoint at TP1 x DP2 (resharded). The same checkpoint keys on both sides, or the strict
     load fails."""
     monkeypatch.setenv("ROUNDTRIP_MODELS", "mla")
     loaded = _roundtrip(upstream_site, tmp_path, list(rc.SEPARATE["mla"]["layouts"]), ROUNDTRIP_MODELS="mla")
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
         (side, layout, case) for side in ("upstream", "fork")
-        for layout, case in (("tp1", "mla_fp1"), ("tp2", "mla_fp1"), ("tp1", "mla_fp1<-tp2"))}
+        for layout, case in (("tp1", "mla_fp1"), ("tp2_dp1", "mla_fp1"), ("tp1", "mla_fp1<-tp2_dp1"))}
     for r in loaded:
         assert r["compare"] == "logits" and r["max_abs_diff"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
 

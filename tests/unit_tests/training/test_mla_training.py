@@ -1,0 +1,92 @@
+"""Multi-latent attention with YaRN through ``pretrain_gpt.py`` on CPU (gloo, 2 ranks): a TP2 checkpoint resumes at
+TP1 x DP2, TP2 and TP2 + sequence parallelism with the same losses (the latents gathered / scattered and the shared
+RoPE key's gradient summed over TP as they must be); ``--use-rope-scaling`` reaches the model; the MLA flags'
+refusals name the flag."""
+import os
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.training.test_training import NO_DROPOUT, TINY, _run
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", 16, "--kv-lora-rank", 14, "--qk-head-dim", 8,
+       "--qk-pos-emb-head-dim", 2, "--v-head-dim", 6, "--qk-layernorm", "--rope-type", "yarn",
+       "--rotary-scaling-factor", 4, "--mscale", 1.0, "--mscale-all-dim", 0.7, "--position-embedding-type", "rope",
+       "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+
+
+def _chunk(run):
+    m = run.model[0]
+    return m.module if hasattr(m, "module") else m
+
+
+def _mla_tp_body(rank, world_size, tmp):
+    ckpt = os.path.join(tmp, "mla")
+    base = TINY + NO_DROPOUT + MLA + ["--lr", 3e-2, "--make-vocab-size-divisible-by", 64]
+    first = _run(base + ["--train-iters", 1, "--save", ckpt, "--tensor-model-parallel-size", 2])
+    sa = _chunk(first).decoder.layers[0].self_attention
+    assert type(sa).__name__ == "MLASelfAttention" and type(sa.rotary_pos_emb).__name__ == "YarnRotaryEmbedding"
+    assert tuple(sa.linear_kv_down_proj.weight.shape) == ((14 + 2) // 2, 32)  # column-parallel: half on each rank
+    assert tuple(sa.linear_q_up_proj.weight.shape) == (4 * (8 + 2) // 2, 16)
+    runs = {name: _run(base + ["--train-iters", 5, "--load", ckpt] + extra) for name, extra in (
+        ("tp1", []), ("tp2", ["--tensor-model-parallel-size", 2]),
+        ("tp2_sp", ["--tensor-model-parallel-size", 2, "--sequence-parallel"]))}
+    tp1 = runs["tp1"].losses
+    assert len({round(float(tp1[i]), 4) for i in range(2, 6)}) > 1  # it trains
+    for name in ("tp2", "tp2_sp"):
+        for i in range(2, 6):
+            assert runs[name].losses[i] == pytest.approx(tp1[i], rel=1e-5, abs=0), (name, i, tp1, runs[name].losses)
+    # the replicated latent norms moved and stayed equal on both TP ranks
+    for name in ("tp2", "tp2_sp"):
+        w = _chunk(runs[name]).decoder.layers[1].self_attention.kv_layernorm.weight.detach().clone()
+        assert not torch.allclose(w, torch.ones_like(w))
+        both = [torch.empty_like(w) for _ in range(world_size)]
+        torch.distributed.all_gather(both, w)
+        assert torch.equal(both[0], both[1]), name
+    # --use-rope-scaling (Llama 3.1) reaches the model's rotary embedding
+    scaled = _run(TINY + NO_DROPOUT + ["--train-iters", 1, "--position-embedding-type", "rope", "--use-rope-scaling",
+                                       "--rope-scaling-factor", 16])
+    rope = _chunk(scaled).rotary_pos_emb
+    assert rope.rope_scaling and rope.rope_scaling_factor == 16.0
+
+
+def test_mla_yarn_pretrain_tp2_checkpoint_resumes_at_tp1_tp2_and_sp(tmp_path):
+    run_distributed(_mla_tp_body, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rope-type", "yarn"], "--rope-type yarn needs --multi-latent-attention"),
+    (MLA + ["--group-query-attention"], "--group-query-attention is mutually exclusive with --multi-latent-attention"),
+    (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
+    (MLA + ["--tensor-model-parallel-size", 3, "--num-attention-heads", 6, "--ffn-hidden-size", 96, "--q-lora-rank",
+            15],
+     "kv_lora_rank + qk_pos_emb_head_dim (16) must be divisible by tensor_model_parallel_size"),
+], ids=["rope_type", "gqa", "rope_scaling", "tp"])
+def test_mla_flag_refusals_name_the_flag(extra, message, monkeypatch):
+    from megatron.training.arguments import parse_args, validate_args
+
+    if "--tensor-model-parallel-size" in extra:
+        monkeypatch.setenv("WORLD_SIZE", "3")  # TP 3: a divisor of the world size
+
+    args = parse_args(args=[str(a) for a in TINY + ["--train-iters", 1] + extra])
+    with pytest.raises(SystemExit) as exc:
+        validate_args(args)
+    assert message in str(exc.value), str(exc.value)
+
+
+def test_mla_flags_reach_the_config():
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    args = validate_args(parse_args(args=[str(a) for a in TINY + ["--train-iters", 1] + MLA]))
+    cfg = core_transformer_config_from_args(args)
+    assert isinstance(cfg, MLATransformerConfig) and cfg.multi_latent_attention and cfg.qk_layernorm
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (
+        16, 14, 8, 2, 6)
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim) == ("yarn", 4.0, 1.0, 0.7)
+    # no --rope-type: MLATransformerConfig's default (yarn), as upstream; no MLA: a plain TransformerConfig
+    args = validate_args(parse_args(args=[str(a) for a in TINY + ["--train-iters", 1, "--multi-latent-attention"]]))
+    assert core_transformer_config_from_args(args).rope_type == "yarn"
+    args = validate_args(parse_args(args=[str(a) for a in TINY + ["--train-iters", 1]]))
+    assert not hasattr(core_transformer_config_from_args(args), "q_lora_rank")
