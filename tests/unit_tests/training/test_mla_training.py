@@ -55,6 +55,60 @@ def test_mla_yarn_pretrain_tp2_checkpoint_resumes_at_tp1_tp2_and_sp(tmp_path):
     run_distributed(_mla_tp_body, 2, str(tmp_path))
 
 
+def _grads_body(rank, world_size):
+    """One forward/backward of the same MLA GPT at TP1 and at TP2 (without and with SP; TP2 holds TP1's weights
+    split): the same loss, and every gradient (TP2's gathered, after finalize_model_grads' TP sums) equal to TP1's."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import MLATransformerConfig
+
+    def build(tp, sp):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        model_parallel_cuda_manual_seed(1)
+        torch.manual_seed(1)
+        cfg = MLATransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                   q_lora_rank=16, kv_lora_rank=14, qk_head_dim=8, qk_pos_emb_head_dim=2,
+                                   v_head_dim=6, qk_layernorm=True, rotary_scaling_factor=4.0, mscale_all_dim=0.7,
+                                   add_bias_linear=False, tensor_model_parallel_size=tp, sequence_parallel=sp)
+        return GPTModel(cfg, vocab_size=64, max_sequence_length=16, position_embedding_type="rope")
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = build(1, False)
+    with torch.no_grad():
+        for p in ref.parameters():  # norms away from 1
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    ref_loss = ref(ids, None, labels=ids).sum()
+    ref_loss.backward()
+    weights = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ps.destroy_model_parallel()
+    for sp in (False, True):
+        model = build(2, sp)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                split = getattr(p, "tensor_model_parallel", False)
+                p.copy_(weights[n].chunk(2, dim=p.partition_dim)[rank] if split else weights[n])
+        loss = model(ids, None, labels=ids).sum()
+        loss.backward()
+        allreduce_sequence_parallel_grads([model])
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+        for n, p in model.named_parameters():
+            g = p.grad
+            if getattr(p, "tensor_model_parallel", False):
+                parts = [torch.empty_like(g) for _ in range(world_size)]
+                torch.distributed.all_gather(parts, g.contiguous())
+                g = torch.cat(parts, dim=p.partition_dim)
+            torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n} (sp={sp}): {m}")
+        ps.destroy_model_parallel()
+
+
+def test_mla_tp2_gradients_equal_tp1():
+    run_distributed(_grads_body, 2)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--rope-type", "yarn"], "--rope-type yarn needs --multi-latent-attention"),
     (MLA + ["--group-query-attention"], "--group-query-attention is mutually exclusive with --multi-latent-attention"),
