@@ -221,7 +221,7 @@ def test_mla_config_refusals_name_the_field():
 @pytest.mark.gpu
 def test_mla_te_layers_fuse_the_latent_norms_and_match_local():
     """TE layers (upstream's TE MLA spec keys: the q/kv norms in ``linear_q_up_proj`` / ``linear_kv_up_proj``),
-    the same outputs as local layers given the same weights; and an FP8 (blockwise) forward/backward."""
+    the same outputs as local layers given the same weights; and an FP8 (tensorwise) forward/backward."""
     pytest.importorskip("transformer_engine.pytorch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -245,12 +245,13 @@ def test_mla_te_layers_fuse_the_latent_norms_and_match_local():
         for a, b in rename.items():
             k = k.replace(a, b)
         state[k] = v
-    te.load_state_dict(state, strict=False)
+    missing, unexpected = te.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
     ids = torch.randint(0, 64, (2, 16), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(te(ids, None), local(ids, None), rtol=2e-3, atol=2e-3)
     with torch.device("cuda"):
-        fp8 = GPTModel(_cfg(transformer_impl="transformer_engine", fp8="e4m3", fp8_recipe="blockwise",
+        fp8 = GPTModel(_cfg(transformer_impl="transformer_engine", fp8="e4m3", fp8_recipe="tensorwise",
                             hidden_size=128, ffn_hidden_size=256, q_lora_rank=64, kv_lora_rank=48,
                             qk_pos_emb_head_dim=16, qk_head_dim=16, v_head_dim=16),
                        vocab_size=128, max_sequence_length=32, position_embedding_type="rope")
