@@ -259,3 +259,26 @@ def test_mla_te_layers_fuse_the_latent_norms_and_match_local():
     loss = fp8(ids, None, labels=ids)
     loss.mean().backward()
     assert torch.isfinite(loss).all()
+
+
+def test_mla_gpt_built_on_meta_materialises_to_the_eager_model():
+    """--init-model-with-meta-device: an MLA model built on the meta device, materialised module by module
+    (``modules()`` order, only meta tensors allocated) and reset, equals the eager one bit for bit (no rotary
+    buffers to lose)."""
+    def build(meta):
+        torch.manual_seed(42)
+        with torch.device("meta" if meta else "cpu"):
+            return GPTModel(_cfg(), vocab_size=64, max_sequence_length=16, position_embedding_type="rope")
+
+    eager, meta = build(False), build(True)
+    assert all(p.is_meta for p in meta.parameters())
+    torch.manual_seed(42)
+    for m in meta.modules():
+        m._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t, recurse=False)
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+    for (n, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters()):
+        assert torch.equal(a, b), n
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(eager(ids, None), meta(ids, None))
