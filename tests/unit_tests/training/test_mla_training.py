@@ -144,3 +144,21 @@ def test_mla_flags_reach_the_config():
     assert core_transformer_config_from_args(args).rope_type == "yarn"
     args = validate_args(parse_args(args=[str(a) for a in TINY + ["--train-iters", 1]]))
     assert not hasattr(core_transformer_config_from_args(args), "q_lora_rank")
+
+
+def test_resume_compares_the_mla_sizes():
+    from types import SimpleNamespace
+
+    from megatron.training.checkpoint_safety import checkpoint_args_mismatches
+
+    base = dict(num_layers=2, hidden_size=32, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=14,
+                qk_head_dim=8, qk_pos_emb_head_dim=2, v_head_dim=6)
+    ckpt = SimpleNamespace(**base)
+    assert checkpoint_args_mismatches(ckpt, SimpleNamespace(**base)) == []
+    assert checkpoint_args_mismatches(ckpt, SimpleNamespace(**{**base, "kv_lora_rank": 16})) == [
+        ("kv_lora_rank", 14, 16)]
+    assert ("multi_latent_attention", True, False) in checkpoint_args_mismatches(
+        ckpt, SimpleNamespace(**{**base, "multi_latent_attention": False}))
+    # without MLA on either side the (default) MLA sizes do not count
+    plain = dict(base, multi_latent_attention=False)
+    assert checkpoint_args_mismatches(SimpleNamespace(**plain), SimpleNamespace(**{**plain, "q_lora_rank": 3})) == []
