@@ -38,7 +38,7 @@ def _add_network_size_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None, help="Max sequence length of the model.")
     g.add_argument(
         "--position-embedding-type", type=str, default="learned_absolute",
-        choices=["learned_absolute", "rope", "none"], help="Position embedding type.",
+        choices=["learned_absolute", "rope", "yarn", "none"], help="Position embedding type.",
     )
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head's channels rotated.")
@@ -89,6 +89,14 @@ def _add_mla_args(parser):
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN scaling factor (MLA).")
     g.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (MLA).")
     g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim (MLA).")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN's original context (--position-embedding-type yarn; default 4096).")
+    g.add_argument("--yarn-beta-fast", type=float, default=None, help="YaRN beta_fast (default 32).")
+    g.add_argument("--yarn-beta-slow", type=float, default=None, help="YaRN beta_slow (default 1).")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="Round YaRN's ramp ends to whole dimensions (the default).")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int", help="Keep YaRN's ramp ends fractional.")
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x rotary frequency scaling.")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x rope scaling factor.")
 
@@ -98,6 +106,9 @@ def _validate_mla_args(args):
         _fail("--group-query-attention is mutually exclusive with --multi-latent-attention")
     if args.rope_type not in (None, "rope") and not args.multi_latent_attention:
         _fail(f"--rope-type {args.rope_type} needs --multi-latent-attention (other attention supports rope only)")
+    if args.position_embedding_type == "yarn" and args.multi_latent_attention:
+        _fail("--position-embedding-type yarn is for standard attention; with --multi-latent-attention use "
+              "--rope-type yarn")
     if args.use_rope_scaling and (args.position_embedding_type != "rope" or args.multi_latent_attention):
         _fail("--use-rope-scaling needs --position-embedding-type rope without --multi-latent-attention")
 
@@ -1332,7 +1343,17 @@ def core_transformer_config_from_args(args, config_class=None):
         import torch.nn.functional as F
 
         kw["activation_func"] = F.silu
-    return _build(config_class, kw)
+    config = _build(config_class, kw)
+    if args.position_embedding_type == "yarn" and not args.multi_latent_attention:
+        # upstream's config.yarn_* attributes of standard attention's YaRN (its _apply_yarn_config_from_args)
+        for attr, value, default in (
+                ("yarn_rotary_scaling_factor", args.rotary_scaling_factor, 1.0),
+                ("yarn_original_max_position_embeddings", args.yarn_original_max_position_embeddings, 4096),
+                ("yarn_beta_fast", args.yarn_beta_fast, 32.0), ("yarn_beta_slow", args.yarn_beta_slow, 1.0),
+                ("yarn_mscale", args.mscale, 1.0), ("yarn_mscale_all_dim", args.mscale_all_dim, 0.0),
+                ("yarn_correction_range_round_to_int", args.yarn_correction_range_round_to_int, True)):
+            setattr(config, attr, default if value is None else value)
+    return config
 
 
 def optimizer_config_from_args(args):

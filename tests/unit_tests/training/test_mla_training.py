@@ -49,6 +49,11 @@ def _mla_tp_body(rank, world_size, tmp):
                                        "--rope-scaling-factor", 16])
     rope = _chunk(scaled).rotary_pos_emb
     assert rope.rope_scaling and rope.rope_scaling_factor == 16.0
+    # --position-embedding-type yarn (standard attention, gpt-oss's rotary) trains
+    yarn = _run(TINY + NO_DROPOUT + ["--train-iters", 2, "--position-embedding-type", "yarn",
+                                     "--rotary-scaling-factor", 4, "--mscale-all-dim", 1.0])
+    assert type(_chunk(yarn).rotary_pos_emb).__name__ == "YarnRotaryEmbedding"
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in yarn.losses.values()) and len(yarn.losses) == 2
 
 
 def test_mla_yarn_pretrain_tp2_checkpoint_resumes_at_tp1_tp2_and_sp(tmp_path):
@@ -144,6 +149,14 @@ def test_mla_flags_reach_the_config():
     assert core_transformer_config_from_args(args).rope_type == "yarn"
     args = validate_args(parse_args(args=[str(a) for a in TINY + ["--train-iters", 1]]))
     assert not hasattr(core_transformer_config_from_args(args), "q_lora_rank")
+    # --position-embedding-type yarn (standard attention): upstream's config.yarn_* attributes, its defaults
+    args = validate_args(parse_args(args=[str(a) for a in TINY + [
+        "--train-iters", 1, "--position-embedding-type", "yarn", "--rotary-scaling-factor", 32, "--yarn-beta-fast",
+        16, "--no-yarn-correction-range-round-to-int"]]))
+    cfg = core_transformer_config_from_args(args)
+    assert (cfg.yarn_rotary_scaling_factor, cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_mscale,
+            cfg.yarn_mscale_all_dim, cfg.yarn_original_max_position_embeddings,
+            cfg.yarn_correction_range_round_to_int) == (32.0, 16.0, 1.0, 1.0, 0.0, 4096, False)
 
 
 def test_resume_compares_the_mla_sizes():

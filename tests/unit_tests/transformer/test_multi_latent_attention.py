@@ -282,3 +282,35 @@ def test_mla_gpt_built_on_meta_materialises_to_the_eager_model():
     ids = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         assert torch.equal(eager(ids, None), meta(ids, None))
+
+
+def _yarn_gpt(**yarn):
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2)
+    for k, v in {**dict(rotary_scaling_factor=4.0, original_max_position_embeddings=8, beta_fast=4.0, beta_slow=0.5,
+                        mscale=1.0, mscale_all_dim=0.0, correction_range_round_to_int=True), **yarn}.items():
+        setattr(cfg, f"yarn_{k}" if k != "rotary_scaling_factor" else "yarn_rotary_scaling_factor", v)
+    torch.manual_seed(0)
+    return GPTModel(cfg, vocab_size=64, max_sequence_length=16, position_embedding_type="yarn")
+
+
+def test_standard_attention_yarn_embedding_and_its_mscale_reach_the_logits():
+    """--position-embedding-type yarn (gpt-oss's rotary): GPTModel's YaRN over kv_channels from the config's yarn_*
+    attributes; its (angles, mscale) pair reaches the attention (the mscale changes the logits)."""
+    t, emb = torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8)
+    torch.testing.assert_close(apply_rotary_pos_emb(t, (emb, 1.5)), apply_rotary_pos_emb(t, emb, mscale=1.5))
+    model = _yarn_gpt()
+    rope = model.rotary_pos_emb
+    assert isinstance(rope, YarnRotaryEmbedding) and (rope.dim, rope.scaling_factor) == (16, 4.0)
+    want, _, _ = _ref_yarn(16, 10000, 4.0, 8, 4.0, 0.5, 1.0, 0.0, range(16))
+    torch.testing.assert_close(rope(16)[0][:, 0, 0].double(), want, rtol=1e-6, atol=1e-6)
+    ids = torch.randint(0, 64, (1, 16))
+    other = _yarn_gpt(mscale_all_dim=1.0, mscale=0.5)  # same weights (same seed), another attention factor
+    with torch.no_grad():
+        assert not torch.allclose(model(ids, None), other(ids, None))
+    from megatron.core.transformer import TransformerConfig
+
+    with pytest.raises(ValueError, match="needs config.yarn_rotary_scaling_factor"):
+        GPTModel(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2), vocab_size=64,
+                 max_sequence_length=16, position_embedding_type="yarn")

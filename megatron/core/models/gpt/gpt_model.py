@@ -40,6 +40,29 @@ def _rope_setting(config, name: str, value, default):
     return value
 
 
+def _yarn_embedding(config, rotary_percent, rotary_base):
+    """``position_embedding_type='yarn'`` (standard attention): YaRN over ``kv_channels`` from the config's
+    ``yarn_*`` attributes, which upstream sets from ``--rotary-scaling-factor --mscale --mscale-all-dim
+    --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow --yarn-correction-range-round-to-int``
+    (``core_transformer_config_from_args`` here, as upstream's); it forwards ``(angles, mscale)`` to attention."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("position_embedding_type='yarn' is for standard attention; multi-latent attention takes "
+                         "YaRN from --rope-type yarn (MLATransformerConfig.rope_type)")
+    names = ("scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "correction_range_round_to_int")
+    attrs = {n: f"yarn_{'rotary_' if n == 'scaling_factor' else ''}{n}" for n in names}
+    missing = [a for a in attrs.values() if not hasattr(config, a)]
+    if missing:
+        raise ValueError(f"position_embedding_type='yarn' needs config.{', config.'.join(missing)} (upstream's "
+                         "YaRN attributes; core_transformer_config_from_args sets them from the flags)")
+    return YarnRotaryEmbedding(config.kv_channels, rotary_percent=_rope_setting(config, "rotary_percent",
+                                                                                rotary_percent, 1.0),
+                               rotary_base=_rope_setting(config, "rotary_base", rotary_base, 10000),
+                               **{n: getattr(config, a) for n, a in attrs.items()})
+
+
 class GPTModel(MegatronModule):
     """Decoder-only transformer language model.
 
@@ -107,10 +130,10 @@ class GPTModel(MegatronModule):
         refused = [name for name, on in unsupported.items() if on]
         if refused:
             raise ValueError(f"GPTModel: {', '.join(refused)} not supported by this fork")
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(
-                f"position_embedding_type must be 'learned_absolute', 'rope' or 'none' (--position-embedding-type), "
-                f"got {position_embedding_type!r}"
+                f"position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none' "
+                f"(--position-embedding-type), got {position_embedding_type!r}"
             )
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -131,6 +154,8 @@ class GPTModel(MegatronModule):
                 rope_scaling=rope_scaling,  # Llama 3.1 (--use-rope-scaling / --rope-scaling-factor)
                 rope_scaling_factor=rope_scaling_factor,
             )
+        elif position_embedding_type == "yarn":
+            self.rotary_pos_emb = _yarn_embedding(config, rotary_percent, rotary_base)
         else:
             self.rotary_pos_emb = None
         self.transformer_layer_spec = transformer_layer_spec

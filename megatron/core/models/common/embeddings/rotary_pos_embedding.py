@@ -79,7 +79,11 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None, msca
     (float32); fused with ``config.apply_rope_fusion`` (see :func:`use_fused_rope`). Upstream's two MLA options
     (torch ops only, as upstream's unfused path): ``mscale`` multiplies cos and sin (YaRN's attention factor);
     ``mla_rotary_interleaved`` first reorders the rotated channels as (even ones, odd ones), DeepSeek's
-    interleaved pairs, and leaves them in that order."""
+    interleaved pairs, and leaves them in that order. ``freqs`` may be ``(angles, mscale)`` as YaRN's embedding returns
+    it (GPTModel's ``position_embedding_type='yarn'``): that mscale multiplies too."""
+    if isinstance(freqs, tuple):
+        freqs, factor = freqs
+        mscale = mscale * factor
     plain = mscale == 1.0 and not mla_rotary_interleaved
     if plain and config is not None and use_fused_rope(config, t):
         from megatron.core.extensions.transformer_engine import te_apply_rotary_pos_emb
