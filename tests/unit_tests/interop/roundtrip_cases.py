@@ -47,13 +47,33 @@ MODELS["mla"] = dict(
                 original_max_position_embeddings=64, beta_fast=4.0, beta_slow=0.5, normalization="RMSNorm",
                 gated_linear_unit=True, add_bias_linear=False),
     gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope"), mla=True)
-SEPARATE = {"mla": dict(layouts=("tp1", "tp2_dp1"), reshard={"tp1": ("tp2_dp1",)})}
+# YaRN for standard attention (gpt-oss's rotary, position_embedding_type 'yarn'; upstream's config.yarn_* attributes,
+# set on both sides' configs after construction), GQA; Llama 3.1's rope scaling (GPTModel's rope_scaling)
+MODELS["yarn"] = dict(
+    config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True),
+    attrs=dict(yarn_rotary_scaling_factor=8.0, yarn_original_max_position_embeddings=64, yarn_beta_fast=4.0,
+               yarn_beta_slow=0.5, yarn_mscale=1.0, yarn_mscale_all_dim=0.0, yarn_correction_range_round_to_int=True),
+    gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="yarn"))
+MODELS["llama31"] = dict(
+    config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True),
+    gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope", rope_scaling=True,
+             rope_scaling_factor=8.0))
+SEPARATE = {m: dict(layouts=("tp1", "tp2_dp1"), reshard={"tp1": ("tp2_dp1",)}) for m in ("mla", "yarn", "llama31")}
 
 
 def selected_models() -> list:
     """``ROUNDTRIP_MODELS`` (comma-separated) when set, else every model of the main matrix."""
     names = os.environ.get("ROUNDTRIP_MODELS")
     return names.split(",") if names else [m for m in MODELS if m not in SEPARATE]
+
+
+def set_config_attrs(model: str, config):
+    """Upstream's attributes a model's config carries beyond its fields (``attrs``: YaRN's ``yarn_*``)."""
+    for name, value in MODELS[model].get("attrs", {}).items():
+        setattr(config, name, value)
+    return config
 
 
 def config_class_name(model: str) -> str:

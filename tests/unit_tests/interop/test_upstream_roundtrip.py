@@ -146,15 +146,17 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
 
 
 def test_mla_yarn_roundtrip_with_upstream(upstream_site, tmp_path, monkeypatch):
-    """Multi-latent attention with YaRN (``roundtrip_cases.MODELS['mla']``), both ways: upstream's MLA model (local
-    spec) saved at TP1 x DP2 and at TP2 (2 ranks, the same launches) loads here with its logits within 1e-5, and ours
-    loads there; each side also loads the other's TP2 checkpoint at TP1 x DP2 (resharded). The same checkpoint keys on both sides, or the strict
-    load fails."""
-    monkeypatch.setenv("ROUNDTRIP_MODELS", "mla")
-    loaded = _roundtrip(upstream_site, tmp_path, list(rc.SEPARATE["mla"]["layouts"]), ROUNDTRIP_MODELS="mla")
+    """Multi-latent attention with YaRN (``roundtrip_cases.MODELS['mla']``), standard attention with YaRN
+    (``'yarn'``, gpt-oss's rotary) and with Llama 3.1's rope scaling (``'llama31'``), both ways: upstream's models
+    (local spec) saved at TP1 x DP2 and at TP2 (2 ranks, the same launches) load here with their logits within 1e-5,
+    and ours load there; each side also loads the other's TP2 checkpoints at TP1 x DP2 (resharded). The same
+    checkpoint keys on both sides, or the strict load fails."""
+    models = "mla,yarn,llama31"
+    monkeypatch.setenv("ROUNDTRIP_MODELS", models)
+    loaded = _roundtrip(upstream_site, tmp_path, list(rc.SEPARATE["mla"]["layouts"]), ROUNDTRIP_MODELS=models)
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
-        (side, layout, case) for side in ("upstream", "fork")
-        for layout, case in (("tp1", "mla_fp1"), ("tp2_dp1", "mla_fp1"), ("tp1", "mla_fp1<-tp2_dp1"))}
+        (side, layout, f"{model}_{case}") for side in ("upstream", "fork") for model in models.split(",")
+        for layout, case in (("tp1", "fp1"), ("tp2_dp1", "fp1"), ("tp1", "fp1<-tp2_dp1"))}
     for r in loaded:
         assert r["compare"] == "logits" and r["max_abs_diff"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
 

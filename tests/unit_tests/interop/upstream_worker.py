@@ -143,7 +143,7 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
                                                           qk_layernorm=mla and cfg.get("qk_layernorm", False))
     if recipe:
         cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
-    config = getattr(transformer, rc.config_class_name(model))(**cfg)
+    config = rc.set_config_attrs(model, getattr(transformer, rc.config_class_name(model))(**cfg))
     init = contextlib.nullcontext()
     if recipe:
         import transformer_engine.pytorch as te
