@@ -59,7 +59,9 @@ MODELS["llama31"] = dict(
     config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                 normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True),
     gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope", rope_scaling=True,
-             rope_scaling_factor=8.0))
+             rope_scaling_factor=8.0),
+    # at 16 positions the scaled (low) frequencies move the logits by ~1e-5 only: a tighter bound (measured <= 2.1e-7)
+    tolerance=2e-6)
 SEPARATE = {m: dict(layouts=("tp1", "tp2_dp1"), reshard={"tp1": ("tp2_dp1",)}) for m in ("mla", "yarn", "llama31")}
 
 
@@ -105,7 +107,7 @@ GPU_TOLERANCE = {"noquant": 2e-4, "fp8": 1e-3, "fp8_moe": 3e-2}
 
 def tolerance(model: str, recipe) -> float:
     if recipe is False:
-        return TOLERANCE
+        return MODELS[model].get("tolerance", TOLERANCE)
     if not recipe:
         return GPU_TOLERANCE["noquant"]
     return GPU_TOLERANCE["fp8_moe" if "num_moe_experts" in MODELS[model]["config"] else "fp8"]
