@@ -699,10 +699,10 @@ def _is_number(text: str) -> bool:
 def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM arguments (megatron-core fork)", allow_abbrev=False)
     for add in (
-        _add_network_size_args, _add_mla_args, _add_moe_args, _add_recompute_args, _add_regularization_args, _add_training_args,
-        _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
-        _add_distributed_args, _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args,
-        _add_refused_args,
+        _add_network_size_args, _add_mla_args, _add_moe_args, _add_recompute_args, _add_regularization_args,
+        _add_training_args, _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
+        _add_transformer_engine_args, _add_distributed_args, _add_validation_args, _add_data_args,
+        _add_tokenizer_args, _add_logging_args, _add_refused_args,
     ):
         add(parser)
     if extra_args_provider is not None:

@@ -1,4 +1,4 @@
-"""Multi-latent attention (DeepSeek-V2/V3 MLA): upstream's ``MLASelfAttention``, its submodule names and checkpoint keys.
+"""Multi-latent attention (DeepSeek-V2/V3 MLA): upstream's ``MLASelfAttention``, submodule names and checkpoint keys.
 
 Queries: ``linear_q_down_proj`` (hidden -> ``q_lora_rank``), ``q_layernorm``, ``linear_q_up_proj`` (-> heads x
 (``qk_head_dim`` + ``qk_pos_emb_head_dim``)); without q-LoRA (``q_lora_rank=None``) one ``linear_q_proj``. Keys and

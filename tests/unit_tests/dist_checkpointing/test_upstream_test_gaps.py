@@ -1,5 +1,6 @@
 """Names upstream's dist_checkpointing tests import: MLATransformerConfig (its layers are MLASelfAttention; the
-standard SelfAttention refuses it) and exchange_utils._get_empty_tensor_for_exchange (the receive buffer of a shard exchange)."""
+standard SelfAttention refuses it) and exchange_utils._get_empty_tensor_for_exchange (the receive buffer of a shard
+exchange)."""
 import pytest
 import torch
 

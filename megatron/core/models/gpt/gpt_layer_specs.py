@@ -3,9 +3,9 @@
 
 A spec here chooses Transformer Engine or local linears and dense or MoE MLPs; the layers themselves are this fork's
 (``transformer_layer.layer_submodules`` lists what each spec holds). Options this fork does not build (q/k norms
-outside multi-latent attention, Kitchen, TE's op fuser or activation modules, multi-token prediction, inference layers) are
-refused with the argument named. ``multi_latent_attention=True`` gives upstream's MLA layer (``qk_layernorm``: its
-q/kv norms)."""
+outside multi-latent attention, Kitchen, TE's op fuser or activation modules, multi-token prediction, inference
+layers) are refused with the argument named. ``multi_latent_attention=True`` gives upstream's MLA layer
+(``qk_layernorm``: its q/kv norms)."""
 import inspect
 from typing import Optional
 
