@@ -1,7 +1,8 @@
 """Multi-latent attention with YaRN through ``pretrain_gpt.py`` on CPU (gloo, 2 ranks): a TP2 checkpoint resumes at
 TP1 x DP2, TP2 and TP2 + sequence parallelism with the same losses (the latents gathered / scattered and the shared
-RoPE key's gradient summed over TP as they must be); ``--use-rope-scaling`` reaches the model; the MLA flags'
-refusals name the flag."""
+RoPE key's gradient summed over TP as they must be); a DeepSeek-V3-shaped MLA + sigmoid-routed MoE (expert bias, shared
+experts, grouped GEMM, EP2) trains; ``--use-rope-scaling`` and ``--position-embedding-type yarn`` reach the model;
+the MLA flags' refusals name the flag."""
 import os
 
 import pytest
@@ -49,6 +50,15 @@ def _mla_tp_body(rank, world_size, tmp):
                                        "--rope-scaling-factor", 16])
     rope = _chunk(scaled).rotary_pos_emb
     assert rope.rope_scaling and rope.rope_scaling_factor == 16.0
+    # DeepSeek-V3-shaped: MLA + YaRN with a sigmoid-routed MoE (expert bias, shared experts, grouped GEMM), EP2
+    ds = _run(TINY + NO_DROPOUT + MLA + ["--train-iters", 2, "--num-experts", 4, "--moe-router-topk", 2,
+                                         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                         "--moe-shared-expert-intermediate-size", 32, "--moe-grouped-gemm",
+                                         "--expert-model-parallel-size", 2, "--moe-ffn-hidden-size", 32])
+    layer = _chunk(ds).decoder.layers[0]
+    assert type(layer.self_attention).__name__ == "MLASelfAttention" and layer.is_moe
+    assert len(ds.losses) == 2 and all(torch.isfinite(torch.tensor(float(v))) for v in ds.losses.values())
+    assert float(layer.mlp.router.expert_bias.abs().sum()) > 0  # updated by the training loop
     # --position-embedding-type yarn (standard attention, gpt-oss's rotary) trains
     yarn = _run(TINY + NO_DROPOUT + ["--train-iters", 2, "--position-embedding-type", "yarn",
                                      "--rotary-scaling-factor", 4, "--mscale-all-dim", 1.0])
