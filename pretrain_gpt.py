@@ -37,6 +37,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
 

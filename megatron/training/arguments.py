@@ -69,7 +69,7 @@ def _add_network_size_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None, help="Max sequence length of the model.")
     g.add_argument(
         "--position-embedding-type", type=str, default="learned_absolute",
-        choices=["learned_absolute", "rope", "none"], help="Position embedding type.",
+        choices=["learned_absolute", "rope", "yarn", "none"], help="Position embedding type.",
     )
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of each head's channels rotated.")
@@ -119,6 +119,45 @@ def _add_network_size_args(parser):
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the tokenizer's vocabulary with dummy tokens to a multiple of this (the model's "
                         "embedding and output layer get the padded size).")
+
+
+def _add_mla_args(parser):
+    """Multi-latent attention and rotary scaling (upstream's flags and defaults; MLATransformerConfig's fields)."""
+    g = parser.add_argument_group(title="mla and rotary scaling")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="Multi-latent attention (DeepSeek-V3 MLA; --qk-layernorm gives its q/kv latent norms).")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="Rank of the query latent (default: no q-LoRA).")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="Rank of the key/value latent.")
+    g.add_argument("--qk-head-dim", type=int, default=128, help="Per-head query/key size without the RoPE part.")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="Per-head size of the RoPE part of q/k.")
+    g.add_argument("--v-head-dim", type=int, default=128, help="Per-head value size.")
+    g.add_argument("--rope-type", type=str, default=None, choices=["rope", "yarn"],
+                   help="Rotary embedding of multi-latent attention (default yarn; other attention: rope only).")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN scaling factor (MLA).")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (MLA).")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN mscale_all_dim (MLA).")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN's original context (--position-embedding-type yarn; default 4096).")
+    g.add_argument("--yarn-beta-fast", type=float, default=None, help="YaRN beta_fast (default 32).")
+    g.add_argument("--yarn-beta-slow", type=float, default=None, help="YaRN beta_slow (default 1).")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="Round YaRN's ramp ends to whole dimensions (the default).")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int", help="Keep YaRN's ramp ends fractional.")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x rotary frequency scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x rope scaling factor.")
+
+
+def _validate_mla_args(args):
+    if args.multi_latent_attention and args.group_query_attention:
+        _fail("--group-query-attention is mutually exclusive with --multi-latent-attention")
+    if args.rope_type not in (None, "rope") and not args.multi_latent_attention:
+        _fail(f"--rope-type {args.rope_type} needs --multi-latent-attention (other attention supports rope only)")
+    if args.position_embedding_type == "yarn" and args.multi_latent_attention:
+        _fail("--position-embedding-type yarn is for standard attention; with --multi-latent-attention use "
+              "--rope-type yarn")
+    if args.use_rope_scaling and (args.position_embedding_type != "rope" or args.multi_latent_attention):
+        _fail("--use-rope-scaling needs --position-embedding-type rope without --multi-latent-attention")
 
 
 def _add_moe_args(parser):
@@ -204,9 +243,6 @@ KERNEL_FLAGS = (
 # Upstream flags of its launch scripts that need what this fork lacks: parsed (so the run stops with the reason
 # instead of "unrecognized argument") and refused in validate_args when given. (flags, argparse kwargs, reason)
 REFUSED_FLAGS = (
-    (("--multi-latent-attention",), dict(action="store_true"), "multi-latent attention (MLA) is not implemented"),
-    (("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--v-head-dim", "--qk-pos-emb-head-dim"),
-     dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
     (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
     (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
@@ -218,8 +254,6 @@ REFUSED_FLAGS = (
      "per-layer precision (FP8 layers with the first and last in bf16) is not implemented"),
     (("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"), dict(type=int, default=None),
      "per-layer precision (--first-last-layers-bf16) is not implemented"),
-    (("--rotary-scaling-factor", "--mscale", "--mscale-all-dim"), dict(type=float, default=None),
-     "rotary embedding scaling (Llama 3.1 / YaRN) is not implemented"),
     (("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub",
       "--fsdp-db-use-persist-buf-on-alloc-fail"), dict(action="store_true"),
      "Megatron-FSDP's NCCL buffer options: this fork's Megatron-FSDP runs on FSDP2, which has no such buffers"),
@@ -235,8 +269,6 @@ REFUSED_FLAGS = (
 # Given with these values they select what the fork does anyway; other values are refused (flag, kwargs, accepted
 # value, reason)
 ACCEPTED_VALUE_FLAGS = (
-    ("--rope-type", dict(type=str, default=None, choices=["rope", "yarn"]), "rope",
-     "YaRN rotary embeddings are not implemented"),
     ("--cuda-graph-impl", dict(type=str, default="none", choices=["none", "local", "transformer_engine"]), "none",
      "CUDA graphs are not implemented"),
     ("--moe-router-dtype", dict(type=str, default=None, choices=["fp32", "fp64"]), "fp32",
@@ -715,10 +747,10 @@ def _is_number(text: str) -> bool:
 def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(description="Megatron-LM arguments (megatron-core fork)", allow_abbrev=False)
     for add in (
-        _add_network_size_args, _add_moe_args, _add_recompute_args, _add_regularization_args, _add_training_args,
-        _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_transformer_engine_args,
-        _add_distributed_args, _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args,
-        _add_refused_args,
+        _add_network_size_args, _add_mla_args, _add_moe_args, _add_recompute_args, _add_regularization_args,
+        _add_training_args, _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
+        _add_transformer_engine_args, _add_distributed_args, _add_validation_args, _add_data_args,
+        _add_tokenizer_args, _add_logging_args, _add_refused_args,
     ):
         add(parser)
     if extra_args_provider is not None:
@@ -1302,6 +1334,7 @@ def validate_args(args, defaults={}):
               "checkpoints without a tracker)")
     _validate_run_control_args(args)
     _validate_refused_args(args)
+    _validate_mla_args(args)
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
         _fail(f"--stream-ckpt-dequant-chunk-mb must be >= 0 (0: no chunking), got {args.stream_ckpt_dequant_chunk_mb}")
@@ -1317,10 +1350,14 @@ def validate_args(args, defaults={}):
 # ---- config builders -----------------------------------------------------------------------------------
 def core_transformer_config_from_args(args, config_class=None):
     """``TransformerConfig`` (or ``config_class``) from validated args, upstream's field mapping."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    config_class = config_class or TransformerConfig
+    config_class = config_class or (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)
     kw = dict(
+        multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim, rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim, **({"rope_type": args.rope_type} if args.rope_type else {}),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -1409,7 +1446,17 @@ def core_transformer_config_from_args(args, config_class=None):
         from megatron.core.activations import quick_gelu
 
         kw["activation_func"] = quick_gelu
-    return _build(config_class, kw)
+    config = _build(config_class, kw)
+    if args.position_embedding_type == "yarn" and not args.multi_latent_attention:
+        # upstream's config.yarn_* attributes of standard attention's YaRN (its _apply_yarn_config_from_args)
+        for attr, value, default in (
+                ("yarn_rotary_scaling_factor", args.rotary_scaling_factor, 1.0),
+                ("yarn_original_max_position_embeddings", args.yarn_original_max_position_embeddings, 4096),
+                ("yarn_beta_fast", args.yarn_beta_fast, 32.0), ("yarn_beta_slow", args.yarn_beta_slow, 1.0),
+                ("yarn_mscale", args.mscale, 1.0), ("yarn_mscale_all_dim", args.mscale_all_dim, 0.0),
+                ("yarn_correction_range_round_to_int", args.yarn_correction_range_round_to_int, True)):
+            setattr(config, attr, default if value is None else value)
+    return config
 
 
 def optimizer_config_from_args(args):

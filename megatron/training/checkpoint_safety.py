@@ -420,7 +420,8 @@ MODEL_ARGS = (
     ("max_position_embeddings", None), ("position_embedding_type", "learned_absolute"),
     ("normalization", "LayerNorm"), ("swiglu", False), ("add_bias_linear", True), ("add_qkv_bias", False),
     ("untie_embeddings_and_output_weights", False), ("num_experts", None), ("moe_ffn_hidden_size", None),
-    ("moe_layer_freq", 1), ("quick_geglu", False),
+    ("moe_layer_freq", 1), ("quick_geglu", False), ("multi_latent_attention", False), ("q_lora_rank", None), ("kv_lora_rank", 32),
+    ("qk_head_dim", 128), ("qk_pos_emb_head_dim", 64), ("v_head_dim", 128),
 )  # Parallel sizes are not compared: torch_dist checkpoints reshard (upstream skips them with dist ckpt too). Nor is
 # ``padded_vocab_size`` (upstream does not with dist ckpt): the padding depends on TP, and the word-embedding and
 # output-layer rows load where both have them (``vocab_padding_note``).
@@ -441,9 +442,15 @@ def checkpoint_args_mismatches(ckpt_args, args) -> List[Tuple[str, object, objec
         if name in ("moe_ffn_hidden_size", "moe_layer_freq") and not (
                 getattr(ckpt_args, "num_experts", None) or getattr(args, "num_experts", None)):
             continue
+        if name in _MLA_SIZES and not (getattr(ckpt_args, "multi_latent_attention", False)
+                                       or getattr(args, "multi_latent_attention", False)):
+            continue
         if old != new:
             out.append((name, old, new))
     return out
+
+
+_MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # only with MLA
 
 
 def _optimizer_kind(a) -> str:

@@ -26,6 +26,7 @@ def allreduce_sequence_parallel_grads(model: List[torch.nn.Module]) -> None:
     for chunk in model:
         config = getattr(chunk, "config", None)
         sp, qk = getattr(config, "sequence_parallel", False), getattr(config, "qk_layernorm", False)
+        qk = qk and not getattr(config, "multi_latent_attention", False)  # MLA's q/kv norms see whole latents
         if not (sp or qk):
             continue
         for name, p in _unwrap(chunk).named_parameters():

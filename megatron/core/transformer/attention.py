@@ -98,7 +98,7 @@ class SelfAttention(MegatronModule):
     def __init__(self, config, layer_number: int = 1, fuse_input_layernorm: bool = False):
         if getattr(config, "multi_latent_attention", False):
             raise NotImplementedError("multi-latent attention (--multi-latent-attention, MLATransformerConfig) is "
-                                      "not implemented in this fork; use TransformerConfig (standard attention)")
+                                      "built by transformer.multi_latent_attention.MLASelfAttention, not SelfAttention")
         super().__init__(config)
         self.layer_number = layer_number
         tp = config.tensor_model_parallel_size

@@ -38,7 +38,9 @@ class TransformerBlockSubmodules:
 def default_layer_specs(config, use_te: bool) -> List[ModuleSpec]:
     """One TransformerLayer spec per layer of ``config`` (dense or MoE by ``moe_layer_freq``)."""
     return [ModuleSpec(module=TransformerLayer,
-                       submodules=layer_submodules(use_te, is_moe_layer(config, i + 1), config.moe_grouped_gemm))
+                       submodules=layer_submodules(use_te, is_moe_layer(config, i + 1), config.moe_grouped_gemm,
+                                                   bool(getattr(config, "multi_latent_attention", False)),
+                                                   bool(config.qk_layernorm)))
             for i in range(config.num_layers)]
 
 

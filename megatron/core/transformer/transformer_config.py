@@ -58,7 +58,7 @@ def pipeline_layer_counts(config) -> List[List[int]]:
 # the whole MoE layer, the experts' activation, the layer norms
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
 # upstream's names this fork does not recompute (and why)
-UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "no multi-latent attention",
+UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "the MLA up projections are not recomputed here",
                                    "shared_experts": "recomputing the shared experts is not implemented"}
 
 
@@ -469,9 +469,9 @@ class TransformerConfig:
 class MLATransformerConfig(TransformerConfig):
     """Upstream's config for multi-latent attention (DeepSeek-style MLA): ``TransformerConfig`` plus the MLA fields
     and defaults (``--multi-latent-attention``, ``--q-lora-rank``, ``--kv-lora-rank``, ``--qk-head-dim``,
-    ``--qk-pos-emb-head-dim``, ``--v-head-dim``, yarn rope scaling). This fork has no MLA layers: the config can be
-    built, compared and checkpointed (e.g. as run metadata), but building attention from it raises
-    NotImplementedError naming multi-latent attention."""
+    ``--qk-pos-emb-head-dim``, ``--v-head-dim``, ``--rope-type``, YaRN: ``--rotary-scaling-factor``, ``--mscale``,
+    ``--mscale-all-dim``, and ``original_max_position_embeddings`` / ``beta_fast`` / ``beta_slow``, which upstream
+    gives no flag). GPTModel builds ``transformer.multi_latent_attention.MLASelfAttention`` layers from it."""
 
     multi_latent_attention: bool = True
     q_lora_rank: Optional[int] = 512
@@ -489,3 +489,30 @@ class MLATransformerConfig(TransformerConfig):
     mscale_all_dim: float = 0.0
     cache_mla_latents: bool = False
     mla_down_proj_fusion: bool = False
+
+    def __post_init__(self):
+        if self.kv_channels is None and self.num_attention_heads:  # unused by MLA; upstream's default, unchecked
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        super().__post_init__()
+        if not self.multi_latent_attention:
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{_named(name, value)} must be a positive int (multi-latent attention)")
+        q = self.q_lora_rank
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q <= 0):
+            raise ValueError(f"{_named('q_lora_rank', q)} must be a positive int or None (no q-LoRA)")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"{_named('qk_pos_emb_head_dim', self.qk_pos_emb_head_dim)} must be even (rotary pairs)")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"{_named('rope_type', self.rope_type)} must be 'rope' or 'yarn'")
+        tp = self.tensor_model_parallel_size
+        for name, value in (("q_lora_rank", q), ("kv_lora_rank + qk_pos_emb_head_dim",
+                                                 self.kv_lora_rank + self.qk_pos_emb_head_dim)):
+            if value is not None and value % tp:  # the down projections' outputs are split over TP ranks
+                raise ValueError(f"{name} ({value}) must be divisible by "
+                                 f"{_named('tensor_model_parallel_size', tp)} (multi-latent attention)")
+        for name in ("cache_mla_latents", "mla_down_proj_fusion"):
+            if getattr(self, name):
+                raise ValueError(f"{name} ({flag_name(name)}) is not supported by this fork")

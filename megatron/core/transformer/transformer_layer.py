@@ -74,11 +74,14 @@ class TransformerLayerSubmodules:
     sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
 
 
-def layer_submodules(use_te: bool, is_moe: bool, moe_grouped_gemm: bool = False) -> TransformerLayerSubmodules:
+def layer_submodules(use_te: bool, is_moe: bool, moe_grouped_gemm: bool = False,
+                     multi_latent_attention: bool = False, qk_layernorm: bool = False) -> TransformerLayerSubmodules:
     """The submodules ``TransformerLayer`` builds with Transformer Engine (``use_te``) or local linears, for a dense
     or MoE layer: the contents of upstream's ``get_gpt_layer_{with_transformer_engine,local}_spec`` in this fork's
     classes. TE fuses the norms into ``linear_qkv`` / ``linear_fc1`` (``IdentityOp`` norms, no key map; an MoE layer
-    keeps a separate ``pre_mlp_layernorm``); local keeps the norms and maps their checkpoint keys."""
+    keeps a separate ``pre_mlp_layernorm``); local keeps the norms and maps their checkpoint keys. Multi-latent
+    attention (``qk_layernorm``: its q/kv norms) keeps a separate ``input_layernorm`` and, local, no key map, as
+    upstream's MLA specs."""
     if use_te:
         from megatron.core.extensions import te_layers
 
@@ -96,20 +99,34 @@ def layer_submodules(use_te: bool, is_moe: bool, moe_grouped_gemm: bool = False)
         mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts))
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fused, linear_fc2=row))
+    if multi_latent_attention:
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttention, mla_submodules
+
+        attention = ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=mla_submodules(use_te, qk_layernorm))
+    else:
+        attention = ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=SelfAttentionSubmodules(linear_qkv=fused, linear_proj=row))
     return TransformerLayerSubmodules(
-        input_layernorm=IdentityOp if use_te else WrappedTorchNorm,
-        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                                  submodules=SelfAttentionSubmodules(linear_qkv=fused, linear_proj=row)),
+        input_layernorm=IdentityOp if use_te and not multi_latent_attention else WrappedTorchNorm,
+        self_attention=attention,
         pre_mlp_layernorm=IdentityOp if use_te and not is_moe else WrappedTorchNorm,
         mlp=mlp,
-        sharded_state_dict_keys_map={} if use_te else dict(LOCAL_SPEC_SHARDED_KEYS_MAP),
+        sharded_state_dict_keys_map={} if use_te or multi_latent_attention else dict(LOCAL_SPEC_SHARDED_KEYS_MAP),
     )
+
+
+def config_layer_submodules(config, is_moe: bool) -> TransformerLayerSubmodules:
+    """``layer_submodules`` for ``config`` (its implementation, grouped experts, multi-latent attention)."""
+    return layer_submodules(config.transformer_impl == "transformer_engine", is_moe, config.moe_grouped_gemm,
+                            bool(getattr(config, "multi_latent_attention", False)), bool(config.qk_layernorm))
 
 
 def spec_transformer_impl(submodules: TransformerLayerSubmodules) -> str:
     """'transformer_engine' or 'local': which linears a layer spec's attention uses."""
     attention = getattr(submodules, "self_attention", None)
-    qkv = getattr(getattr(attention, "submodules", None), "linear_qkv", None)
+    submodules = getattr(attention, "submodules", None)
+    qkv = getattr(submodules, "linear_qkv", None) or getattr(submodules, "linear_proj", None)  # MLA: linear_proj
     return "transformer_engine" if getattr(qkv, "__name__", "").startswith("TE") else "local"
 
 
@@ -140,18 +157,25 @@ class TransformerLayer(MegatronModule):
         self.is_moe = is_moe_layer(config, layer_number)
         te = config.transformer_impl == "transformer_engine"
         if submodules is not None:
-            self._check_submodules(submodules, layer_submodules(te, self.is_moe, config.moe_grouped_gemm))
+            self._check_submodules(submodules, config_layer_submodules(config, self.is_moe))
         self.submodules_config = submodules
         if te:
             from megatron.core.extensions.te_layers import check_te_available
 
             check_te_available()
-        self.input_layernorm = IdentityOp() if te else build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number, fuse_input_layernorm=te)
+        mla = bool(getattr(config, "multi_latent_attention", False))
+        if mla:  # a separate input norm (TE: as upstream's TENorm), no key map
+            from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+            self.input_layernorm = build_norm(config, config.hidden_size, te_extra_state=te)
+            self.self_attention = MLASelfAttention(config, layer_number)
+        else:
+            self.input_layernorm = IdentityOp() if te else build_norm(config, config.hidden_size)
+            self.self_attention = SelfAttention(config, layer_number, fuse_input_layernorm=te)
         fuse_mlp_norm = te and not self.is_moe
         self.pre_mlp_layernorm = (IdentityOp() if fuse_mlp_norm
                                   else build_norm(config, config.hidden_size, te_extra_state=te))  # TE MoE: TENorm
-        self.sharded_state_dict_keys_map = {} if te else dict(LOCAL_SPEC_SHARDED_KEYS_MAP)
+        self.sharded_state_dict_keys_map = {} if te or mla else dict(LOCAL_SPEC_SHARDED_KEYS_MAP)
         if self.is_moe:
             from megatron.core.transformer.moe.moe_layer import MoELayer
 

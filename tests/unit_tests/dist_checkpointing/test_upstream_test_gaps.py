@@ -1,5 +1,6 @@
-"""Names upstream's dist_checkpointing tests import: MLATransformerConfig (config only: building attention from it
-is refused) and exchange_utils._get_empty_tensor_for_exchange (the receive buffer of a shard exchange)."""
+"""Names upstream's dist_checkpointing tests import: MLATransformerConfig (its layers are MLASelfAttention; the
+standard SelfAttention refuses it) and exchange_utils._get_empty_tensor_for_exchange (the receive buffer of a shard
+exchange)."""
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ def test_mla_config_fields_and_defaults():
 
 def test_mla_config_refused_by_attention():
     cfg = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
-    with pytest.raises(NotImplementedError, match="multi-latent attention"):
+    with pytest.raises(NotImplementedError, match="multi-latent attention .* built by .*MLASelfAttention"):
         SelfAttention(cfg)
 
 

@@ -16,9 +16,9 @@ import roundtrip_cases as rc  # noqa: E402
 def build_model(model: str, layout: str, recipe=False, dtype=None):
     """Our GPTModel: local layers on CPU; on the GPU TE layers (``recipe``: None, or the FP8 recipe with FP8
     weights, ``--fp8-param-gather``)."""
+    from megatron.core import transformer
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
     model_parallel_cuda_manual_seed(1234)
     dtype = dtype or torch.float32
@@ -30,7 +30,8 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
         cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
     device = torch.device("cuda") if recipe is not False else torch.device("cpu")
     with device:
-        built = GPTModel(TransformerConfig(**cfg), vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
+        config = rc.set_config_attrs(model, getattr(transformer, rc.config_class_name(model))(**cfg))
+        built = GPTModel(config, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
                          **rc.MODELS[model]["gpt"], **rc.stage_kwargs())
     if dtype == torch.bfloat16:
         built.bfloat16()  # every parameter bf16, as upstream's

@@ -47,6 +47,53 @@ MODELS = {
 }
 ONE_SAVE_KIND = ("qk", "swa")  # models saved with the fully parallel save only (the save paths are the others')
 
+# Models with a test of their own (selected by ROUNDTRIP_MODELS in the workers' and the test's environment), not in
+# the main matrix: their layouts and the resharding loads they run ({loader layout: source layouts}).
+# MLA: multi-latent attention with q-LoRA and q/kv latent norms, YaRN rotary embeddings (the ramp between 0 and 3
+# of its 8 frequencies, a softmax scale and an attention factor other than 1), SwiGLU, RMSNorm
+MODELS["mla"] = dict(
+    config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, q_lora_rank=32,
+                kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16, qk_layernorm=True,
+                rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                original_max_position_embeddings=64, beta_fast=4.0, beta_slow=0.5, normalization="RMSNorm",
+                gated_linear_unit=True, add_bias_linear=False),
+    gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope"), mla=True)
+# YaRN for standard attention (gpt-oss's rotary, position_embedding_type 'yarn'; upstream's config.yarn_* attributes,
+# set on both sides' configs after construction), GQA; Llama 3.1's rope scaling (GPTModel's rope_scaling)
+MODELS["yarn"] = dict(
+    config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True),
+    attrs=dict(yarn_rotary_scaling_factor=8.0, yarn_original_max_position_embeddings=64, yarn_beta_fast=4.0,
+               yarn_beta_slow=0.5, yarn_mscale=1.0, yarn_mscale_all_dim=0.0, yarn_correction_range_round_to_int=True),
+    gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="yarn"))
+MODELS["llama31"] = dict(
+    config=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True),
+    gpt=dict(share_embeddings_and_output_weights=False, position_embedding_type="rope", rope_scaling=True,
+             rope_scaling_factor=8.0),
+    # at 16 positions the scaled (low) frequencies move the logits by ~1e-5 only: a tighter bound (measured <= 2.1e-7)
+    tolerance=2e-6)
+SEPARATE = {m: dict(layouts=("tp1", "tp2_dp1"), reshard={"tp1": ("tp2_dp1",)}) for m in ("mla", "yarn", "llama31")}
+
+
+def selected_models() -> list:
+    """``ROUNDTRIP_MODELS`` (comma-separated) when set, else every model of the main matrix."""
+    names = os.environ.get("ROUNDTRIP_MODELS")
+    return names.split(",") if names else [m for m in MODELS if m not in SEPARATE]
+
+
+def set_config_attrs(model: str, config):
+    """Upstream's attributes a model's config carries beyond its fields (``attrs``: YaRN's ``yarn_*``)."""
+    for name, value in MODELS[model].get("attrs", {}).items():
+        setattr(config, name, value)
+    return config
+
+
+def config_class_name(model: str) -> str:
+    """The ``megatron.core.transformer`` config class of a model (both sides have the same names)."""
+    return "MLATransformerConfig" if MODELS[model].get("mla") else "TransformerConfig"
+
+
 # name: (world size, TP, EP, sequence parallel, PP)
 LAYOUTS = {
     "tp1": (2, 1, 1, False, 1),
@@ -55,10 +102,13 @@ LAYOUTS = {
     # two pipeline stages of one layer each (the first holds the embedding, the last the output layer: with tied
     # embeddings its copy of the word embeddings)
     "pp2": (2, 1, 1, False, 2),
+    # TP2 on 2 ranks: launched with tp1 (one launch per side and phase); separate models' runs only
+    "tp2_dp1": (2, 2, 1, False, 1),
     # one GPU with Transformer Engine: TE layer specs, and FP8 weights (--fp8-param-gather) per recipe
     "gpu_te": (1, 1, 1, False, 1),
 }
 GPU_LAYOUTS = ("gpu_te",)
+SEPARATE_LAYOUTS = ("tp2_dp1",)  # not in the main matrix
 FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
 # Logit tolerances on the GPU: the two sides' compute paths differ there (attention kernels, TF32 in fp32 GEMMs; in
 # MoE layers FP8 rounding, most likely through where the router probabilities are applied). Measured on the H200
@@ -68,7 +118,7 @@ GPU_TOLERANCE = {"noquant": 2e-4, "fp8": 1e-3, "fp8_moe": 3e-2}
 
 def tolerance(model: str, recipe) -> float:
     if recipe is False:
-        return TOLERANCE
+        return MODELS[model].get("tolerance", TOLERANCE)
     if not recipe:
         return GPU_TOLERANCE["noquant"]
     return GPU_TOLERANCE["fp8_moe" if "num_moe_experts" in MODELS[model]["config"] else "fp8"]
@@ -102,10 +152,12 @@ def cases(layout: str):
     parallel save on and off (the qk-layernorm and sliding-window models with one save kind), the dense model once
     more with an async save (tp1 only), recipe False (local layers); on the GPU every model with TE layers per FP8
     recipe (None: no FP8; the sliding-window model without FP8 only)."""
+    models = selected_models()
     if layout in GPU_LAYOUTS:  # the sliding-window model with TE layers without FP8
-        return [(m, False, False, r) for m in MODELS if m != "qk" for r in FP8_RECIPES if m != "swa" or r is None]
-    out = [(m, fp, False, False) for m in MODELS for fp in (True, False) if m not in ONE_SAVE_KIND or fp]
-    if layout == "tp1":
+        return [(m, False, False, r) for m in models if m != "qk" for r in FP8_RECIPES if m != "swa" or r is None]
+    out = [(m, fp, False, False) for m in models for fp in (True, False)  # recipe False: no TE
+           if (m not in (*ONE_SAVE_KIND, *SEPARATE) or fp) and layout in SEPARATE.get(m, {}).get("layouts", (layout,))]
+    if layout == "tp1" and "dense" in models:
         out.append(("dense", True, True, False))
     return out
 
@@ -141,8 +193,9 @@ def jobs(phase: str, layout: str):
     for model, fp, async_save, recipe in cases(layout):
         name = case_name(model, fp, async_save, recipe)
         out.append((model, fp, async_save, recipe, layout, name))
+        reshard = SEPARATE[model]["reshard"] if model in SEPARATE else RESHARD
         if phase == "load" and not async_save:
-            out += [(model, fp, False, recipe, src, f"{name}<-{src}") for src in RESHARD.get(layout, ())]
+            out += [(model, fp, False, recipe, src, f"{name}<-{src}") for src in reshard.get(layout, ())]
     return out
 
 
@@ -452,7 +505,7 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
     from megatron.core import parallel_state as ps
 
     for layout in layouts.split(","):
-        if layout not in OPTIM_CASES:
+        if layout not in OPTIM_CASES or os.environ.get("ROUNDTRIP_MODELS"):  # the main matrix's run only
             continue
         world, tp, ep, _, pp = LAYOUTS[layout]
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,

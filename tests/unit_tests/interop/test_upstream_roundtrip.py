@@ -82,7 +82,7 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
 def roundtrip_cpu(upstream_site, tmp_path_factory):
     """The CPU round trip's work directory, after the launches (the model and the optimizer cases run in them)."""
     workdir = tmp_path_factory.mktemp("roundtrip")
-    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS]
+    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS + rc.SEPARATE_LAYOUTS]
     return workdir, _roundtrip(upstream_site, workdir, layouts)
 
 
@@ -100,7 +100,7 @@ def test_roundtrip_with_upstream_both_ways(roundtrip_cpu):
     pipelined = {(r["side"], r["layout"], r["case"].partition("<-")[2]) for r in loaded if r["compare"] == "weights"}
     assert pipelined == {(side, dst, src) for side in ("upstream", "fork")
                          for dst, src in (("pp2", ""), ("tp1", "pp2"), ("pp2", "tp1"))}, pipelined
-    assert {r["case"].split("_")[0] for r in loaded if r["layout"] == "pp2"} == set(rc.MODELS)
+    assert {r["case"].split("_")[0] for r in loaded if r["layout"] == "pp2"} == set(rc.selected_models())
 
 
 def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
@@ -147,6 +147,35 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
         (side, layout, name) for side in ("upstream", "fork") for layout in rc.OPTIM_CASES
         for *_, name in rc.optim_jobs(layout)}
+
+
+def test_mla_yarn_roundtrip_with_upstream(upstream_site, tmp_path, monkeypatch):
+    """Multi-latent attention with YaRN (``roundtrip_cases.MODELS['mla']``), standard attention with YaRN
+    (``'yarn'``, gpt-oss's rotary) and with Llama 3.1's rope scaling (``'llama31'``), both ways: upstream's models
+    (local spec) saved at TP1 x DP2 and at TP2 (2 ranks, the same launches) load here with their logits within 1e-5,
+    and ours load there; each side also loads the other's TP2 checkpoints at TP1 x DP2 (resharded). The same
+    checkpoint keys on both sides, or the strict load fails."""
+    models = "mla,yarn,llama31"
+    monkeypatch.setenv("ROUNDTRIP_MODELS", models)
+    loaded = _roundtrip(upstream_site, tmp_path, list(rc.SEPARATE["mla"]["layouts"]), ROUNDTRIP_MODELS=models)
+    assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
+        (side, layout, f"{model}_{case}") for side in ("upstream", "fork") for model in models.split(",")
+        for layout, case in (("tp1", "fp1"), ("tp2_dp1", "fp1"), ("tp1", "fp1<-tp2_dp1"))}
+    for r in loaded:
+        assert r["compare"] == "logits" and r["max_abs_diff"] <= r["tolerance"] <= rc.TOLERANCE, r
+        assert 1e-2 < r["max_abs_diff_before_load"], r
+
+
+@pytest.mark.gpu
+def test_mla_roundtrip_with_upstream_te_fp8_on_gpu(upstream_site, tmp_path, monkeypatch):
+    """The MLA + YaRN model with Transformer Engine layer specs on one GPU (the q/kv norms fused into the up
+    projections, ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``), without FP8 and
+    with FP8 weights per recipe, both ways."""
+    pytest.importorskip("transformer_engine.pytorch")
+    monkeypatch.setenv("ROUNDTRIP_MODELS", "mla")
+    loaded = _roundtrip(upstream_site, tmp_path, list(rc.GPU_LAYOUTS), NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE="1",
+                        ROUNDTRIP_MODELS="mla")
+    assert {r["case"] for r in loaded} == {f"mla_fp0_te_{q}" for q in ("noquant", "tensorwise", "delayed")}
 
 
 @pytest.mark.gpu

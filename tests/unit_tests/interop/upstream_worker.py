@@ -107,6 +107,23 @@ def _shim_adam_step():
     DistributedOptimizer._set_main_param_and_optimizer_states = _set
 
 
+class _MLACoreAttention(torch.nn.Module):
+    """Upstream's local ``DotProductAttention`` takes no ``k_channels`` / ``v_channels`` (its MLA needs TE's): on CPU
+    its MLA spec gets this plain ``softmax(q k^T * softmax_scale + mask) v`` (upstream's constructor and forward
+    arguments; ``[s, b, n, d]`` in, ``[s, b, n * dv]`` out)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, **unused):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None, **unused):
+        scores = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float()) * self.softmax_scale
+        scores = scores.masked_fill(attention_mask, float("-inf"))  # True: masked (upstream's convention)
+        ctx = torch.einsum("bnst,tbnd->sbnd", scores.softmax(dim=-1), value.float()).to(value.dtype)
+        return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+
 def build_model(model: str, layout: str, recipe=False, dtype=None):
     """Upstream's GPTModel: the local layer spec on CPU; on the GPU its TE layer spec (``recipe``: None, or the FP8
     recipe with FP8 weights built under TE's ``quantized_model_init``, as upstream's ``--fp8-param-gather``)."""
@@ -118,7 +135,7 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core import transformer
 
     get_cuda_rng_tracker().reset()
     model_parallel_cuda_manual_seed(1234)
@@ -126,15 +143,19 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
     cfg = dict(rc.model_config(model, layout), params_dtype=dtype, pipeline_dtype=dtype,
                bf16=dtype == torch.bfloat16)
     experts = cfg.get("num_moe_experts")
+    mla = bool(rc.MODELS[model].get("mla"))
     if recipe is False:
         cfg["use_cpu_initialization"] = True
         spec = get_gpt_layer_local_spec(num_experts=experts, normalization=cfg.get("normalization", "LayerNorm"),
-                                        qk_layernorm=cfg.get("qk_layernorm", False))
+                                        qk_layernorm=cfg.get("qk_layernorm", False), multi_latent_attention=mla)
+        if mla:
+            spec.submodules.self_attention.submodules.core_attention = _MLACoreAttention
     else:
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, multi_latent_attention=mla,
+                                                          qk_layernorm=mla and cfg.get("qk_layernorm", False))
     if recipe:
         cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
-    config = TransformerConfig(**cfg)
+    config = rc.set_config_attrs(model, getattr(transformer, rc.config_class_name(model))(**cfg))
     init = contextlib.nullcontext()
     if recipe:
         import transformer_engine.pytorch as te

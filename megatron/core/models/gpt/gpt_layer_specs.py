@@ -2,9 +2,10 @@
 ``get_gpt_decoder_block_spec``, ...), same names and parameters.
 
 A spec here chooses Transformer Engine or local linears and dense or MoE MLPs; the layers themselves are this fork's
-(``transformer_layer.layer_submodules`` lists what each spec holds). Options this fork does not build (q/k norms,
-multi-latent attention, Kitchen, TE's op fuser or activation modules, multi-token prediction, inference layers) are
-refused with the argument named."""
+(``transformer_layer.layer_submodules`` lists what each spec holds). Options this fork does not build (q/k norms
+outside multi-latent attention, Kitchen, TE's op fuser or activation modules, multi-token prediction, inference
+layers) are refused with the argument named. ``multi_latent_attention=True`` gives upstream's MLA layer
+(``qk_layernorm``: its q/kv norms)."""
 import inspect
 from typing import Optional
 
@@ -46,12 +47,13 @@ def get_gpt_layer_with_transformer_engine_submodules(
 ) -> TransformerLayerSubmodules:
     """Transformer Engine linears (norms fused into ``linear_qkv`` / ``linear_fc1``); MoE when ``num_experts``.
     ``fp8`` is ignored (deprecated upstream too)."""
-    _refuse("get_gpt_layer_with_transformer_engine_spec", qk_layernorm=qk_layernorm,
-            multi_latent_attention=multi_latent_attention, qk_l2_norm=qk_l2_norm, use_te_op_fuser=use_te_op_fuser,
+    _refuse("get_gpt_layer_with_transformer_engine_spec", qk_layernorm=qk_layernorm and not multi_latent_attention,
+            qk_l2_norm=qk_l2_norm, use_te_op_fuser=use_te_op_fuser,
             use_kitchen=use_kitchen, use_te_activation_func=use_te_activation_func,
             use_kitchen_attention=use_kitchen_attention, mla_down_proj_fusion=mla_down_proj_fusion,
             use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
-    return layer_submodules(True, num_experts is not None, bool(moe_grouped_gemm))
+    return layer_submodules(True, num_experts is not None, bool(moe_grouped_gemm), bool(multi_latent_attention),
+                            bool(qk_layernorm))
 
 
 def _layer_spec_of(submodules_fn):
@@ -87,9 +89,10 @@ def get_gpt_layer_local_submodules(
     if normalization not in (None, "LayerNorm", "RMSNorm"):
         raise ValueError(f"get_gpt_layer_local_spec: normalization must be None, 'LayerNorm' or 'RMSNorm', "
                          f"got {normalization!r}")
-    _refuse("get_gpt_layer_local_spec", qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention,
+    _refuse("get_gpt_layer_local_spec", qk_layernorm=qk_layernorm and not multi_latent_attention,
             qk_l2_norm=qk_l2_norm, use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention)
-    return layer_submodules(False, num_experts is not None, bool(moe_grouped_gemm))
+    return layer_submodules(False, num_experts is not None, bool(moe_grouped_gemm), bool(multi_latent_attention),
+                            bool(qk_layernorm))
 
 
 get_gpt_layer_local_spec = _layer_spec_of(get_gpt_layer_local_submodules)

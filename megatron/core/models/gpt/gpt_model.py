@@ -41,6 +41,29 @@ def _rope_setting(config, name: str, value, default):
     return value
 
 
+def _yarn_embedding(config, rotary_percent, rotary_base):
+    """``position_embedding_type='yarn'`` (standard attention): YaRN over ``kv_channels`` from the config's
+    ``yarn_*`` attributes, which upstream sets from ``--rotary-scaling-factor --mscale --mscale-all-dim
+    --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow --yarn-correction-range-round-to-int``
+    (``core_transformer_config_from_args`` here, as upstream's); it forwards ``(angles, mscale)`` to attention."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("position_embedding_type='yarn' is for standard attention; multi-latent attention takes "
+                         "YaRN from --rope-type yarn (MLATransformerConfig.rope_type)")
+    names = ("scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "correction_range_round_to_int")
+    attrs = {n: f"yarn_{'rotary_' if n == 'scaling_factor' else ''}{n}" for n in names}
+    missing = [a for a in attrs.values() if not hasattr(config, a)]
+    if missing:
+        raise ValueError(f"position_embedding_type='yarn' needs config.{', config.'.join(missing)} (upstream's "
+                         "YaRN attributes; core_transformer_config_from_args sets them from the flags)")
+    return YarnRotaryEmbedding(config.kv_channels, rotary_percent=_rope_setting(config, "rotary_percent",
+                                                                                rotary_percent, 1.0),
+                               rotary_base=_rope_setting(config, "rotary_base", rotary_base, 10000),
+                               **{n: getattr(config, a) for n, a in attrs.items()})
+
+
 class GPTModel(MegatronModule):
     """Decoder-only transformer language model.
 
@@ -50,11 +73,15 @@ class GPTModel(MegatronModule):
     ``parallel_output=False`` gathers the full vocab). The loss is computed on the vocab-parallel logits.
     The constructor ends with ``init_weights(self)`` (skipped when the parameters are on the meta device).
 
+    RoPE: ``rope_scaling`` / ``rope_scaling_factor`` scale its frequencies as Llama 3.1 (upstream's); with
+    multi-latent attention (``MLATransformerConfig``) each attention layer rotates with its own embedding (rope or
+    YaRN, ``config.rope_type``) and the model builds none, as upstream.
+
     Upstream's signature and parameter order. ``transformer_layer_spec`` (``models.gpt.gpt_layer_specs``: a layer
     ModuleSpec for every layer, or ``get_gpt_decoder_block_spec``'s block spec) chooses Transformer Engine or local
     layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
     ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
-    does not implement are refused when set (fp16 cross entropy, RoPE scaling, sequence-length interpolation, no
+    does not implement are refused when set (fp16 cross entropy, sequence-length interpolation, no
     sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups).
 
     Pipeline parallelism (upstream's arguments): ``pre_process`` (the first stage) holds the embedding,
@@ -96,7 +123,7 @@ class GPTModel(MegatronModule):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTModel: {name} must be a positive int, got {value!r}")
         unsupported = {
-            "fp16_lm_cross_entropy": fp16_lm_cross_entropy, "rope_scaling": rope_scaling,
+            "fp16_lm_cross_entropy": fp16_lm_cross_entropy,
             "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
             "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
             "mtp_block_spec": mtp_block_spec is not None, "pg_collection": pg_collection is not None,
@@ -104,10 +131,10 @@ class GPTModel(MegatronModule):
         refused = [name for name, on in unsupported.items() if on]
         if refused:
             raise ValueError(f"GPTModel: {', '.join(refused)} not supported by this fork")
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(
-                f"position_embedding_type must be 'learned_absolute', 'rope' or 'none' (--position-embedding-type), "
-                f"got {position_embedding_type!r}"
+                f"position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none' "
+                f"(--position-embedding-type), got {position_embedding_type!r}"
             )
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -120,12 +147,16 @@ class GPTModel(MegatronModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
-        if position_embedding_type == "rope":
+        if position_embedding_type == "rope" and not getattr(config, "multi_latent_attention", False):
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
                 rotary_percent=_rope_setting(config, "rotary_percent", rotary_percent, 1.0),
                 rotary_base=_rope_setting(config, "rotary_base", rotary_base, 10000),
+                rope_scaling=rope_scaling,  # Llama 3.1 (--use-rope-scaling / --rope-scaling-factor)
+                rope_scaling_factor=rope_scaling_factor,
             )
+        elif position_embedding_type == "yarn":
+            self.rotary_pos_emb = _yarn_embedding(config, rotary_percent, rotary_base)
         else:
             self.rotary_pos_emb = None
         self.transformer_layer_spec = transformer_layer_spec
