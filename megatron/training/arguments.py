@@ -78,6 +78,10 @@ def _add_moe_args(parser):
     g = parser.add_argument_group(title="moe")
     g.add_argument("--num-experts", type=int, default=None, help="Number of experts (MoE when set).")
     g.add_argument("--moe-layer-freq", type=int, default=1, help="Every n-th layer is an MoE layer.")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token prediction depths (DeepSeek-V3's MTP), on the last pipeline stage.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="The MTP loss: this factor x the mean of the depths' losses (logged as 'mtp_<k> loss').")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP hidden size.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
     g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
@@ -160,8 +164,6 @@ REFUSED_FLAGS = (
     (("--multi-latent-attention",), dict(action="store_true"), "multi-latent attention (MLA) is not implemented"),
     (("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--v-head-dim", "--qk-pos-emb-head-dim"),
      dict(type=int, default=None), "a multi-latent attention size: MLA is not implemented"),
-    (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
-    (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
      "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
     (("--use-precision-aware-optimizer",), dict(action="store_true"),
@@ -1295,6 +1297,8 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         attention_backend=args.attention_backend,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -205,6 +205,10 @@ class TransformerConfig:
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
 
+    # ---- multi-token prediction (upstream's fields; transformer/multi_token_prediction.py) ------------------------
+    mtp_num_layers: Optional[int] = None  # MTP depths, on the last pipeline stage (None: no MTP)
+    mtp_loss_scaling_factor: Optional[float] = 0.1  # the MTP loss: factor x mean over depths
+
     def _check_pipeline(self):
         """Pipeline sizes, virtual stages and the uneven first/last stages (their layers must split evenly, as
         upstream's ``get_num_layers_to_build`` requires); see ``transformer_layer.pipeline_layer_counts``."""
@@ -292,6 +296,8 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be 1 ({flag_name(name)}): this fork has no context parallelism")
         self._check_pipeline()
         self._check_recompute()
+        if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
+            raise ValueError(f"{_named('mtp_num_layers', self.mtp_num_layers)} must be a positive integer or None")
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.num_moe_experts is not None:
