@@ -74,10 +74,53 @@ def _add_network_size_args(parser):
                         "embedding and output layer get the padded size).")
 
 
+def moe_freq_type(text):
+    """``--moe-layer-freq``: an int, or upstream's list expression (``[0,1,1]``, ``"([0]*3+[1]*5)"``,
+    ``"([1]*2+[0])*2"``) read with ``ast`` (int and list literals, ``+``, ``*``, parentheses; nothing is executed)."""
+    import ast
+
+    if isinstance(text, int):
+        return text
+    flag = "--moe-layer-freq"
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [value(e) for e in node.elts]
+            if not all(isinstance(i, int) for i in items):
+                raise argparse.ArgumentTypeError(f"{flag}: list items must be integers, got {text!r}")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult) and (isinstance(left, int) or isinstance(right, int)):
+                times = min(x for x in (left, right) if isinstance(x, int))
+                size = len(left if isinstance(left, list) else right) if isinstance(left, list) or isinstance(
+                    right, list) else 1
+                if 0 <= times and size * times <= 1 << 20:  # a layer list, not a memory bomb
+                    return left * right
+        raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not an int or a list expression of int literals "
+                                         f"with + and * (e.g. \"([0]*3+[1]*5)\")")
+
+    try:
+        tree = ast.parse(str(text).strip(), mode="eval")
+    except SyntaxError as e:
+        raise argparse.ArgumentTypeError(f"{flag}: cannot parse {text!r}: {e.msg}") from None
+    out = value(tree.body)
+    if isinstance(out, list) and (not out or set(out) - {0, 1}):
+        raise argparse.ArgumentTypeError(f"{flag}: the list must hold one 0 (dense) or 1 (MoE) per layer, got {out}")
+    return out
+
+
 def _add_moe_args(parser):
     g = parser.add_argument_group(title="moe")
     g.add_argument("--num-experts", type=int, default=None, help="Number of experts (MoE when set).")
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="Every n-th layer is an MoE layer.")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="MoE layer pattern: an int N (every N-th layer, from the first) or a per-layer 0/1 list "
+                        "as upstream writes it, e.g. \"([0]*3+[1]*5)\" (first 3 dense; list literals, + and * "
+                        "only, never evaluated as Python).")
     g.add_argument("--mtp-num-layers", type=int, default=None,
                    help="Multi-token prediction depths (DeepSeek-V3's MTP), on the last pipeline stage.")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,

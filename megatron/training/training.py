@@ -221,7 +221,10 @@ def num_floating_point_operations(args, batch_size: int) -> float:
 
     if args.num_experts is not None:
         moe = args.moe_router_topk * mlp(args.moe_ffn_hidden_size) + h * args.num_experts
-        n_moe = len([i for i in range(layers) if i % args.moe_layer_freq == 0])
+        from megatron.core.transformer.transformer_layer import is_moe_layer
+
+        freq = SimpleNamespace(num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq)
+        n_moe = sum(is_moe_layer(freq, i) for i in range(1, layers + 1))
         mlp_params = n_moe * moe + (layers - n_moe) * mlp(args.ffn_hidden_size)
     else:
         mlp_params = layers * mlp(args.ffn_hidden_size)

@@ -128,3 +128,11 @@ def test_mtp_spec_and_refusals():
                  mtp_block_spec=get_gpt_mtp_block_spec(_model().config, spec, use_transformer_engine=False))
     with pytest.raises(ValueError, match=r"mtp_num_layers \(--mtp-num-layers=0\)"):
         TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, mtp_num_layers=0)
+
+
+def test_mtp_on_a_later_stage_refuses_learned_position_embeddings():
+    cfg = _model().config
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    with pytest.raises(ValueError, match=r"--mtp-num-layers\) with --pipeline-model-parallel-size > 1 and learned"):
+        GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=16, pre_process=False,
+                 mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))

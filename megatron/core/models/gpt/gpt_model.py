@@ -149,6 +149,11 @@ class GPTModel(MegatronModule):
 
             self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, vp_stage=vp_stage)
         has_embedding = pre_process or self.mtp_process
+        if self.mtp_process and not pre_process and self.embedding.add_position_embedding:
+            raise ValueError("multi-token prediction (--mtp-num-layers) with --pipeline-model-parallel-size > 1 and "
+                             "learned absolute position embeddings is not supported (the last stage's copy of the "
+                             "position embeddings would not be tied): use --position-embedding-type rope, or "
+                             "--no-position-embedding")
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
