@@ -125,6 +125,13 @@ def _add_moe_args(parser):
                    help="Multi-token prediction depths (DeepSeek-V3's MTP), on the last pipeline stage.")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="The MTP loss: this factor x the mean of the depths' losses (logged as 'mtp_<k> loss').")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Expert capacity ceil(tokens x topk / experts x factor) per layer and rank; tokens over it "
+                        "are dropped (None: dropless).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad every expert's input to its capacity (needs --moe-expert-capacity-factor).")
+    g.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
+                   help="Over capacity, keep an expert's highest-prob tokens (probs) or its first ones (position).")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP hidden size.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
     g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
@@ -1131,7 +1138,7 @@ def validate_args(args, defaults={}):
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
         for dest in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff",
-                     "moe_router_num_groups", "moe_router_group_topk"):
+                     "moe_router_num_groups", "moe_router_group_topk", "moe_expert_capacity_factor"):
             if getattr(args, dest) is not None:
                 _fail(f"{flag_name(dest)} needs --num-experts")
     for dest in ("moe_shared_expert_gate", "moe_shared_expert_overlap"):  # upstream ignores them without the size
@@ -1340,6 +1347,9 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         attention_backend=args.attention_backend,

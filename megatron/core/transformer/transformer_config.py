@@ -204,10 +204,24 @@ class TransformerConfig:
     moe_router_force_load_balancing: bool = False  # benchmark only: random routing logits (straight-through grad)
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
+    moe_expert_capacity_factor: Optional[float] = None  # expert capacity ceil(T * k / E * factor); None: dropless
+    moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly its capacity (zero-weight padding)
+    moe_token_drop_policy: str = "probs"  # over capacity, keep the highest-prob tokens ('probs') or the first ones
 
     # ---- multi-token prediction (upstream's fields; transformer/multi_token_prediction.py) ------------------------
     mtp_num_layers: Optional[int] = None  # MTP depths, on the last pipeline stage (None: no MTP)
     mtp_loss_scaling_factor: Optional[float] = 0.1  # the MTP loss: factor x mean over depths
+
+    def _check_capacity(self):
+        """Token dropping (upstream's checks; a negative factor means none, as upstream)."""
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            self.moe_expert_capacity_factor = None
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"{_named('moe_token_drop_policy', self.moe_token_drop_policy)} must be 'probs' or "
+                             "'position'")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity (--moe-pad-expert-input-to-capacity) needs "
+                             "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
 
     def _check_pipeline(self):
         """Pipeline sizes, virtual stages and the uneven first/last stages (their layers must split evenly, as
@@ -316,6 +330,7 @@ class TransformerConfig:
                     f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0/1 (--moe-layer-freq), "
                     f"got {self.moe_layer_freq}"
                 )
+            self._check_capacity()
             shared = self.moe_shared_expert_intermediate_size
             if shared is not None:
                 if shared <= 0:
