@@ -219,10 +219,6 @@ REFUSED_FLAGS = (
     (("--use-precision-aware-optimizer",), dict(action="store_true"),
      "it keeps optimizer state in lower precision through Transformer Engine's FusedAdam; this fork's optimizer "
      "keeps fp32 main params and state"),
-    (("--first-last-layers-bf16",), dict(action="store_true"),
-     "per-layer precision (FP8 layers with the first and last in bf16) is not implemented"),
-    (("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"), dict(type=int, default=None),
-     "per-layer precision (--first-last-layers-bf16) is not implemented"),
     (("--window-size",), dict(type=str, default=None), "sliding-window attention is not implemented"),
     (("--window-attn-skip-freq",), dict(type=int, default=None), "sliding-window attention is not implemented"),
     (("--rotary-scaling-factor", "--mscale", "--mscale-all-dim"), dict(type=float, default=None),
@@ -516,6 +512,13 @@ def _add_transformer_engine_args(parser):
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
                    help="Delayed-scaling amax algorithm.")
     g.add_argument("--fp8-param-gather", action="store_true", help="Keep parameters in FP8 (quantized weights).")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="Keep the first/last layers (counts below) in high precision: neither FP8/FP4-computed nor "
+                        "quantized weights (not with --fp8-recipe delayed).")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="With --first-last-layers-bf16: high-precision layers at the start.")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="With --first-last-layers-bf16: high-precision layers at the end.")
     g.add_argument("--fp4-format", default=None, choices=["e2m1"], dest="fp4", help="FP4 format.")
     g.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4"], help="FP4 recipe.")
     g.add_argument("--fp4-param-gather", action="store_true", help="Keep parameters in FP4 (quantized weights).")
@@ -1318,6 +1321,9 @@ def core_transformer_config_from_args(args, config_class=None):
         fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo,
         fp8_param=args.fp8_param_gather,
+        first_last_layers_bf16=args.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,
         fp4=args.fp4,
         fp4_recipe=args.fp4_recipe,
         fp4_param=args.fp4_param_gather,

@@ -252,11 +252,14 @@ class MultiTokenPredictionBlock(MegatronModule):
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask=None, rotary_pos_emb=None,
                 embedding=None, **unused) -> torch.Tensor:
+        from megatron.core.transformer.transformer_block import quantization_autocast
+
         outputs = [hidden_states]
-        for layer in self.layers:
-            hidden_states, input_ids, position_ids = layer(input_ids, position_ids, hidden_states, attention_mask,
-                                                           rotary_pos_emb, embedding=embedding)
-            outputs.append(hidden_states)
+        with quantization_autocast(self.config):  # FP8/FP4 as the decoder (upstream: MTP in the global context)
+            for layer in self.layers:
+                hidden_states, input_ids, position_ids = layer(input_ids, position_ids, hidden_states, attention_mask,
+                                                               rotary_pos_emb, embedding=embedding)
+                outputs.append(hidden_states)
         return torch.cat(outputs, dim=0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None) -> dict:

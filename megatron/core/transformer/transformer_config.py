@@ -101,6 +101,9 @@ class TransformerConfig:
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
     fp8_param: bool = False
+    first_last_layers_bf16: bool = False  # the first/last layers below stay in high precision (no FP8/FP4 compute
+    num_layers_at_start_in_bf16: int = 1  # nor quantized weights), as upstream
+    num_layers_at_end_in_bf16: int = 1
     fp4: Optional[str] = None  # None | 'nvfp4'
     fp4_recipe: str = "nvfp4"
     fp4_param: bool = False
@@ -212,6 +215,18 @@ class TransformerConfig:
     mtp_num_layers: Optional[int] = None  # MTP depths, on the last pipeline stage (None: no MTP)
     mtp_loss_scaling_factor: Optional[float] = 0.1  # the MTP loss: factor x mean over depths
 
+    def _check_first_last_bf16(self):
+        """Upstream's checks: not with delayed scaling; each count in [0, layers per pipeline stage]."""
+        if self.fp8 is not None and self.fp8_recipe == "delayed":
+            raise ValueError("first_last_layers_bf16 (--first-last-layers-bf16) is not supported with delayed scaling "
+                             "(--fp8-recipe delayed), as upstream: use tensorwise, mxfp8 or blockwise")
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= per_stage:
+                raise ValueError(f"{_named(name, value)} must be between 0 and the layers per pipeline stage "
+                                 f"({per_stage})")
+
     def _check_capacity(self):
         """Token dropping (upstream's checks; a negative factor means none, as upstream)."""
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
@@ -288,6 +303,8 @@ class TransformerConfig:
             raise ValueError(f"fp4 must be None or 'nvfp4' (--fp4-format), got {self.fp4!r}")
         if self.fp8 is not None and self.fp4 is not None:
             raise ValueError("fp8 and fp4 are mutually exclusive (--fp8-format / --fp4-format)")
+        if self.first_last_layers_bf16:
+            self._check_first_last_bf16()
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param (--fp8-param-gather) needs fp8 (--fp8-format e4m3 or hybrid)")
         if self.fp4_param and self.fp4 is None:
