@@ -8,6 +8,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.transformer import multi_token_prediction as mtp_mod
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, roll_tensor
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.transformer.test_te_layers_fake import fake_te  # noqa: F401 (fixture)
 
 VOCAB, SEQ = 64, 8
 
@@ -136,3 +137,24 @@ def test_mtp_on_a_later_stage_refuses_learned_position_embeddings():
     with pytest.raises(ValueError, match=r"--mtp-num-layers\) with --pipeline-model-parallel-size > 1 and learned"):
         GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=16, pre_process=False,
                  mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
+
+
+def test_mtp_with_transformer_engine_layers(fake_te):  # noqa: F811 (stand-in TE on CPU)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, mtp_num_layers=1,
+                            transformer_impl="transformer_engine", num_moe_experts=2, moe_router_topk=1,
+                            moe_layer_freq=[1, 0])
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=True)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=16,
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=True))
+    layer = model.mtp.layers[0]
+    assert isinstance(layer.eh_proj, fake_te.TEColumnParallelLinear) and not layer.mtp_model_layer.is_moe
+    ids, pos, labels = _batch()
+    mtp_mod.clear_mtp_losses()
+    loss = model(ids, pos, labels=labels)
+    loss.sum().backward()
+    assert layer.eh_proj.weight.grad is not None and float(layer.eh_proj.weight.grad.abs().sum()) > 0
+    keys = {v.key for v in model.sharded_state_dict().values() if hasattr(v, "key")}
+    assert {"mtp.layers.0.eh_proj._extra_state", "mtp.layers.0.enorm._extra_state",
+            "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight"} <= keys
+    mtp_mod.clear_mtp_losses()
