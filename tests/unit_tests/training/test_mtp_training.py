@@ -108,3 +108,20 @@ def test_mtp_flags_reach_the_config():
     with pytest.raises(SystemExit) as exc:
         validate_args(args)
     assert "--mtp-num-layers" in str(exc.value)
+
+
+def _fsdp_meta_body(rank, world_size):
+    """Megatron-FSDP with meta-device init: the MTP depth's router keeps a real expert bias (never NaN/garbage),
+    updated like the decoder's; the same on both ranks; MTP loss logged."""
+    res = _run(TINY + MTP_MOE + ["--train-iters", 3, "--use-megatron-fsdp", "--init-model-with-meta-device"])
+    model = _model_of(res)
+    bias = model.mtp.layers[0].mtp_model_layer.mlp.router.expert_bias
+    assert torch.isfinite(bias).all() and float(bias.abs().max()) > 0 and float(bias.abs().max()) < 0.1, bias
+    other = [torch.empty_like(bias) for _ in range(world_size)]
+    torch.distributed.all_gather(other, bias.detach().contiguous())
+    assert torch.equal(other[0], other[1])
+    assert all(4.0 < res.moe_losses[i]["mtp_1 loss"] < 5.0 for i in range(1, 4))
+
+
+def test_mtp_megatron_fsdp_meta_init(tmp_path):
+    run_distributed(_fsdp_meta_body, 2)

@@ -133,3 +133,14 @@ def _ep_body(rank, world_size):
 
 def test_ep2_equals_ep1_with_capacity_and_padding():
     run_distributed(_ep_body, 2)
+
+
+def test_capacity_flags_reach_the_config():
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+    from tests.unit_tests.training.test_training import TINY
+
+    argv = TINY + ["--train-iters", 1, "--num-experts", 4, "--moe-expert-capacity-factor", 1.5,
+                   "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position"]
+    cfg = core_transformer_config_from_args(validate_args(parse_args(args=[str(a) for a in argv])))
+    assert (cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity, cfg.moe_token_drop_policy) == (
+        1.5, True, "position")
