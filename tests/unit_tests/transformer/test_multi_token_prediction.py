@@ -158,3 +158,41 @@ def test_mtp_with_transformer_engine_layers(fake_te):  # noqa: F811 (stand-in TE
     assert {"mtp.layers.0.eh_proj._extra_state", "mtp.layers.0.enorm._extra_state",
             "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight"} <= keys
     mtp_mod.clear_mtp_losses()
+
+
+def _cuda_te():
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return torch.cuda.is_available() and HAVE_TE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_te(), reason="needs CUDA and Transformer Engine")
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_mtp_te_fp8_weights_train_on_gpu(recipe):
+    """Real TE: the MTP depth's linears get FP8 weights with fp8_param, run under the FP8 autocast, and the MTP loss
+    reaches them (finite, nonzero gradients); first/last-bf16 leaves the decoder's end layers plain."""
+    from megatron.core.fp8_utils import is_quantized_tensor
+
+    if torch.cuda.get_device_capability()[0] < 9 and recipe == "blockwise":
+        pytest.skip("blockwise FP8 needs Hopper or newer")
+    cfg = TransformerConfig(num_layers=3, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
+                            mtp_num_layers=1, transformer_impl="transformer_engine", fp8="e4m3", fp8_recipe=recipe,
+                            fp8_param=True, first_last_layers_bf16=True, bf16=True, params_dtype=torch.bfloat16,
+                            num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1, 1], add_bias_linear=False)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPTModel(cfg, spec, vocab_size=128, max_sequence_length=32,
+                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=True))
+    assert is_quantized_tensor(model.mtp.layers[0].eh_proj.weight)
+    assert not is_quantized_tensor(model.decoder.layers[0].self_attention.linear_proj.weight)
+    assert is_quantized_tensor(model.decoder.layers[1].self_attention.linear_proj.weight)
+    ids = torch.randint(0, 128, (2, 32), device="cuda")
+    mtp_mod.clear_mtp_losses()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    model(ids, None, labels=ids).float().mean().backward()
+    grads = [p.grad if p.grad is not None else getattr(p, "main_grad", None)
+             for n, p in model.named_parameters() if n.startswith("mtp.layers.0.mtp_model_layer.")]
+    assert any(g is not None and torch.isfinite(g.float()).all() and float(g.float().abs().sum()) > 0 for g in grads)
+    assert 3.0 < mtp_mod.reduce_mtp_losses(1, 1)["mtp_1 loss"] < 7.0
