@@ -125,3 +125,19 @@ def _fsdp_meta_body(rank, world_size):
 
 def test_mtp_megatron_fsdp_meta_init(tmp_path):
     run_distributed(_fsdp_meta_body, 2)
+
+
+def _tp_body(rank, world_size, ckpt):
+    """From the same checkpoint, TP=2 with sequence parallelism (eh_proj column-parallel, gathered over TP, the
+    depth's input scattered over the sequence) gives the TP=1 losses and MTP losses."""
+    base = TINY + MTP_MOE + ["--position-embedding-type", "rope", "--make-vocab-size-divisible-by", 64,
+                             "--train-iters", 3]
+    ref = _run(base + ["--save", ckpt, "--save-interval", 1])
+    tp = _run(base + ["--load", ckpt, "--ckpt-step", 1, "--tensor-model-parallel-size", 2, "--sequence-parallel"])
+    for i in (2, 3):
+        assert tp.losses[i] == pytest.approx(ref.losses[i], rel=2e-5, abs=0), (i, tp.losses, ref.losses)
+        assert tp.moe_losses[i]["mtp_1 loss"] == pytest.approx(ref.moe_losses[i]["mtp_1 loss"], rel=2e-5, abs=0)
+
+
+def test_mtp_tensor_parallel_sequence_parallel_equals_tp1(tmp_path):
+    run_distributed(_tp_body, 2, str(tmp_path / "ckpt"))
