@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.dist_utils import barrier, is_distributed
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_tokenizer
@@ -25,7 +25,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     print_rank_0("building GPT model ...")
     if config is None:
         config = core_transformer_config_from_args(args)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine")
+    use_te = args.transformer_impl == "transformer_engine"
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
+    mtp_block_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage)
     return GPTModel(
         config,
         spec,
@@ -39,6 +41,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
     )
 
@@ -76,7 +79,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
 

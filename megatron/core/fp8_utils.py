@@ -562,3 +562,12 @@ def finish_param_gather(weights) -> None:
     for w in weights:
         if not _is_te_quantized(w) and hasattr(w, "finish_rows_quantize_"):
             w.finish_rows_quantize_()
+
+
+def is_first_last_bf16_layer(config, layer_no: int) -> bool:
+    """Whether global layer ``layer_no`` (0-based) stays in high precision (``--first-last-layers-bf16``: the first
+    ``num_layers_at_start_in_bf16`` and the last ``num_layers_at_end_in_bf16`` layers): neither FP8/FP4-computed nor
+    built with quantized weights. Upstream's function; ``layer_no < 0`` (MTP, "any layer") is never such a layer."""
+    if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
+        return False
+    return layer_no < config.num_layers_at_start_in_bf16 or layer_no >= config.num_layers - config.num_layers_at_end_in_bf16

@@ -160,10 +160,64 @@ def _validate_mla_args(args):
         _fail("--use-rope-scaling needs --position-embedding-type rope without --multi-latent-attention")
 
 
+def moe_freq_type(text):
+    """``--moe-layer-freq``: an int, or upstream's list expression (``[0,1,1]``, ``"([0]*3+[1]*5)"``,
+    ``"([1]*2+[0])*2"``) read with ``ast`` (int and list literals, ``+``, ``*``, parentheses; nothing is executed)."""
+    import ast
+
+    if isinstance(text, int):
+        return text
+    flag = "--moe-layer-freq"
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [value(e) for e in node.elts]
+            if not all(isinstance(i, int) for i in items):
+                raise argparse.ArgumentTypeError(f"{flag}: list items must be integers, got {text!r}")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult) and (isinstance(left, int) or isinstance(right, int)):
+                times = min(x for x in (left, right) if isinstance(x, int))
+                size = len(left if isinstance(left, list) else right) if isinstance(left, list) or isinstance(
+                    right, list) else 1
+                if 0 <= times and size * times <= 1 << 20:  # a layer list, not a memory bomb
+                    return left * right
+        raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not an int or a list expression of int literals "
+                                         f"with + and * (e.g. \"([0]*3+[1]*5)\")")
+
+    try:
+        tree = ast.parse(str(text).strip(), mode="eval")
+    except SyntaxError as e:
+        raise argparse.ArgumentTypeError(f"{flag}: cannot parse {text!r}: {e.msg}") from None
+    out = value(tree.body)
+    if isinstance(out, list) and (not out or set(out) - {0, 1}):
+        raise argparse.ArgumentTypeError(f"{flag}: the list must hold one 0 (dense) or 1 (MoE) per layer, got {out}")
+    return out
+
+
 def _add_moe_args(parser):
     g = parser.add_argument_group(title="moe")
     g.add_argument("--num-experts", type=int, default=None, help="Number of experts (MoE when set).")
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="Every n-th layer is an MoE layer.")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="MoE layer pattern: an int N (every N-th layer, from the first) or a per-layer 0/1 list "
+                        "as upstream writes it, e.g. \"([0]*3+[1]*5)\" (first 3 dense; list literals, + and * "
+                        "only, never evaluated as Python).")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token prediction depths (DeepSeek-V3's MTP), on the last pipeline stage.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="The MTP loss: this factor x the mean of the depths' losses (logged as 'mtp_<k> loss').")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Expert capacity ceil(tokens x topk / experts x factor) per layer and rank; tokens over it "
+                        "are dropped (None: dropless).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad every expert's input to its capacity (needs --moe-expert-capacity-factor).")
+    g.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
+                   help="Over capacity, keep an expert's highest-prob tokens (probs) or its first ones (position).")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP hidden size.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
     g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
@@ -243,17 +297,11 @@ KERNEL_FLAGS = (
 # Upstream flags of its launch scripts that need what this fork lacks: parsed (so the run stops with the reason
 # instead of "unrecognized argument") and refused in validate_args when given. (flags, argparse kwargs, reason)
 REFUSED_FLAGS = (
-    (("--mtp-num-layers",), dict(type=int, default=None), "multi-token prediction is not implemented"),
-    (("--mtp-loss-scaling-factor",), dict(type=float, default=None), "multi-token prediction is not implemented"),
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
      "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
     (("--use-precision-aware-optimizer",), dict(action="store_true"),
      "it keeps optimizer state in lower precision through Transformer Engine's FusedAdam; this fork's optimizer "
      "keeps fp32 main params and state"),
-    (("--first-last-layers-bf16",), dict(action="store_true"),
-     "per-layer precision (FP8 layers with the first and last in bf16) is not implemented"),
-    (("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"), dict(type=int, default=None),
-     "per-layer precision (--first-last-layers-bf16) is not implemented"),
     (("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub",
       "--fsdp-db-use-persist-buf-on-alloc-fail"), dict(action="store_true"),
      "Megatron-FSDP's NCCL buffer options: this fork's Megatron-FSDP runs on FSDP2, which has no such buffers"),
@@ -539,6 +587,13 @@ def _add_transformer_engine_args(parser):
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
                    help="Delayed-scaling amax algorithm.")
     g.add_argument("--fp8-param-gather", action="store_true", help="Keep parameters in FP8 (quantized weights).")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="Keep the first/last layers (counts below) in high precision: neither FP8/FP4-computed nor "
+                        "quantized weights (not with --fp8-recipe delayed).")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="With --first-last-layers-bf16: high-precision layers at the start.")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="With --first-last-layers-bf16: high-precision layers at the end.")
     g.add_argument("--fp4-format", default=None, choices=["e2m1"], dest="fp4", help="FP4 format.")
     g.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4"], help="FP4 recipe.")
     g.add_argument("--fp4-param-gather", action="store_true", help="Keep parameters in FP4 (quantized weights).")
@@ -1208,7 +1263,7 @@ def validate_args(args, defaults={}):
         if args.expert_model_parallel_size != 1:
             _fail(f"--expert-model-parallel-size ({args.expert_model_parallel_size}) needs --num-experts")
         for dest in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff",
-                     "moe_router_num_groups", "moe_router_group_topk"):
+                     "moe_router_num_groups", "moe_router_group_topk", "moe_expert_capacity_factor"):
             if getattr(args, dest) is not None:
                 _fail(f"{flag_name(dest)} needs --num-experts")
     for dest in ("moe_shared_expert_gate", "moe_shared_expert_overlap"):  # upstream ignores them without the size
@@ -1402,6 +1457,9 @@ def core_transformer_config_from_args(args, config_class=None):
         fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo,
         fp8_param=args.fp8_param_gather,
+        first_last_layers_bf16=args.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,
         fp4=args.fp4,
         fp4_recipe=args.fp4_recipe,
         fp4_param=args.fp4_param_gather,
@@ -1431,6 +1489,11 @@ def core_transformer_config_from_args(args, config_class=None):
         moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         attention_backend=args.attention_backend,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         recompute_method=args.recompute_method,

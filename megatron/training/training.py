@@ -221,7 +221,10 @@ def num_floating_point_operations(args, batch_size: int) -> float:
 
     if args.num_experts is not None:
         moe = args.moe_router_topk * mlp(args.moe_ffn_hidden_size) + h * args.num_experts
-        n_moe = len([i for i in range(layers) if i % args.moe_layer_freq == 0])
+        from megatron.core.transformer.transformer_layer import is_moe_layer
+
+        freq = SimpleNamespace(num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq)
+        n_moe = sum(is_moe_layer(freq, i) for i in range(1, layers + 1))
         mlp_params = n_moe * moe + (layers - n_moe) * mlp(args.ffn_hidden_size)
     else:
         mlp_params = layers * mlp(args.ffn_hidden_size)
@@ -254,13 +257,30 @@ def moe_aux_losses(args, iteration: int) -> Dict[str, float]:
         names.append("z_loss")
     config = SimpleNamespace(num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq)
     moe_layers = sum(is_moe_layer(config, i) for i in range(1, args.num_layers + 1))
-    scalars, per_layer = reduce_moe_losses(names, args.num_layers, moe_layers, args.num_microbatches)
+    mtp = args.mtp_num_layers or 0  # MTP depths' MoE layers (the last layer's kind) count after the decoder's
+    moe_layers += mtp * is_moe_layer(config, args.num_layers)
+    scalars, per_layer = reduce_moe_losses(names, args.num_layers + mtp, moe_layers, args.num_microbatches)
     writer = get_scalar_writer()
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
         for name, value in scalars.items():
             writer.add_scalar(name, value, iteration)
             for i, v in enumerate(per_layer[name] if args.moe_per_layer_logging else ()):
                 writer.add_scalar(f"moe/{name}_layer_{i}", v, iteration)
+    return scalars
+
+
+def mtp_losses(args, iteration: int) -> Dict[str, float]:
+    """This iteration's multi-token prediction losses (``mtp_<k> loss``, as upstream logs them), written to
+    TensorBoard; {} without MTP (every rank calls this: the reduction is collective)."""
+    if not args.mtp_num_layers:
+        return {}
+    from megatron.core.transformer.multi_token_prediction import reduce_mtp_losses
+
+    scalars = reduce_mtp_losses(args.mtp_num_layers, args.num_microbatches)
+    writer = get_scalar_writer()
+    if writer is not None and iteration % args.tensorboard_log_interval == 0:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
     return scalars
 
 
@@ -387,6 +407,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         # optimizer divides out of every gradient), per micro-batch unless per-token
         aux_scale = (1.0 if per_token else 1.0 / n) * (float(loss_scale) if loss_scale is not None else 1.0)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_scale))
+    if args.mtp_num_layers:  # the MTP loss's gradient scaled as the main loss's (upstream's MTPLossAutoScaler)
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        MTPLossAutoScaler.set_loss_scale(torch.tensor((1.0 if per_token else 1.0 / n) * (
+            float(loss_scale) if loss_scale is not None else 1.0)))
     reported, token_sums = [], []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # the schedule also finalizes the grads
         from megatron.training.pipeline_training import pipeline_forward_backward
@@ -497,6 +522,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         from megatron.core.transformer.moe.moe_utils import clear_moe_losses
 
         clear_moe_losses()
+    if args.mtp_num_layers:  # likewise the MTP losses
+        from megatron.core.transformer.multi_token_prediction import clear_mtp_losses
+
+        clear_mtp_losses()
     skipped, nan_iters = 0, 0  # per log interval, as upstream
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
@@ -516,7 +545,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             args.num_floating_point_operations_so_far += flops_per_iteration
             value = float(loss)
             result.loss_scales[iteration] = loss_scale
-            moe = moe_aux_losses(args, iteration)
+            moe = {**moe_aux_losses(args, iteration), **mtp_losses(args, iteration)}  # logged after lm loss
             if moe:
                 result.moe_losses[iteration] = moe
                 for k, v in moe.items():

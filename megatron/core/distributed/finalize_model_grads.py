@@ -72,7 +72,8 @@ def allreduce_word_embedding_grads(model: List[torch.nn.Module]) -> None:
         return
     for chunk in (model[0], model[-1]) if len(model) > 1 else (model[0],):
         inner = _unwrap(chunk)
-        if not getattr(inner, "share_embeddings_and_output_weights", False):
+        if not (getattr(inner, "share_embeddings_and_output_weights", False)
+                or getattr(getattr(inner, "config", None), "mtp_num_layers", None)):  # MTP's copy on the last stage
             continue
         if inner.pre_process == inner.post_process:  # both (one stage) or neither: nothing to sum
             continue

@@ -15,6 +15,7 @@ With ``config.fp8_param`` / ``config.fp4_param`` the module is built under TE's 
 ``fp8_model_init``): its weights are TE quantized tensors (Float8Tensor, MXFP8Tensor, ...).
 """
 import contextlib
+import contextvars
 import inspect
 
 import torch
@@ -86,9 +87,24 @@ def te_quantization_autocast(config):
     return _call_with_recipe(_te.te_autocast, get_quantization_recipe(config), **kwargs)
 
 
+_HIGH_PRECISION_INIT = contextvars.ContextVar("high_precision_init", default=False)
+
+
+@contextlib.contextmanager
+def high_precision_init():
+    """TE modules built inside get plain (not quantized) weights whatever ``fp8_param`` / ``fp4_param`` say: the
+    layers ``--first-last-layers-bf16`` keeps in high precision."""
+    token = _HIGH_PRECISION_INIT.set(True)
+    try:
+        yield
+    finally:
+        _HIGH_PRECISION_INIT.reset(token)
+
+
 def te_quantized_init_context(config):
-    """TE ``quantized_model_init`` / ``fp8_model_init`` when ``fp8_param`` / ``fp4_param``, else a no-op."""
-    if not (config.fp8_param or config.fp4_param):
+    """TE ``quantized_model_init`` / ``fp8_model_init`` when ``fp8_param`` / ``fp4_param`` (not inside
+    ``high_precision_init``), else a no-op."""
+    if not (config.fp8_param or config.fp4_param) or _HIGH_PRECISION_INIT.get():
         return contextlib.nullcontext()
     check_te_available()
     if _te.te_quantized_model_init is None:

@@ -61,14 +61,20 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
 
 # ---- one micro-batch --------------------------------------------------------------------------------------
 def _set_moe_loss_scale(config, num_microbatches: int) -> None:
-    if getattr(config, "num_moe_experts", None) is None:
+    """The MoE auxiliary losses' and the MTP loss's gradient scale: the main loss's, as upstream."""
+    moe, mtp = getattr(config, "num_moe_experts", None) is not None, bool(getattr(config, "mtp_num_layers", None))
+    if not (moe or mtp):
         return
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     scale = torch.ones(1)
     if config.grad_scale_func is not None:
         scale = config.grad_scale_func(scale).reshape(1).float().cpu()
-    MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / num_microbatches)
+    scale = scale if config.calculate_per_token_loss else scale / num_microbatches
+    for scaler, on in ((MoEAuxLossAutoScaler, moe), (MTPLossAutoScaler, mtp)):
+        if on:
+            scaler.set_loss_scale(scale)
 
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, input_tensor, forward_data_store,

@@ -73,6 +73,21 @@ def resolve_layer_specs(config, spec, stage_layers: Optional[int] = None) -> Lis
     return specs
 
 
+def quantization_autocast(config):
+    """TE's FP8/FP4 autocast for ``config`` (Transformer Engine layers with fp8/fp4), else a no-op."""
+    if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
+        from megatron.core.extensions.te_layers import te_quantization_autocast
+
+        return te_quantization_autocast(config)
+    return contextlib.nullcontext()
+
+
+def _high_precision_layer(config, layer_number: int) -> bool:
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    return is_first_last_bf16_layer(config, layer_number - 1)
+
+
 class TransformerBlock(MegatronModule):
     """``spec`` (upstream's, optional here): see ``resolve_layer_specs``. ``pg_collection`` must be None.
 
@@ -102,12 +117,21 @@ class TransformerBlock(MegatronModule):
         count = get_num_layers_to_build(config, vp_stage, pp_rank)
         specs = resolve_layer_specs(config, spec, count)  # the whole model's layers, or this stage's (upstream's)
         first = 0 if len(specs) == count != config.num_layers else offset
-        self.layers = torch.nn.ModuleList([build_module(specs[first + i], config, layer_number=offset + i + 1)
-                                           for i in range(count)])
+        self.layers = torch.nn.ModuleList([self._build_layer(specs[first + i], offset + i + 1) for i in range(count)])
         self.has_final_layernorm = post_process and post_layer_norm
         if self.has_final_layernorm:
             # upstream builds it as a TE norm whenever TE is importable: its checkpoints carry the _extra_state
             self.final_layernorm = build_norm(config, config.hidden_size, te_extra_state=True)
+
+    def _build_layer(self, spec, layer_number: int):
+        """A layer; one of the high-precision first/last layers (``--first-last-layers-bf16``) without quantized
+        weights (upstream's per-layer init context)."""
+        if _high_precision_layer(self.config, layer_number):
+            from megatron.core.extensions.te_layers import high_precision_init
+
+            with high_precision_init():
+                return build_module(spec, self.config, layer_number=layer_number)
+        return build_module(spec, self.config, layer_number=layer_number)
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         """The hidden states this stage starts from when it is not the first one (upstream's pipeline hook)."""
@@ -146,17 +170,25 @@ class TransformerBlock(MegatronModule):
         return out
 
     def _quantization_context(self):
-        c = self.config
-        if c.transformer_impl == "transformer_engine" and (c.fp8 is not None or c.fp4 is not None):
-            from megatron.core.extensions.te_layers import te_quantization_autocast
+        """The block's FP8/FP4 autocast; per layer instead with ``--first-last-layers-bf16`` (``_layer_context``)."""
+        if getattr(self.config, "first_last_layers_bf16", False):
+            return contextlib.nullcontext()
+        return quantization_autocast(self.config)
 
-            return te_quantization_autocast(c)
-        return contextlib.nullcontext()
+    def _layer_context(self, layer):
+        """With ``--first-last-layers-bf16``: the FP8/FP4 autocast for a quantized layer, none for a high-precision
+        one (upstream's per-layer ``get_fp8_context``)."""
+        if not getattr(self.config, "first_last_layers_bf16", False) or _high_precision_layer(self.config,
+                                                                                             layer.layer_number):
+            return contextlib.nullcontext()
+        return quantization_autocast(self.config)
 
     def _run_layers(self, start: int, end: int):
         def run(hidden_states, attention_mask, rotary_pos_emb):
             for layer in self.layers[start:end]:
-                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+                with self._layer_context(layer):
+                    hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
+                                             rotary_pos_emb=rotary_pos_emb)
             return hidden_states
 
         return run

@@ -101,6 +101,9 @@ class TransformerConfig:
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
     fp8_param: bool = False
+    first_last_layers_bf16: bool = False  # the first/last layers below stay in high precision (no FP8/FP4 compute
+    num_layers_at_start_in_bf16: int = 1  # nor quantized weights), as upstream
+    num_layers_at_end_in_bf16: int = 1
     fp4: Optional[str] = None  # None | 'nvfp4'
     fp4_recipe: str = "nvfp4"
     fp4_param: bool = False
@@ -221,6 +224,36 @@ class TransformerConfig:
     moe_router_force_load_balancing: bool = False  # benchmark only: random routing logits (straight-through grad)
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many equal groups
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many (the best by score)
+    moe_expert_capacity_factor: Optional[float] = None  # expert capacity ceil(T * k / E * factor); None: dropless
+    moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly its capacity (zero-weight padding)
+    moe_token_drop_policy: str = "probs"  # over capacity, keep the highest-prob tokens ('probs') or the first ones
+
+    # ---- multi-token prediction (upstream's fields; transformer/multi_token_prediction.py) ------------------------
+    mtp_num_layers: Optional[int] = None  # MTP depths, on the last pipeline stage (None: no MTP)
+    mtp_loss_scaling_factor: Optional[float] = 0.1  # the MTP loss: factor x mean over depths
+
+    def _check_first_last_bf16(self):
+        """Upstream's checks: not with delayed scaling; each count in [0, layers per pipeline stage]."""
+        if self.fp8 is not None and self.fp8_recipe == "delayed":
+            raise ValueError("first_last_layers_bf16 (--first-last-layers-bf16) is not supported with delayed scaling "
+                             "(--fp8-recipe delayed), as upstream: use tensorwise, mxfp8 or blockwise")
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= per_stage:
+                raise ValueError(f"{_named(name, value)} must be between 0 and the layers per pipeline stage "
+                                 f"({per_stage})")
+
+    def _check_capacity(self):
+        """Token dropping (upstream's checks; a negative factor means none, as upstream)."""
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            self.moe_expert_capacity_factor = None
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"{_named('moe_token_drop_policy', self.moe_token_drop_policy)} must be 'probs' or "
+                             "'position'")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity (--moe-pad-expert-input-to-capacity) needs "
+                             "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
 
     def _check_pipeline(self):
         """Pipeline sizes, virtual stages and the uneven first/last stages (their layers must split evenly, as
@@ -287,6 +320,8 @@ class TransformerConfig:
             raise ValueError(f"fp4 must be None or 'nvfp4' (--fp4-format), got {self.fp4!r}")
         if self.fp8 is not None and self.fp4 is not None:
             raise ValueError("fp8 and fp4 are mutually exclusive (--fp8-format / --fp4-format)")
+        if self.first_last_layers_bf16:
+            self._check_first_last_bf16()
         if self.fp8_param and self.fp8 is None:
             raise ValueError("fp8_param (--fp8-param-gather) needs fp8 (--fp8-format e4m3 or hybrid)")
         if self.fp4_param and self.fp4 is None:
@@ -315,6 +350,8 @@ class TransformerConfig:
         self._check_pipeline()
         self._check_recompute()
         self._check_gpt_oss()
+        if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
+            raise ValueError(f"{_named('mtp_num_layers', self.mtp_num_layers)} must be a positive integer or None")
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
         if self.num_moe_experts is not None:
@@ -333,6 +370,7 @@ class TransformerConfig:
                     f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0/1 (--moe-layer-freq), "
                     f"got {self.moe_layer_freq}"
                 )
+            self._check_capacity()
             shared = self.moe_shared_expert_intermediate_size
             if shared is not None:
                 if shared <= 0:

@@ -148,13 +148,17 @@ class TransformerLayer(MegatronModule):
         hidden_dropout: Optional[float] = None,
         pg_collection=None,
         vp_stage: Optional[int] = None,
+        is_mtp_layer: bool = False,
     ):
         super().__init__(config)
         if pg_collection is not None:
             raise ValueError("TransformerLayer: pg_collection must be None (this fork uses the parallel_state groups)")
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
-        self.is_moe = is_moe_layer(config, layer_number)
+        # an MTP depth's layer (layer_number: the depth) is of the last decoder layer's kind, as upstream's spec; its
+        # MoE losses are logged after the decoder's layers (num_layers + depth)
+        self.is_moe = is_moe_layer(config, config.num_layers if is_mtp_layer else layer_number)
+        moe_layer_number = config.num_layers + layer_number if is_mtp_layer else layer_number
         te = config.transformer_impl == "transformer_engine"
         if submodules is not None:
             self._check_submodules(submodules, config_layer_submodules(config, self.is_moe))
@@ -179,7 +183,7 @@ class TransformerLayer(MegatronModule):
         if self.is_moe:
             from megatron.core.transformer.moe.moe_layer import MoELayer
 
-            self.mlp = MoELayer(config, layer_number)
+            self.mlp = MoELayer(config, moe_layer_number)
         else:
             self.mlp = MLP(config, fuse_input_layernorm=fuse_mlp_norm)
 

@@ -44,7 +44,7 @@ def test_mtp_block_spec_for_backend():
     assert specs.get_gpt_mtp_block_spec_for_backend(_cfg(), layer, backend=object()) is None
     cfg = _cfg()
     cfg.mtp_num_layers = 1
-    with pytest.raises(ValueError, match=r"multi-token prediction \(--mtp-num-layers\) is not supported"):
+    with pytest.raises(NotImplementedError, match=r"use get_gpt_mtp_block_spec\(config, spec"):
         specs.get_gpt_mtp_block_spec_for_backend(cfg, layer, backend=object(), vp_stage=0, pp_rank=0)
 
 

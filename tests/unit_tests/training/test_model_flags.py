@@ -167,6 +167,9 @@ def _refused_cases():
         (["--num-experts", 4, "--moe-router-num-groups", 3, "--moe-router-group-topk", 1],
          "group-limited routing needs moe_router_num_groups (--moe-router-num-groups, 3) dividing"),
         (["--moe-router-group-topk", 1], "--moe-router-group-topk needs --num-experts"),
+        (["--moe-expert-capacity-factor", 1.0], "--moe-expert-capacity-factor needs --num-experts"),
+        (["--num-experts", 4, "--moe-pad-expert-input-to-capacity"],
+         "--moe-pad-expert-input-to-capacity) needs moe_expert_capacity_factor (--moe-expert-capacity-factor)"),
     ]
     return out
 

@@ -161,13 +161,40 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool, normalizati
 
 def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool, vp_stage: Optional[int] = None,
                            pp_rank: Optional[int] = None):
-    """None: this fork has no multi-token prediction (upstream returns None without ``mtp_num_layers``)."""
-    if getattr(config, "mtp_num_layers", None):
-        raise ValueError("multi-token prediction (--mtp-num-layers) is not supported by this fork")
-    return None
+    """The multi-token prediction block spec (``MultiTokenPredictionBlockSubmodules``, one MTP layer spec per depth
+    around the decoder's last layer spec), or None without ``config.mtp_num_layers`` or off the last pipeline stage
+    (``pp_rank`` / ``vp_stage``; default the current rank), as upstream."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec,
+    )
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    pp = config.pipeline_model_parallel_size
+    if pp > 1:
+        from megatron.core.transformer.transformer_layer import _chunk_position
+
+        vp_stage, pp_rank = _chunk_position(config, vp_stage, pp_rank)
+        last_vp = (config.virtual_pipeline_model_parallel_size or 1) - 1
+        if pp_rank != pp - 1 or vp_stage != last_vp:
+            return None
+    if isinstance(spec, TransformerBlockSubmodules):
+        layer_spec = spec.layer_specs[-1]
+    elif isinstance(spec, ModuleSpec) and spec.module is TransformerLayer:
+        layer_spec = spec
+    else:
+        raise ValueError(f"get_gpt_mtp_block_spec: spec must be a TransformerLayer ModuleSpec or a block spec, got "
+                         f"{type(spec).__name__}")
+    mtp_layer = get_mtp_layer_spec(layer_spec, bool(use_transformer_engine))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * config.mtp_num_layers)
 
 
 def get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage: Optional[int] = None,
                                        pp_rank: Optional[int] = None):
-    """``get_gpt_mtp_block_spec`` for a backend provider: None without multi-token prediction (refused here)."""
-    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank)
+    """None without multi-token prediction, as upstream; with it, not implemented: this fork has no
+    ``BackendSpecProvider`` (use ``get_gpt_mtp_block_spec(config, spec, use_transformer_engine)``)."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    raise NotImplementedError("get_gpt_mtp_block_spec_for_backend: backend spec providers (BackendSpecProvider) are "
+                              "not part of this fork; use get_gpt_mtp_block_spec(config, spec, use_transformer_engine)")

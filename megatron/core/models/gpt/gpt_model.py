@@ -29,6 +29,16 @@ def _refuse_forward_options(**options) -> None:
         raise ValueError(f"GPTModel.forward: {', '.join(given)} not supported by this fork")
 
 
+def _mtp_on_this_stage(config, mtp_block_spec, post_process: bool, vp_stage: Optional[int]) -> bool:
+    """Whether this model chunk builds the MTP block: a spec is given (upstream's ``get_gpt_mtp_block_spec`` gives
+    None on other stages) and it is the last stage (upstream's default placement, no custom layout)."""
+    if mtp_block_spec is None:
+        return False
+    if not config.mtp_num_layers:
+        raise ValueError("GPTModel: mtp_block_spec is given but config.mtp_num_layers (--mtp-num-layers) is not set")
+    return post_process
+
+
 def _rope_setting(config, name: str, value, default):
     """Upstream takes the RoPE settings as GPTModel arguments; this fork's TransformerConfig carries them too
     (``--rotary-base`` / ``--rotary-percent``). An argument left at upstream's default takes the config's value; two
@@ -82,7 +92,9 @@ class GPTModel(MegatronModule):
     layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
     ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
     does not implement are refused when set (fp16 cross entropy, sequence-length interpolation, no
-    sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups).
+    sequence-parallel scatter of the embeddings, custom process groups). ``mtp_block_spec``
+    (``get_gpt_mtp_block_spec``; ``config.mtp_num_layers``): the multi-token prediction block ``mtp`` on the last
+    stage (``transformer.multi_token_prediction``); its loss trains the model without changing the returned one.
 
     Pipeline parallelism (upstream's arguments): ``pre_process`` (the first stage) holds the embedding,
     ``post_process`` (the last stage) the final norm, the output layer and the loss; a stage that is not the first
@@ -126,7 +138,7 @@ class GPTModel(MegatronModule):
             "fp16_lm_cross_entropy": fp16_lm_cross_entropy,
             "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
             "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
-            "mtp_block_spec": mtp_block_spec is not None, "pg_collection": pg_collection is not None,
+            "pg_collection": pg_collection is not None,
         }
         refused = [name for name, on in unsupported.items() if on]
         if refused:
@@ -144,8 +156,10 @@ class GPTModel(MegatronModule):
         self.position_embedding_type = position_embedding_type
         self.parallel_output = parallel_output
         self.vp_stage = vp_stage
+        self.mtp_block_spec = mtp_block_spec
+        self.mtp_process = _mtp_on_this_stage(config, mtp_block_spec, post_process, vp_stage)
 
-        if pre_process:
+        if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
         if position_embedding_type == "rope" and not getattr(config, "multi_latent_attention", False):
             self.rotary_pos_emb = RotaryEmbedding(
@@ -162,6 +176,16 @@ class GPTModel(MegatronModule):
         self.transformer_layer_spec = transformer_layer_spec
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, vp_stage=vp_stage)
+        if self.mtp_process:
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, vp_stage=vp_stage)
+        has_embedding = pre_process or self.mtp_process
+        if self.mtp_process and not pre_process and self.embedding.add_position_embedding:
+            raise ValueError("multi-token prediction (--mtp-num-layers) with --pipeline-model-parallel-size > 1 and "
+                             "learned absolute position embeddings is not supported (the last stage's copy of the "
+                             "position embeddings would not be tied): use --position-embedding-type rope, or "
+                             "--no-position-embedding")
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -169,15 +193,15 @@ class GPTModel(MegatronModule):
                 config=config,
                 init_method=init_method_normal(config.init_method_std),
                 bias=False,
-                skip_weight_param_allocation=share_embeddings_and_output_weights and pre_process,
+                skip_weight_param_allocation=share_embeddings_and_output_weights and has_embedding,
             )
-        if pre_process:
+        if has_embedding:
             word = self.embedding.word_embeddings.weight
             word.is_embedding_or_output_parameter = True
             if share_embeddings_and_output_weights:
                 word.shared = True
                 word.shared_embedding = True
-        if post_process and not (share_embeddings_and_output_weights and pre_process):
+        if post_process and not (share_embeddings_and_output_weights and has_embedding):
             self.output_layer.weight.is_embedding_or_output_parameter = True
         init_weights(self)
         self.setup_embeddings_and_output_layer()
@@ -186,19 +210,28 @@ class GPTModel(MegatronModule):
         """Tied embeddings split over pipeline stages (upstream's method, run by the constructor): the last stage's
         output weight starts as zeros and is summed over the embedding group with the first stage's word embeddings
         (both stages take part, so a second call needs both too), so both hold the first stage's values."""
-        if not self.share_embeddings_and_output_weights or self.pre_process == self.post_process:
+        if not self._has_stage_copy() or self.pre_process == self.post_process:
             return
         weight = self.shared_embedding_or_output_weight()
         if weight.is_meta:
-            raise ValueError("tied embeddings split over pipeline stages (--pipeline-model-parallel-size > 1 without "
-                             "--untie-embeddings-and-output-weights) cannot be built on the meta device "
+            raise ValueError("word embeddings copied to the last pipeline stage (tied embeddings without "
+                             "--untie-embeddings-and-output-weights, or --mtp-num-layers) with "
+                             "--pipeline-model-parallel-size > 1 cannot be built on the meta device "
                              "(--init-model-with-meta-device)")
-        if self.post_process:
+        if self.pre_process:
+            weight.shared = weight.shared_embedding = True
+        else:
             weight.shared = weight.shared_embedding = True
             weight.tied_output_copy = True  # counted once in the gradient norm (the first stage's copy counts)
             with torch.no_grad():
                 weight.zero_()
         allreduce_embedding_group_(weight.data, self.vp_stage)
+
+    def _has_stage_copy(self) -> bool:
+        """Whether the last pipeline stage keeps a copy of the first stage's word embeddings: as the tied output
+        weight, or for the MTP block (``mtp_num_layers``: it embeds the shifted tokens), as upstream."""
+        return self.config.pipeline_model_parallel_size > 1 and (
+            self.share_embeddings_and_output_weights or bool(self.config.mtp_num_layers))
 
     def set_input_tensor(self, input_tensor) -> None:
         """The previous pipeline stage's output (upstream's hook, called by the schedules): a tensor, or a list of
@@ -212,7 +245,7 @@ class GPTModel(MegatronModule):
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         """The word-embedding weight on the first stage (also the output weight when tied), the output weight on a
         last stage without it; None on the others."""
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -227,6 +260,11 @@ class GPTModel(MegatronModule):
         extra = out.pop(f"{prefix}output_layer._extra_state", None)
         if extra is not None and extra.data is not None:
             raise RuntimeError(f"{prefix}output_layer._extra_state holds {type(extra.data)}: it would be dropped")
+        if self.mtp_process and not self.pre_process:  # the MTP stage's copy loads the first stage's embeddings
+            copy = out[f"{prefix}embedding.word_embeddings.weight"]
+            replica = copy.replica_id if isinstance(copy.replica_id, tuple) else (copy.replica_id,)
+            copy.replica_id = (1,) + tuple(replica[1:])
+            copy.allow_shape_mismatch = True
         if self.share_embeddings_and_output_weights:
             self.tie_embeddings_and_output_weights_state_dict(out, f"{prefix}output_layer.weight",
                                                               f"{prefix}embedding.word_embeddings.weight", metadata)
@@ -244,6 +282,9 @@ class GPTModel(MegatronModule):
             assert output_layer_weight_key not in sharded_state_dict, sharded_state_dict.keys()
             return
         if self.pre_process:
+            return
+        if getattr(self, "mtp_process", False):  # the output layer uses the MTP stage's copy of the embeddings
+            assert output_layer_weight_key not in sharded_state_dict, sharded_state_dict.keys()
             return
         copy = sharded_state_dict[output_layer_weight_key]
         copy.key = first_stage_word_emb_key
@@ -270,7 +311,8 @@ class GPTModel(MegatronModule):
     ) -> torch.Tensor:
         """Upstream's parameters and order. ``decoder_input`` ``[s, b, h]``: used instead of the embedding of
         ``input_ids``; ``runtime_gather_output``: gather the vocab-parallel logits (None: ``not parallel_output``);
-        ``loss_mask`` is not used (as upstream's without multi-token prediction: the caller masks the loss). Inference
+        ``loss_mask``: used by multi-token prediction only (its loss, as upstream; the caller masks the main loss;
+        without ``labels`` the MTP labels are ``input_ids`` shifted left, as upstream). Inference
         contexts, packed sequences, extra block arguments, MoE padding masks and output processors are refused."""
         _refuse_forward_options(inference_context=inference_context, inference_params=inference_params,
                                 packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
@@ -287,10 +329,18 @@ class GPTModel(MegatronModule):
             if cp > 1:
                 rotary = get_pos_emb_on_this_cp_rank(rotary, 0)
         hidden = self.decoder(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
+        if self.mtp_process:
+            hidden = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary, embedding=self.embedding)
         if not self.post_process:
             return hidden
         weight = (self.shared_embedding_or_output_weight()
-                  if self.share_embeddings_and_output_weights and self.pre_process else None)
+                  if self.share_embeddings_and_output_weights and (self.pre_process or self.mtp_process) else None)
+        if self.mtp_process:
+            from megatron.core.transformer.multi_token_prediction import process_mtp_loss, roll_tensor
+
+            mtp_labels = labels if labels is not None else roll_tensor(input_ids)[0]
+            hidden = process_mtp_loss(hidden, mtp_labels, loss_mask, self.output_layer, weight,
+                                      self.compute_language_model_loss, self.config, is_training=self.training)
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
         if labels is not None:
             return self.compute_language_model_loss(labels, logits)

@@ -1,6 +1,7 @@
 """MoE helpers: the expert-bias arithmetic (aux-loss-free load balancing), the switch aux loss and the router
 z-loss, and the tracker of their values for the training log (upstream's ``load_balancing_loss`` / ``z_loss``). The
 training loop's expert-bias step over a model's routers is ``moe/expert_bias.py``."""
+import math
 from typing import Optional
 
 import torch
@@ -102,6 +103,38 @@ def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatc
     table = table.cpu() / max(num_microbatches, 1)
     scalars = {n: float(row.sum()) / max(num_moe_layers, 1) for n, row in zip(names, table)}
     return scalars, {n: row.tolist() for n, row in zip(names, table)}
+
+
+def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None) -> int:
+    """An expert's capacity: ``ceil(num_tokens / num_experts * capacity_factor)``, at least ``min_capacity``."""
+    capacity = math.ceil(num_tokens / num_experts * capacity_factor)
+    return capacity if min_capacity is None else max(capacity, min_capacity)
+
+
+def apply_router_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, router_topk: int,
+                                capacity_factor: float, drop_policy: str = "probs", pad_to_capacity: bool = False):
+    """Upstream's expert capacity on ``probs`` / ``routing_map`` ``[T, E]``: each expert keeps at most
+    ``C = get_capacity(T * topk, E, factor)`` of its tokens, those of the highest probs (``probs``) or the first in
+    token order (``position``); the others are dropped (map False, prob 0). ``pad_to_capacity``: each expert gets
+    exactly ``C`` rows, its kept tokens and then other tokens with prob 0 (highest probs / first positions first).
+    With ``C >= T`` nothing is dropped (and padding sends every token to every expert), as upstream."""
+    num_tokens, num_experts = probs.shape
+    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    if capacity >= num_tokens:
+        keep = torch.ones_like(routing_map)
+    else:
+        if drop_policy == "probs":
+            key = probs
+        elif drop_policy == "position":  # routed tokens before the others, each by position
+            position = torch.arange(num_tokens, 0, -1, device=probs.device, dtype=torch.float64)[:, None]
+            key = routing_map.to(torch.float64) * (num_tokens + 1) + position
+        else:
+            raise ValueError(f"moe_token_drop_policy={drop_policy!r} (--moe-token-drop-policy) must be 'probs' or "
+                             "'position'")
+        chosen = torch.topk(key, k=capacity, dim=0, sorted=False).indices
+        keep = torch.zeros_like(routing_map).scatter(0, chosen, True)
+    final_map = keep if pad_to_capacity else routing_map & keep
+    return probs * final_map, final_map
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

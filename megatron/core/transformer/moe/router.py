@@ -24,6 +24,7 @@ from megatron.core.transformer.moe.moe_utils import (
     LOAD_BALANCING_LOSS_NAMES,
     MoEAuxLossAutoScaler,
     RandomSTE,
+    apply_router_token_dropping,
     record_moe_loss,
     sequence_load_balancing_loss_func,
     switch_load_balancing_loss_func,
@@ -196,6 +197,11 @@ class TopKRouter(MegatronModule):
             group_topk=self.config.moe_router_group_topk,
             fused=bool(getattr(self.config, "moe_router_fusion", False)),
         )
+        topk_map = routing_map  # the load-balancing loss sees the top-k choice before token dropping, as upstream
+        if self.config.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, self.topk, self.config.moe_expert_capacity_factor,
+                self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity)
         if self.enable_expert_bias and self.training and not is_recomputing():  # counted once per forward
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert)
@@ -209,11 +215,11 @@ class TopKRouter(MegatronModule):
                 if input.dim() != 3:
                     raise ValueError("seq_aux_loss (--moe-router-load-balancing-type) needs the router input [s, b, h]")
                 aux_loss = sequence_load_balancing_loss_func(
-                    scores, routing_map, input.shape[0], self.topk, self.num_experts, coeff
+                    scores, topk_map, input.shape[0], self.topk, self.num_experts, coeff
                 )
             else:
                 aux_loss = switch_load_balancing_loss_func(
-                    scores, routing_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
+                    scores, topk_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
                 )
             self.last_aux_loss = aux_loss.detach()
             probs = self._attach_aux_loss(probs, aux_loss, coeff, LOAD_BALANCING_LOSS_NAMES[kind])

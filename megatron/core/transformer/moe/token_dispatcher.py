@@ -122,8 +122,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             routed = sum(self.input_splits) if ep > 1 else int(per_local.sum())  # this rank's (token, expert) rows
         self.fused = use_fused_permutation(self.config, hidden_states)
         # fused: TE's unpermute weights by the router's probs [T, E] as it sums (the permuted probs are not needed)
-        # top-k routing over all experts: exactly k routes per token (the torch ops then sum without atomics)
-        self.routes_per_token = self.config.moe_router_topk
+        # top-k routing over all experts: exactly k routes per token (the torch ops then sum without atomics); not
+        # with an expert capacity (dropped or padded routes)
+        self.routes_per_token = (self.config.moe_router_topk
+                                 if getattr(self.config, "moe_expert_capacity_factor", None) is None else None)
         permuted, self.local_probs, self.row_map = permute(hidden_states, routing_map, None if self.fused else probs,
                                                            routed, self.fused, self.routes_per_token)
         self.merging_probs = probs if self.fused else self.local_probs
