@@ -562,3 +562,25 @@ def finish_param_gather(weights) -> None:
     for w in weights:
         if not _is_te_quantized(w) and hasattr(w, "finish_rows_quantize_"):
             w.finish_rows_quantize_()
+
+
+# ---- upstream's FP8 context API (training loop, TransformerBlock) ----------------------------------------------
+def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
+    """Upstream's FP8 context: ``is_init=False``: TE's autocast with the config's recipe when ``config.fp8`` is set
+    (what ``TransformerBlock`` runs its layers under); ``is_init=True``: TE's quantized model init when
+    ``config.fp8_param`` is set (weights built as TE quantized tensors). ``nullcontext()`` otherwise. ``layer_no``
+    (upstream: keep the first / last layers in bf16) is accepted; this fork has no bf16 first / last layers, so every
+    layer gets the same context."""
+    import contextlib
+
+    if not (config.fp8_param if is_init else config.fp8):
+        return contextlib.nullcontext()
+    from megatron.core.extensions import te_layers
+
+    return te_layers.te_quantized_init_context(config) if is_init else te_layers.te_quantization_autocast(config)
+
+
+def correct_amax_history_if_needed(model) -> None:
+    """Upstream's fix-up of FP8 weights' amax history after ``module.bfloat16()`` for Transformer Engine 1.x; TE 2.x
+    (the versions this fork supports) needs none, as upstream's TE 2 path: a no-op."""
+    return None

@@ -62,6 +62,10 @@ UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "no multi-latent attention",
                                    "shared_experts": "recomputing the shared experts is not implemented"}
 
 
+class _DefaultImpl(str):
+    """The ``transformer_impl`` default (upstream's 'transformer_engine'), told apart from the same value given."""
+
+
 @dataclass
 class TransformerConfig:
     # ---- model shape --------------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ class TransformerConfig:
     fp4_param: bool = False
 
     # ---- implementation -------------------------------------------------------------------------------------
-    transformer_impl: str = "local"  # 'local' | 'transformer_engine' (GPTModel sets it from its layer spec)
+    transformer_impl: str = _DefaultImpl("transformer_engine")  # or 'local'; upstream's default (_resolve_default_impl)
 
     # ---- parallelism (tensor, sequence, pipeline, expert; context parallelism must stay 1) ----------------------
     tensor_model_parallel_size: int = 1
@@ -247,6 +251,7 @@ class TransformerConfig:
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (--normalization), got {self.normalization!r}")
+        self._resolve_default_impl()
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"transformer_impl must be 'local' or 'transformer_engine' (--transformer-impl), got {self.transformer_impl!r}"
@@ -346,6 +351,18 @@ class TransformerConfig:
             )
         if self.moe_router_bias_update_rate < 0:
             raise ValueError("moe_router_bias_update_rate (--moe-router-bias-update-rate) must be >= 0")
+
+    def _resolve_default_impl(self) -> None:
+        """``transformer_impl`` left at upstream's default 'transformer_engine' on a machine without Transformer
+        Engine and without fp8/fp4 becomes 'local' (the ``--transformer-impl`` flag's rule, so CPU models build
+        without TE); a value given explicitly is kept. GPTModel's layer spec, when given, decides in the end."""
+        if type(self.transformer_impl) is _DefaultImpl:
+            self.transformer_impl = str(self.transformer_impl)
+            if self.fp8 is None and self.fp4 is None:
+                from megatron.core.extensions.transformer_engine import HAVE_TE
+
+                if not HAVE_TE:
+                    self.transformer_impl = "local"
 
     def _check_recompute(self) -> None:
         """Upstream's rules for the recompute fields; module names this fork has no module for are refused by name."""

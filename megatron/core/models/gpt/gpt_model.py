@@ -54,7 +54,8 @@ class GPTModel(MegatronModule):
     layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
     ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
     does not implement are refused when set (fp16 cross entropy, RoPE scaling, sequence-length interpolation, no
-    sequence-parallel scatter of the embeddings, multi-token prediction, custom process groups).
+    sequence-parallel scatter of the embeddings, multi-token prediction); ``pg_collection`` is accepted when its
+    groups are ``parallel_state``'s (``ProcessGroupCollection.use_mpu_process_groups()``).
 
     Pipeline parallelism (upstream's arguments): ``pre_process`` (the first stage) holds the embedding,
     ``post_process`` (the last stage) the final norm, the output layer and the loss; a stage that is not the first
@@ -98,7 +99,7 @@ class GPTModel(MegatronModule):
             "fp16_lm_cross_entropy": fp16_lm_cross_entropy, "rope_scaling": rope_scaling,
             "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
             "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
-            "mtp_block_spec": mtp_block_spec is not None, "pg_collection": pg_collection is not None,
+            "mtp_block_spec": mtp_block_spec is not None,
         }
         refused = [name for name, on in unsupported.items() if on]
         if refused:
@@ -108,6 +109,10 @@ class GPTModel(MegatronModule):
                 f"position_embedding_type must be 'learned_absolute', 'rope' or 'none' (--position-embedding-type), "
                 f"got {position_embedding_type!r}"
             )
+        from megatron.core.process_groups_config import check_mpu_groups
+
+        check_mpu_groups(pg_collection, "GPTModel")  # parallel_state's groups only (this fork's layers use them)
+        self.pg_collection = pg_collection
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
