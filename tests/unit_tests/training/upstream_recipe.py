@@ -48,7 +48,7 @@ def loss_func(loss_mask, output_tensor):
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.clone().detach()}  # a copy: the schedule scales the loss in place
 
 
 def forward_step(data_iter, model):
@@ -57,9 +57,12 @@ def forward_step(data_iter, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = False, device: str = "cpu"):
+def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = False, device: str = "cpu",
+               save_init: str = None, load_init: str = None):
     """Build, wrap and train as upstream's recipe does (see the module docstring); torch.distributed must be
-    initialised. Returns ``{'losses': [...], 'tokens_per_s': float}``."""
+    initialised. ``save_init`` / ``load_init``: a file for the built model's initial ``state_dict`` (rank 0 saves;
+    loading makes another package start from the same weights: two packages draw their initial weights in
+    different orders). Returns ``{'losses': [...], 'tokens_per_s': float}``."""
     import time
 
     from megatron.core import parallel_state
@@ -92,9 +95,13 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
                                pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
                                transformer_impl="transformer_engine" if use_te else "local", **fp8_kwargs)
     spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
-    with get_fp8_context(config, is_init=True):
+    with torch.device(device), get_fp8_context(config, is_init=True):  # (upstream's layers pick CUDA themselves)
         model = GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=SEQ,
                          share_embeddings_and_output_weights=True, pg_collection=pg_collection)
+    if save_init and torch.distributed.get_rank() == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}, save_init)
+    if load_init:
+        model.load_state_dict(torch.load(load_init, weights_only=True), strict=True)
     if device == "cuda":
         model.cuda(torch.cuda.current_device())
     if bf16:
@@ -143,18 +150,39 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
     return {"losses": losses, "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan")}
 
 
-if __name__ == "__main__":  # torch.distributed.run ... upstream_recipe.py WRAPPER OUT.json [bf16] [fp8] [cuda]
+def _shim_upstream_on_cpu():
+    """The real upstream's CUDA-only calls on CPU: the round-trip worker's shims (``interop/upstream_worker.py``)
+    plus, for a training step, its gradient reduction's stream bookkeeping (the current stream: nothing to wait
+    for on CPU)."""
+    import upstream_worker
+
+    upstream_worker._shim_cuda()
+
+    class _NoStream:
+        def wait_event(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, *args, **kwargs):
+            pass
+
+        def synchronize(self):
+            pass
+
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+
+
+if __name__ == "__main__":  # torch.distributed.run ... upstream_recipe.py WRAPPER[,WRAPPER...] OUT.json [bf16] [fp8] [cuda]
     wrapper_name, out_path, *flags = sys.argv[1:]
     dev = "cuda" if "cuda" in flags else "cpu"
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group("nccl" if dev == "cuda" else "gloo")
     if dev == "cpu" and os.environ.get("UPSTREAM_RECIPE_SHIMS"):  # the real upstream on CPU (see the test)
-        import upstream_worker
-
-        upstream_worker._shim_cuda()
-    result = run_recipe(wrapper_name, steps=int(os.environ.get("RECIPE_STEPS", 3)), bf16="bf16" in flags,
-                        fp8="fp8" in flags, device=dev)
+        _shim_upstream_on_cpu()
+    result = {w: run_recipe(w, steps=int(os.environ.get("RECIPE_STEPS", 3)), bf16="bf16" in flags, fp8="fp8" in flags,
+                            device=dev, load_init=os.environ.get("RECIPE_LOAD_INIT"),
+                            save_init=os.environ.get("RECIPE_SAVE_INIT"))
+              for w in wrapper_name.split(",")}
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
