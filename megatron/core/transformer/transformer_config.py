@@ -77,7 +77,7 @@ class TransformerConfig:
     num_query_groups: Optional[int] = None  # GQA; default num_attention_heads (plain MHA)
 
     # ---- regularisation / numerics ------------------------------------------------------------------------
-    hidden_dropout: float = 0.0
+    hidden_dropout: float = 0.0  # upstream: 0.1 (why not here: tools/public_name_diff_accepted.txt); flag: 0.1
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norms scale by 1 + weight (weight init 0)
