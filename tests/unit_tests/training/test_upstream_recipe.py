@@ -1,8 +1,8 @@
 """Upstream megatron-core 0.19's training recipe (``upstream_recipe.py``: GPTModel from a layer spec, Float16Module
 under bf16, DDP / DDP + distributed optimizer / the Megatron-FSDP adapter, ``get_megatron_optimizer``,
 ``get_forward_backward_func``, ``finalize_model_grads``, ``optimizer.step``) runs unchanged on the fork: on CPU (gloo,
-2 ranks) its losses equal ``pretrain_gpt.py``'s for the same model and data (fp32), and the real upstream package
-running the same script gives the same losses. GPU: the same with Transformer Engine layers, bf16 and FP8 weights
+2 ranks) its losses equal ``pretrain_gpt.py``'s for the same model and data (fp32, and bf16 with Float16Module),
+and the real upstream package running the same script gives the same losses. GPU: the same with Transformer Engine layers, bf16 and FP8 weights
 (``fp8_param=True``), next to ``pretrain_gpt.py --bf16 --fp8-format hybrid --fp8-param-gather``."""
 import json
 import os
@@ -85,6 +85,20 @@ def _run_upstream(site, wrapper, out, flags=(), nproc=2, timeout=300, env=None):
     assert done.returncode == 0, f"upstream's recipe ({wrapper}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     with open(out) as f:
         return json.load(f)
+
+
+def _bf16_body(rank, world_size, steps):
+    for wrapper in ("ddp", "fsdp"):
+        reference = _pretrain_losses(wrapper, steps, ["--distributed-backend", "gloo", "--transformer-impl", "local",
+                                                      "--bf16"])
+        got = recipe.run_recipe(wrapper, steps, bf16=True)["losses"]
+        assert got == reference, (wrapper, got, reference)
+
+
+def test_upstream_recipe_cpu_bf16_float16module_matches_pretrain_gpt():
+    """bf16: the recipe's Float16Module-wrapped model (DDP with fp32 main params in the optimizer; Megatron-FSDP with
+    fp32 sharded params and bf16 compute) trains bitwise as ``pretrain_gpt.py --bf16``."""
+    run_distributed(_bf16_body, 2, 3, timeout=240)
 
 
 # ---- the same script on the REAL upstream megatron-core 0.19.2 (CPU, gloo, 2 ranks) -----------------------------
