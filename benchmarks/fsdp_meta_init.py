@@ -43,7 +43,7 @@ def _config(a, bf16=False):
 
     return TransformerConfig(
         num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, ffn_hidden_size=4 * a.hidden,
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, add_bias_linear=False, transformer_impl="local",
     )
 
 

@@ -571,3 +571,24 @@ def is_first_last_bf16_layer(config, layer_no: int) -> bool:
     if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
         return False
     return layer_no < config.num_layers_at_start_in_bf16 or layer_no >= config.num_layers - config.num_layers_at_end_in_bf16
+
+
+# ---- upstream's FP8 context API (training loop, TransformerBlock) ----------------------------------------------
+def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
+    """Upstream's FP8 context: ``is_init=False``: TE's autocast with the config's recipe when ``config.fp8`` is set
+    (what ``TransformerBlock`` runs its layers under); ``is_init=True``: TE's quantized model init when
+    ``config.fp8_param`` is set (weights built as TE quantized tensors). ``nullcontext()`` otherwise, and for a layer ``layer_no`` (0-based,
+    global) that ``--first-last-layers-bf16`` keeps in high precision (``is_first_last_bf16_layer``)."""
+    import contextlib
+
+    if not (config.fp8_param if is_init else config.fp8) or is_first_last_bf16_layer(config, layer_no):
+        return contextlib.nullcontext()
+    from megatron.core.extensions import te_layers
+
+    return te_layers.te_quantized_init_context(config) if is_init else te_layers.te_quantization_autocast(config)
+
+
+def correct_amax_history_if_needed(model) -> None:
+    """Upstream's fix-up of FP8 weights' amax history after ``module.bfloat16()`` for Transformer Engine 1.x; TE 2.x
+    (the versions this fork supports) needs none, as upstream's TE 2 path: a no-op."""
+    return None

@@ -68,14 +68,17 @@ def get_pg_src_rank(group=None) -> int:
 
 def unwrap_model(model, module_instances=None):
     """The model below its wrappers: while a module is an instance of ``module_instances`` (default: megatron's
-    ``DistributedDataParallel`` and torch's DDP / FSDP), take its ``.module``. A list gives a list."""
+    ``DistributedDataParallel`` and ``FullyShardedDataParallel``, ``Float16Module``, torch's DDP / FSDP), take its
+    ``.module``. A list gives a list."""
     if module_instances is None:
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
         from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+        from megatron.core.transformer.module import Float16Module
 
-        module_instances = (DistributedDataParallel, TorchDDP, TorchFSDP)
+        module_instances = (DistributedDataParallel, FullyShardedDataParallel, Float16Module, TorchDDP, TorchFSDP)
     models = model if isinstance(model, list) else [model]
     unwrapped = []
     for module in models:
@@ -83,3 +86,16 @@ def unwrap_model(model, module_instances=None):
             module = module.module
         unwrapped.append(module)
     return unwrapped if isinstance(model, list) else unwrapped[0]
+
+
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """``attr`` of ``model`` or of the first module down its ``.module`` chain (DDP / FSDP / Float16Module) that has
+    it; ``return_model_obj``: that module instead."""
+    from megatron.core.pipeline_parallel.schedules import get_attr_wrapped_model as _get
+
+    return _get(model, attr, allow_none=allow_none, return_model_obj=return_model_obj)
+
+
+def get_model_config(model):
+    """The ``TransformerConfig`` of a (wrapped) model chunk: the first ``config`` down its ``.module`` chain."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)

@@ -21,7 +21,8 @@ from megatron.core.transformer.module import MegatronModule
 
 
 class DistributedDataParallel(MegatronModule):
-    """``DistributedDataParallel(config, ddp_config, module, disable_bucketing=False, process_group=None)``.
+    """``DistributedDataParallel(config, ddp_config, module, disable_bucketing=False, process_group=None)``; upstream's
+    ``pg_collection=`` / ``full_param_layout=`` keywords are accepted (see ``__init__``).
 
     ``.module`` is the wrapped model; ``forward`` passes through; ``state_dict`` / ``load_state_dict`` /
     ``sharded_state_dict`` are the unwrapped model's (same keys). A model built on the meta device is
@@ -36,6 +37,9 @@ class DistributedDataParallel(MegatronModule):
         disable_bucketing: bool = False,
         process_group: Optional[dist.ProcessGroup] = None,
         param_keyed_maps=(),
+        *,
+        pg_collection=None,
+        full_param_layout=None,
     ):
         super().__init__(config)
         self.ddp_config = ddp_config
@@ -45,6 +49,15 @@ class DistributedDataParallel(MegatronModule):
         self.expert_process_group = (
             self.process_group if process_group is not None else parallel_state.get_expert_data_parallel_group()
         )
+        # upstream's keywords: ``pg_collection`` gives the data-parallel groups (dp_cp, expt_dp); this DDP keeps no
+        # flat buffers, so ``full_param_layout`` (DistributedOptimizer.compute_full_param_layout) is not needed
+        if pg_collection is not None:
+            if process_group is not None:
+                raise ValueError("DistributedDataParallel: give pg_collection= or process_group=, not both")
+            dense = pg_collection.dp_cp if pg_collection.dp_cp is not None else pg_collection.dp
+            self.process_group = dense if dense is not None else self.process_group
+            if pg_collection.expt_dp is not None:
+                self.expert_process_group = pg_collection.expt_dp
         self.old_to_new_params: Dict = {}
         if getattr(config, "init_model_with_meta_device", False) or has_meta_tensors(module):
             self.old_to_new_params = materialize_meta_module(module, default_device(), maps=param_keyed_maps)

@@ -490,6 +490,23 @@ class DistributedOptimizer(MegatronOptimizer):
         return ShardedObject(f"{_dp_reshardable_prefix(expert)}.{name}", value, (1,), (0,),
                              replica_id=(0, 0, self._part_dp(expert)[1]))
 
+    @staticmethod
+    def compute_full_param_layout(params, bucket_size: Optional[int], data_parallel_world_size: int, ddp_config,
+                                  expert_data_parallel_world_size: Optional[int] = None):
+        """Upstream's static layout of the DDP buffers of ``params`` (trainable, in module order): a
+        ``param_layout.FullParamLayout`` keyed by (param dtype, grad dtype, is expert-parallel), each buffer's
+        buckets and parameter ranges as upstream pads them (``param_layout.buffer_layouts``). This fork's DDP keeps
+        no flat buffers (``DistributedDataParallel`` accepts ``full_param_layout=`` and ignores it); the optimizer
+        uses the same layout for upstream's ``dp_reshardable`` checkpoint keys."""
+        from megatron.core.optimizer.param_layout import FullParamLayout
+
+        edp = data_parallel_world_size if expert_data_parallel_world_size is None else expert_data_parallel_world_size
+        buffers = buffer_layouts(list(params), data_parallel_world_size, edp, _is_quantized_param, _upstream_expert,
+                                 bool(getattr(ddp_config, "grad_reduce_in_fp32", False)), bucket_size,
+                                 bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
+                                 parallel_state.get_pipeline_model_parallel_world_size() > 1)
+        return FullParamLayout(layouts={(b.param_dtype, b.grad_dtype, b.expert): b for b in buffers})
+
     def _upstream_buffers(self, expert: Optional[bool]) -> List[BufferLayout]:
         """The buffers of upstream's optimizer ``expert`` (every chunk's, in order), as its DistributedDataParallel
         would lay them out here: ``dp_reshardable`` keys and offsets follow them."""

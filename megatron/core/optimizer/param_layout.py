@@ -125,3 +125,10 @@ def _buckets(params, dp_size: int, bucket_size: Optional[int], pad_for_high_nccl
     if current:
         close(current[-1][2])
     return buckets
+
+
+@dataclasses.dataclass
+class FullParamLayout:
+    """Upstream's ``FullParamLayout`` (``DistributedOptimizer.compute_full_param_layout``): ``layouts`` maps each
+    buffer's key ``(param dtype, grad dtype, is expert-parallel)`` to its :class:`BufferLayout`."""
+    layouts: dict

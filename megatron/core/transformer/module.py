@@ -59,3 +59,84 @@ class MegatronModule(torch.nn.Module):
         for m in self.modules():
             if hasattr(m, "is_first_microbatch"):
                 m.is_first_microbatch = True
+
+
+# ---- Float16Module: upstream's bf16 / fp16 model wrapper ----------------------------------------------------
+def conversion_helper(val, conversion):
+    """``conversion`` applied to ``val``, or to every item of a (nested) tuple / list, keeping the structure."""
+    if isinstance(val, (tuple, list)):
+        out = [conversion_helper(v, conversion) for v in val]
+        return tuple(out) if isinstance(val, tuple) else out
+    return conversion(val)
+
+
+def fp32_to_float16(val, float16_convertor):
+    """fp32 tensors in ``val`` (nested tuples / lists) through ``float16_convertor``; anything else unchanged."""
+    return conversion_helper(
+        val, lambda v: float16_convertor(v) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v)
+
+
+def float16_to_fp32(val):
+    """fp16 / bf16 tensors in ``val`` (nested tuples / lists) cast to fp32; anything else unchanged."""
+    return conversion_helper(
+        val, lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v)
+
+
+class Float16Module(MegatronModule):
+    """Upstream's wrapper for bf16 / fp16 training: ``Float16Module(config, module)`` casts ``module`` to bf16
+    (``config.bf16``) or fp16 (``config.fp16``) in place and holds it as ``.module``. ``forward(*inputs,
+    fp32_output=True, **kwargs)``: on the first pipeline stage fp32 tensor inputs are cast to that dtype, on the last
+    stage the outputs are cast back to fp32 (unless ``fp32_output=False``). State dicts are the wrapped module's
+    (no ``module.`` prefix), so checkpoints do not see the wrapper."""
+
+    def __init__(self, config: TransformerConfig, module: torch.nn.Module):
+        super().__init__(config)
+        self.fp16, self.bf16 = config.fp16, config.bf16
+        self.vp_size = config.virtual_pipeline_model_parallel_size
+        self.vp_stage = getattr(module, "vp_stage", None)
+        self.pg_collection = getattr(module, "pg_collection", None)
+        if self.fp16:
+            dtype = torch.float16
+        elif self.bf16:
+            dtype = torch.bfloat16
+        else:
+            raise ValueError("Float16Module: either config.fp16 (--fp16) or config.bf16 (--bf16) must be True")
+        self.add_module("module", module.half() if self.fp16 else module.bfloat16())
+        self.float16_convertor = lambda v: v.to(dtype)
+
+    def set_input_tensor(self, input_tensor):
+        return self.module.set_input_tensor(input_tensor)
+
+    def _stage(self):
+        """(first, last): whether this model chunk is the pipeline's first / last (virtual) stage."""
+        from megatron.core import parallel_state
+
+        pp = self.pg_collection.pp if self.pg_collection is not None else None
+        if pp is None:
+            return (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=self.vp_stage),
+                    parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=self.vp_stage))
+        rank, size = pp.rank(), pp.size()
+        vp, n = self.vp_stage, self.vp_size
+        return (rank == 0 and (vp is None or n is None or vp == 0),
+                rank == size - 1 and (vp is None or n is None or vp == n - 1))
+
+    def forward(self, *inputs, fp32_output: bool = True, **kwargs):
+        first, last = self._stage()
+        if first:
+            inputs = fp32_to_float16(inputs, self.float16_convertor)
+        outputs = self.module(*inputs, **kwargs)
+        if last and fp32_output is True:
+            outputs = float16_to_fp32(outputs)
+        return outputs
+
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
+        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix="", *args, **kwargs):
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True):
+        return self.module.load_state_dict(state_dict, strict=strict)

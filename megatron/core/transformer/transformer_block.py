@@ -89,7 +89,8 @@ def _high_precision_layer(config, layer_number: int) -> bool:
 
 
 class TransformerBlock(MegatronModule):
-    """``spec`` (upstream's, optional here): see ``resolve_layer_specs``. ``pg_collection`` must be None.
+    """``spec`` (upstream's, optional here): see ``resolve_layer_specs``. ``pg_collection``: None or parallel_state's
+    groups.
 
     With pipeline parallelism: this stage's layers (``get_num_layers_to_build``), numbered from the stage's global
     offset (``get_transformer_layer_offset``); ``pre_process=False``: the input comes from ``set_input_tensor`` (the
@@ -107,8 +108,9 @@ class TransformerBlock(MegatronModule):
         pp_rank: Optional[int] = None,
     ):
         super().__init__(config)
-        if pg_collection is not None:
-            raise ValueError("TransformerBlock: pg_collection must be None (this fork uses the parallel_state groups)")
+        from megatron.core.process_groups_config import check_mpu_groups
+
+        check_mpu_groups(pg_collection, "TransformerBlock")  # parallel_state's groups only
         self.pre_process = pre_process
         self.post_process = post_process
         self.vp_stage = vp_stage

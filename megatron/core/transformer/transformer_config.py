@@ -62,6 +62,10 @@ UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "the MLA up projections are no
                                    "shared_experts": "recomputing the shared experts is not implemented"}
 
 
+class _DefaultImpl(str):
+    """The ``transformer_impl`` default (upstream's 'transformer_engine'), told apart from the same value given."""
+
+
 @dataclass
 class TransformerConfig:
     # ---- model shape --------------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ class TransformerConfig:
     num_query_groups: Optional[int] = None  # GQA; default num_attention_heads (plain MHA)
 
     # ---- regularisation / numerics ------------------------------------------------------------------------
-    hidden_dropout: float = 0.0
+    hidden_dropout: float = 0.0  # upstream: 0.1 (why not here: tools/public_name_diff_accepted.txt); flag: 0.1
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norms scale by 1 + weight (weight init 0)
@@ -109,7 +113,7 @@ class TransformerConfig:
     fp4_param: bool = False
 
     # ---- implementation -------------------------------------------------------------------------------------
-    transformer_impl: str = "local"  # 'local' | 'transformer_engine' (GPTModel sets it from its layer spec)
+    transformer_impl: str = _DefaultImpl("transformer_engine")  # or 'local'; upstream's default (_resolve_default_impl)
 
     # ---- parallelism (tensor, sequence, pipeline, expert, context) ---------------------------------------------
     tensor_model_parallel_size: int = 1
@@ -297,6 +301,7 @@ class TransformerConfig:
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (--normalization), got {self.normalization!r}")
+        self._resolve_default_impl()
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
                 f"transformer_impl must be 'local' or 'transformer_engine' (--transformer-impl), got {self.transformer_impl!r}"
@@ -440,6 +445,18 @@ class TransformerConfig:
             raise ValueError("glu_linear_offset / activation_func_clamp_value (--glu-linear-offset / "
                              "--activation-func-clamp-value) act on a gated linear unit: give --swiglu or "
                              "--quick-geglu (gated_linear_unit=True)")
+
+    def _resolve_default_impl(self) -> None:
+        """``transformer_impl`` left at upstream's default 'transformer_engine' on a machine without Transformer
+        Engine and without fp8/fp4 becomes 'local' (the ``--transformer-impl`` flag's rule, so CPU models build
+        without TE); a value given explicitly is kept. GPTModel's layer spec, when given, decides in the end."""
+        if type(self.transformer_impl) is _DefaultImpl:
+            self.transformer_impl = str(self.transformer_impl)
+            if self.fp8 is None and self.fp4 is None:
+                from megatron.core.extensions.transformer_engine import HAVE_TE
+
+                if not HAVE_TE:
+                    self.transformer_impl = "local"
 
     def _check_recompute(self) -> None:
         """Upstream's rules for the recompute fields; module names this fork has no module for are refused by name."""

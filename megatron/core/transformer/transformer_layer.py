@@ -138,7 +138,7 @@ class TransformerLayer(MegatronModule):
     ``submodules`` (upstream's spec, optional here): must be what this layer builds for ``config`` and its layer
     number (``layer_submodules``: the TE/local choice, dense or MoE, grouped experts); anything else is refused with
     the differing fields named, since this fork builds its own modules. ``layer_number``: 1-based and global (a
-    pipeline stage's layers start at its offset + 1). ``pg_collection`` must be None (default process groups)."""
+    pipeline stage's layers start at its offset + 1). ``pg_collection``: None or parallel_state's groups."""
 
     def __init__(
         self,
@@ -151,8 +151,9 @@ class TransformerLayer(MegatronModule):
         is_mtp_layer: bool = False,
     ):
         super().__init__(config)
-        if pg_collection is not None:
-            raise ValueError("TransformerLayer: pg_collection must be None (this fork uses the parallel_state groups)")
+        from megatron.core.process_groups_config import check_mpu_groups
+
+        check_mpu_groups(pg_collection, "TransformerLayer")  # parallel_state's groups only
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         # an MTP depth's layer (layer_number: the depth) is of the last decoder layer's kind, as upstream's spec; its

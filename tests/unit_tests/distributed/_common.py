@@ -18,6 +18,7 @@ def tiny_config(moe: bool = True, **kw) -> TransformerConfig:
         base.update(num_moe_experts=3, moe_router_topk=2, moe_ffn_hidden_size=12, moe_router_enable_expert_bias=True,
                     moe_router_bias_update_rate=0.01, moe_aux_loss_coeff=0.0, moe_router_score_function="sigmoid")
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

@@ -30,6 +30,7 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
         cfg.update(fp8="hybrid", fp8_recipe=recipe, fp8_param=True)
     device = torch.device("cuda") if recipe is not False else torch.device("cpu")
     with device:
+        cfg.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
         config = rc.set_config_attrs(model, getattr(transformer, rc.config_class_name(model))(**cfg))
         built = GPTModel(config, vocab_size=rc.VOCAB, max_sequence_length=rc.SEQ,
                          **rc.MODELS[model]["gpt"], **rc.stage_kwargs())

@@ -15,7 +15,8 @@ VOCAB, SEQ = 64, 8
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+    cfg = TransformerConfig(transformer_impl="local",
+                            num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                             hidden_dropout=0.0, attention_dropout=0.0)
     return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ).eval()
 

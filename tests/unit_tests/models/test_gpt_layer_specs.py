@@ -25,6 +25,7 @@ VOCAB, SEQ = 64, 16
 def _cfg(**kw):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

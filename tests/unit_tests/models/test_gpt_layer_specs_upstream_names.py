@@ -12,7 +12,8 @@ from megatron.core.transformer import transformer_config
 
 
 def _cfg(**kw):
-    return TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, **kw)
+    return TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                             **{"transformer_impl": "local", **kw})
 
 
 def test_flags():

@@ -22,6 +22,7 @@ def _cfg(name="dense", **kw):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
     base.update(CONFIGS[name])
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

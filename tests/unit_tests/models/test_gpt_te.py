@@ -15,6 +15,7 @@ def _cfg(**kw):
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                 transformer_impl="transformer_engine", params_dtype=torch.bfloat16, bf16=True)
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

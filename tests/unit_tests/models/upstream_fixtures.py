@@ -46,6 +46,7 @@ def build_model(name: str, seed: int = 123, **config_overrides):
     cfg, gpt = model_kwargs(reference(name)["config"])
     cfg.update(config_overrides)
     torch.manual_seed(seed)
+    cfg.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return GPTModel(TransformerConfig(**cfg), **gpt).eval()
 
 

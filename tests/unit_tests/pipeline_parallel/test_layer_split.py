@@ -8,7 +8,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 
 def _cfg(**kw):
-    return TransformerConfig(hidden_size=16, num_attention_heads=2, **kw)
+    return TransformerConfig(hidden_size=16, num_attention_heads=2, **{"transformer_impl": "local", **kw})
 
 
 def _layout(cfg, pp, vpp):

@@ -25,6 +25,7 @@ VOCAB, SEQ, MBS, NUM_MB, STEPS, LR = 64, 8, 2, 4, 3, 0.5
 def _config(**kw):
     base = dict(num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, init_method_std=0.05)
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

@@ -29,6 +29,7 @@ def make_config(name: str, tp: int = 1, sp: bool = False, **kw) -> TransformerCo
     base.update(init_method_std=0.05, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
                 sequence_parallel=sp)
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

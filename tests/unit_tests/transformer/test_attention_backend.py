@@ -24,7 +24,8 @@ def test_sdpa_backend_restricts_torch_kernels():
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()  # restored
     with pytest.raises(ValueError, match="attention_backend \\(--attention-backend\\) must be an AttnBackend or one of"):
-        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, attention_backend="sdpa")
+        TransformerConfig(transformer_impl="local",
+                          num_layers=1, hidden_size=8, num_attention_heads=2, attention_backend="sdpa")
 
 
 def _same_math_body(rank, world_size):
@@ -71,7 +72,8 @@ def _attention(device, dtype, backend="auto", recompute=True):
     from megatron.core.transformer.attention import SelfAttention
 
     rc = dict(recompute_granularity="selective", recompute_modules=["core_attn"]) if recompute else {}
-    cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=2, params_dtype=dtype,
+    cfg = TransformerConfig(transformer_impl="local",
+                            num_layers=1, hidden_size=128, num_attention_heads=2, params_dtype=dtype,
                             bf16=dtype == torch.bfloat16, attention_backend=backend, attention_dropout=0.0, **rc)
     torch.manual_seed(0)
     with torch.device(device):

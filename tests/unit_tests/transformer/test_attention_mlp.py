@@ -17,6 +17,7 @@ from megatron.core.transformer.utils import init_weights
 def _cfg(**kw):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48)
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

@@ -15,7 +15,8 @@ HAVE_TE_ROPE = te_apply_rotary_pos_emb is not None and torch.cuda.is_available()
 
 
 def _cfg(fused):
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, apply_rope_fusion=fused)
+    return TransformerConfig(transformer_impl="local",
+                             num_layers=1, hidden_size=16, num_attention_heads=2, apply_rope_fusion=fused)
 
 
 def test_fusion_flag_without_te_or_cuda_is_the_torch_path():

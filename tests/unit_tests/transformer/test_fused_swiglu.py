@@ -80,7 +80,7 @@ def test_fused_saves_only_its_input(dtype):
 
 
 def _config(**kw):
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, **kw)
+    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, **{"transformer_impl": "local", **kw})
 
 
 def test_apply_activation_dispatch():

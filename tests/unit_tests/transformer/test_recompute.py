@@ -111,11 +111,12 @@ def test_recompute_keeps_less_and_runs_again():
 ])
 def test_bad_recompute_config_names_the_flag(kw, needle):
     with pytest.raises(ValueError, match=needle):
-        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, **kw)
+        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, **{"transformer_impl": "local", **kw})
 
 
 def test_selective_default_modules_are_upstreams():
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, recompute_granularity="selective")
+    cfg = TransformerConfig(transformer_impl="local",
+                            num_layers=2, hidden_size=32, num_attention_heads=4, recompute_granularity="selective")
     assert cfg.recompute_modules == ["core_attn"]
 
 

@@ -237,6 +237,7 @@ def _cfg(**kw):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                 transformer_impl="transformer_engine")
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

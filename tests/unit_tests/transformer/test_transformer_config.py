@@ -12,11 +12,30 @@ def test_derived_defaults():
     assert c.num_query_groups == 4
     assert c.hidden_dropout == 0.0 and c.attention_dropout == 0.0
     assert c.params_dtype == torch.float32
-    assert c.transformer_impl == "local"
     assert c.activation_func is F.gelu
     m = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, ffn_hidden_size=96)
     assert m.moe_ffn_hidden_size == 96
     assert m.moe_router_topk == 2 and m.moe_router_score_function == "softmax"
+
+
+def test_transformer_impl_default_is_upstreams():
+    """Upstream's default 'transformer_engine'; left at the default on a machine without TE (and no fp8/fp4) it
+    becomes 'local' (the --transformer-impl rule); an explicit value is kept; fp8 keeps TE (upstream's
+    ``TransformerConfig(fp8="hybrid", ...)`` builds)."""
+    import dataclasses
+
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["transformer_impl"]
+    assert field.default == "transformer_engine"
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+    c = TransformerConfig(**base)
+    assert c.transformer_impl == ("transformer_engine" if HAVE_TE else "local") and type(c.transformer_impl) is str
+    assert TransformerConfig(**base, transformer_impl="transformer_engine").transformer_impl == "transformer_engine"
+    assert TransformerConfig(**base, transformer_impl="local").transformer_impl == "local"
+    f8 = TransformerConfig(**base, fp8="hybrid", fp8_param=True)
+    assert f8.transformer_impl == "transformer_engine" and f8.fp8 == "hybrid"
+    assert dataclasses.replace(c).transformer_impl == c.transformer_impl
 
 
 @pytest.mark.parametrize(
@@ -27,7 +46,7 @@ def test_derived_defaults():
         (dict(normalization="BatchNorm"), "--normalization"),
         (dict(transformer_impl="te"), "--transformer-impl"),
         (dict(fp8="e5m2"), "--fp8-format"),
-        (dict(fp8="e4m3"), "--transformer-impl transformer_engine"),
+        (dict(fp8="e4m3", transformer_impl="local"), "--transformer-impl transformer_engine"),
         (dict(fp8_recipe="foo"), "--fp8-recipe"),
         (dict(num_moe_experts=4, moe_router_topk=5), "--moe-router-topk"),
         (dict(num_moe_experts=4, moe_router_score_function="relu"), "--moe-router-score-function"),

@@ -1,5 +1,5 @@
 """Megatron-FSDP on PyTorch FSDP2, with meta-device initialisation that never clobbers real tensors."""
-from megatron.core.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel  # upstream's signature
 from megatron.core.distributed.fsdp.meta_init import (
     copy_param_attributes,
     materialize_meta_module,

@@ -92,7 +92,8 @@ class GPTModel(MegatronModule):
     layers and sets ``config.transformer_impl`` to match; None (this fork only) builds the spec from
     ``config.transformer_impl``. ``vocab_size`` and ``max_sequence_length`` are required. Upstream options this fork
     does not implement are refused when set (fp16 cross entropy, sequence-length interpolation, no
-    sequence-parallel scatter of the embeddings, custom process groups). ``mtp_block_spec``
+    sequence-parallel scatter of the embeddings); ``pg_collection`` is accepted when its groups are
+    ``parallel_state``'s (``ProcessGroupCollection.use_mpu_process_groups()``). ``mtp_block_spec``
     (``get_gpt_mtp_block_spec``; ``config.mtp_num_layers``): the multi-token prediction block ``mtp`` on the last
     stage (``transformer.multi_token_prediction``); its loss trains the model without changing the returned one.
 
@@ -138,7 +139,6 @@ class GPTModel(MegatronModule):
             "fp16_lm_cross_entropy": fp16_lm_cross_entropy,
             "scatter_embedding_sequence_parallel=False": not scatter_embedding_sequence_parallel,
             "seq_len_interpolation_factor": seq_len_interpolation_factor is not None,
-            "pg_collection": pg_collection is not None,
         }
         refused = [name for name, on in unsupported.items() if on]
         if refused:
@@ -148,6 +148,10 @@ class GPTModel(MegatronModule):
                 f"position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none' "
                 f"(--position-embedding-type), got {position_embedding_type!r}"
             )
+        from megatron.core.process_groups_config import check_mpu_groups
+
+        check_mpu_groups(pg_collection, "GPTModel")  # parallel_state's groups only (this fork's layers use them)
+        self.pg_collection = pg_collection
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process

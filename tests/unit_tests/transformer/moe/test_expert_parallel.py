@@ -10,7 +10,8 @@ from tests.unit_tests.dist_utils import run_distributed
 def _config(ep, dispatcher):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+    return TransformerConfig(transformer_impl="local",
+                             num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
                              moe_router_topk=2, ffn_hidden_size=24, add_bias_linear=True, gated_linear_unit=True,
                              moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
                              moe_aux_loss_coeff=0.01, expert_model_parallel_size=ep,
@@ -98,14 +99,17 @@ def _bad_layout(rank, world_size):
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"num_moe_experts \(3, --num-experts\) must be divisible by the expert"):
-        MoELayer(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=3,
+        MoELayer(TransformerConfig(transformer_impl="local",
+                                   num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=3,
                                    moe_router_topk=1))
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=1 \(--expert-model-parallel-size\) differs"):
-        MoELayer(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
+        MoELayer(TransformerConfig(transformer_impl="local",
+                                   num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
                                    moe_router_topk=1))
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=1,
+    cfg = TransformerConfig(transformer_impl="local",
+                            num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=1,
                             expert_model_parallel_size=2)
     import torch.distributed as dist
 
@@ -119,9 +123,11 @@ def test_bad_expert_layouts_are_refused():
     from megatron.core.transformer import TransformerConfig
 
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=2 .* divide num_moe_experts \(3"):
-        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=3, moe_router_topk=1,
+        TransformerConfig(transformer_impl="local",
+                          num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=3, moe_router_topk=1,
                           expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="moe_token_dispatcher_type .* got 'flex'"):
-        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=1,
+        TransformerConfig(transformer_impl="local",
+                          num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=1,
                           moe_token_dispatcher_type="flex")
     run_distributed(_bad_layout, 2)

@@ -121,6 +121,7 @@ def _fixture_body(rank, ws, ckpt, dispatcher, wrapper="none"):
     ref = reference("gpt_moe")
     cfg, gpt = model_kwargs(ref["config"])
     cfg.update(expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher)
+    cfg.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     model = GPTModel(TransformerConfig(**cfg), **gpt).eval()
     assert model.decoder.layers[0].mlp.experts.local_expert_indices == [2 * rank, 2 * rank + 1]
     if wrapper == "fsdp":  # Megatron-FSDP x EP: experts sharded over expert-DP (1 rank), dense weights over DP (2)

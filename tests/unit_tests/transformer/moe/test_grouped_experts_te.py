@@ -25,6 +25,7 @@ def _cfg(grouped, **kw):
                 transformer_impl="transformer_engine", params_dtype=torch.float32, moe_grouped_gemm=grouped,
                 init_method_std=0.05)
     base.update(kw)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     return TransformerConfig(**base)
 
 

@@ -11,6 +11,7 @@ def _layer(seed=0, **kw):
                 ffn_hidden_size=24)
     base.update(kw)
     torch.manual_seed(seed)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     layer = MoELayer(TransformerConfig(**base))
     init_weights(layer)
     return layer

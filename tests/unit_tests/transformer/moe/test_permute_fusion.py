@@ -23,7 +23,8 @@ def _routing(tokens, experts, topk, device, seed=0):
 
 
 def _cfg(**kw):
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4, **kw)
+    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                             **{"transformer_impl": "local", **kw})
 
 
 def test_flag_reaches_config_and_cpu_keeps_torch_ops():

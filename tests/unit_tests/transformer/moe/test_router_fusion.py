@@ -104,7 +104,8 @@ def test_flag_reaches_config_and_cpu_keeps_torch_ops():
     assert not can_fuse_routing(logits, "softmax")  # CPU tensors: torch ops
     results = []
     for fused in (False, True):
-        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
+        cfg = TransformerConfig(transformer_impl="local",
+                                num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
                                 moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_router_fusion=fused)
         torch.manual_seed(0)
         router = TopKRouter(cfg, layer_number=1)
@@ -153,7 +154,8 @@ def test_fused_router_equals_torch_router(score_function, expert_bias, monkeypat
     monkeypatch.setattr(te_ext, "te_fused_topk_with_score_function", lambda *a, **k: calls.append(1) or fn(*a, **k))
     results = []
     for fused in (False, True):
-        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_moe_experts=16,
+        cfg = TransformerConfig(transformer_impl="local",
+                                num_layers=1, hidden_size=64, num_attention_heads=2, num_moe_experts=16,
                                 moe_router_topk=4, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3,
                                 moe_router_score_function=score_function, moe_router_enable_expert_bias=expert_bias,
                                 moe_router_fusion=fused)

@@ -24,6 +24,7 @@ def _layer(gate, seed=0, **kw):
                 moe_shared_expert_intermediate_size=SHARED, moe_shared_expert_gate=gate, init_method_std=0.3)
     base.update(kw)
     torch.manual_seed(seed)
+    base.setdefault("transformer_impl", "local")  # upstream's default is TE where installed
     layer = MoELayer(TransformerConfig(**base))
     init_weights(layer)
     return layer

@@ -21,7 +21,8 @@ def _aux_scale_one():
 
 
 def _router(coeff, **kw):
-    cfg = TransformerConfig(num_layers=1, hidden_size=3, num_attention_heads=1, num_moe_experts=4,
+    cfg = TransformerConfig(transformer_impl="local",
+                            num_layers=1, hidden_size=3, num_attention_heads=1, num_moe_experts=4,
                             moe_router_topk=2, moe_z_loss_coeff=coeff, **kw)
     r = TopKRouter(cfg, layer_number=1)
     with torch.no_grad():
