@@ -18,6 +18,7 @@ import io
 import logging
 import math
 import os
+import pickle
 import time
 import warnings
 from collections import defaultdict
@@ -485,6 +486,19 @@ def _orig_global_shape(metadata: Metadata, key: str, md: TensorStorageMetadata,
     return size
 
 
+def _zero_mismatched(tensors: List[ShardedTensor], metadata: Metadata) -> None:
+    """As upstream: a destination with ``allow_shape_mismatch`` whose global shape is not the checkpoint's starts
+    from zeros (the part the checkpoint does not cover reads as 0, not as the destination's old values)."""
+    sdm = metadata.state_dict_metadata
+    with torch.no_grad():
+        for t in tensors:
+            md = sdm.get(t.key)
+            if not t.allow_shape_mismatch or t.data is None or not isinstance(md, TensorStorageMetadata):
+                continue
+            if tuple(_orig_global_shape(metadata, t.key, md, tuple(t.global_shape))) != tuple(t.global_shape):
+                t.data.zero_()
+
+
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Load a ``torch_dist`` checkpoint with PyTorch DCP (``FileSystemReader``), resharding as needed.
 
@@ -565,34 +579,38 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return out
 
     def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str):
-        """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (rank 0 rewrites
-        ``.metadata`` atomically), then delete the data files named ``<key_prefix>*.distcp`` that no kept entry
-        refers to (what a save with ``separation_hint=key_prefix`` wrote, as upstream); other files are kept."""
-        checkpoint_dir = Path(checkpoint_dir)
-        if dist_utils.get_rank() == 0:
-            metadata = read_dcp_metadata(checkpoint_dir)
-            metadata.state_dict_metadata = {
-                k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
-            }
-            if metadata.storage_data is not None:
-                metadata.storage_data = {
-                    k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(key_prefix)
-                }
-            mcore_data = getattr(metadata, "mcore_data", None)
-            if mcore_data:
-                metadata.mcore_data = {k: v for k, v in mcore_data.items() if not k.startswith(key_prefix)}
-            import pickle
+        """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (``.metadata``
+        rewritten atomically), then delete the data files named ``<key_prefix>*.distcp`` that no kept entry refers
+        to (what a save with ``separation_hint=key_prefix`` wrote, as upstream); other files are kept. Deviation:
+        without such files the keys are still dropped (upstream then warns and changes nothing).
 
-            tmp = checkpoint_dir / ".metadata.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
-            os.replace(tmp, checkpoint_dir / ".metadata")
-            if metadata.storage_data is not None:
-                kept = {info.relative_path for info in metadata.storage_data.values()}
-                for path in checkpoint_dir.glob(f"{glob.escape(key_prefix)}*.distcp"):
-                    if path.name not in kept:
-                        path.unlink()
-        dist_utils.barrier()
+        Not collective, as upstream: the calling process does the work, so call it from one rank (upstream's
+        pattern: ``if rank == 0: remove_sharded_tensors(...)``, then a barrier before other ranks read)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        prefixed = list(checkpoint_dir.glob(f"{glob.escape(key_prefix)}*.distcp"))
+        metadata = read_dcp_metadata(checkpoint_dir)
+        if not prefixed and not any(k.startswith(key_prefix) for k in metadata.state_dict_metadata):
+            warnings.warn(f'There are no keys or files in {checkpoint_dir} that begin with "{key_prefix}". '
+                          f'Skipping removal.')
+            return
+        metadata.state_dict_metadata = {
+            k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+        }
+        if metadata.storage_data is not None:
+            metadata.storage_data = {
+                k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(key_prefix)
+            }
+        mcore_data = getattr(metadata, "mcore_data", None)
+        if mcore_data:
+            metadata.mcore_data = {k: v for k, v in mcore_data.items() if not k.startswith(key_prefix)}
+        tmp = checkpoint_dir / ".metadata.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(metadata, f)
+        os.replace(tmp, checkpoint_dir / ".metadata")
+        kept = None if metadata.storage_data is None else {i.relative_path for i in metadata.storage_data.values()}
+        for path in prefixed:
+            if kept is not None and path.name not in kept:
+                path.unlink()
 
     # -- load --
     def _precheck(self, tensors: List[ShardedTensor], objects: List[ShardedObject], metadata, checkpoint_dir):
@@ -613,10 +631,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"{tuple(t.global_shape)}, checkpoint has {tuple(shape)}"
                 )
             if md.properties.dtype != t.dtype:
-                if not (md.properties.dtype.is_floating_point and t.dtype.is_floating_point):
+                stored = md.properties.dtype
+                if (stored.is_floating_point or stored.is_complex) and not (
+                    t.dtype.is_floating_point or t.dtype.is_complex
+                ):
                     return (
                         f"dtype mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested {t.dtype}, "
-                        f"checkpoint has {md.properties.dtype} (only floating-point dtypes convert on load)"
+                        f"checkpoint has {stored} (a floating-point tensor does not convert into an integer "
+                        f"destination; other dtypes convert on load, as upstream's DCP copy does)"
                     )
                 converted.append(t.key)
         if converted:
@@ -719,6 +741,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         except CheckpointingException as e:
             error = str(e)
         dist_utils.raise_collectively(error, CheckpointingException, "load")
+        _zero_mismatched(tensors, metadata)
 
         start = time.perf_counter()
         restore = None if self.stream_ckpt_dequant else dequantize_upfront(sharded_state_dict)
