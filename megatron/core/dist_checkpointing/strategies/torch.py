@@ -77,6 +77,28 @@ MCORE_DATA_ORIG_SHAPE = "nd_reformulated_orig_global_shape"
 DEFAULT_ASYNC_CHECKPOINTER_TYPE = os.environ.get("MCORE_ASYNC_CKPT_CHECKPOINTER", "process")
 
 
+def flatten_state_dict(state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, Dict[str, tuple]]:
+    """Upstream's helper: ``state_dict`` as one level ``{"a.b.0": value}`` plus ``{"a.b.0": ("a", "b", 0)}`` (the
+    path of each key), as torch's ``flatten_state_dict`` but with ShardedTensors / ShardedObjects (and tensors,
+    ``io.BytesIO``) as leaves. A key reached twice raises ValueError."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    from ..mapping import ShardedBase
+
+    flattened: Dict[str, Any] = {}
+    mappings: Dict[str, tuple] = {}
+
+    def visit(path, value):
+        fqn = ".".join(map(str, path))
+        if fqn in flattened:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flattened[fqn] = value
+        mappings[fqn] = path
+
+    traverse_state_dict(state_dict, visit, lambda x: isinstance(x, (torch.Tensor, ShardedBase, io.BytesIO)))
+    return flattened, mappings
+
+
 def raise_collectively(error: Optional[str], what: str = "checkpointing", process_group=None) -> None:
     """``dist_utils.raise_collectively`` with CheckpointingException (kept for callers outside dist_checkpointing;
     inside it, call ``dist_utils.raise_collectively`` directly)."""
@@ -302,13 +324,16 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         backend: str = "torch_dist",
         version: int = 1,
         keep_only_main_replica: bool = True,
-        thread_count: int = 2,
+        thread_count: int = 1,
         cached_metadata: bool = False,
         separation_hint: Optional[str] = None,
+        cpu_shm_mode: bool = False,
     ):
+        """Upstream's parameters and defaults. ``thread_count``: writer threads, i.e. data files per rank (a
+        ``separation_hint`` raises it to 2 at save, as upstream). ``cpu_shm_mode``: upstream's option of its nvrx
+        async writer (GPU tensors staged in CPU shared memory); stored, no effect here (async save is PyTorch DCP's,
+        which stages into CPU memory itself)."""
         super().__init__(backend, version)
-        if separation_hint is not None:
-            assert thread_count > 1, "thread_count must be at least 2 if separation_hint is provided"
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         # async_save: DCP's checkpoint process ("process") or a DCP thread of this process ("thread")
@@ -316,6 +341,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.last_staged_bytes: Optional[int] = None
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
+        self.cpu_shm_mode = cpu_shm_mode
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -452,6 +478,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # No more files than items on this rank: an empty data file would not be referenced by the metadata, so its
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
+        if self.separation_hint is not None and self.thread_count <= 1:
+            self.thread_count = 2  # as upstream: the separated files need two buckets
         writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)),
                                              separation_hint=self.separation_hint)
         return pyt_state_dict, planner, writer
@@ -511,9 +539,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """
 
     def __init__(
-        self, cache_metadata: bool = False, checkpoint_name: Optional[str] = None, *, stream_ckpt_dequant: bool = False,
-        stream_ckpt_dequant_chunk_mb: float = DEFAULT_STREAM_CHUNK_MB,
+        self, cache_metadata: bool = False, stream_ckpt_dequant: bool = False, checkpoint_name: Optional[str] = None,
+        *, stream_ckpt_dequant_chunk_mb: float = DEFAULT_STREAM_CHUNK_MB,
     ):
+        """Upstream 0.19.2's positional order (cache_metadata, stream_ckpt_dequant, checkpoint_name). Deviation:
+        ``stream_ckpt_dequant`` defaults to False here (upstream: True), as ``--stream-ckpt-dequant`` defaults off."""
         super().__init__()
         self.cache_metadata = cache_metadata
         self.checkpoint_name = checkpoint_name
