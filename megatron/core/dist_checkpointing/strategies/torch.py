@@ -514,19 +514,6 @@ def _orig_global_shape(metadata: Metadata, key: str, md: TensorStorageMetadata,
     return size
 
 
-def _zero_mismatched(tensors: List[ShardedTensor], metadata: Metadata) -> None:
-    """As upstream: a destination with ``allow_shape_mismatch`` whose global shape is not the checkpoint's starts
-    from zeros (the part the checkpoint does not cover reads as 0, not as the destination's old values)."""
-    sdm = metadata.state_dict_metadata
-    with torch.no_grad():
-        for t in tensors:
-            md = sdm.get(t.key)
-            if not t.allow_shape_mismatch or t.data is None or not isinstance(md, TensorStorageMetadata):
-                continue
-            if tuple(_orig_global_shape(metadata, t.key, md, tuple(t.global_shape))) != tuple(t.global_shape):
-                t.data.zero_()
-
-
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Load a ``torch_dist`` checkpoint with PyTorch DCP (``FileSystemReader``), resharding as needed.
 
@@ -771,7 +758,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         except CheckpointingException as e:
             error = str(e)
         dist_utils.raise_collectively(error, CheckpointingException, "load")
-        _zero_mismatched(tensors, metadata)
 
         start = time.perf_counter()
         restore = None if self.stream_ckpt_dequant else dequantize_upfront(sharded_state_dict)
