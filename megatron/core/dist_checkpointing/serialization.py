@@ -295,7 +295,8 @@ def load_content_metadata(
 
 
 def remove_sharded_tensors(checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
-    """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint (collective)."""
+    """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint. Not collective, as upstream: call
+    it from one rank (e.g. rank 0), then a barrier before the other ranks read the checkpoint."""
     sharded_strategy = get_default_load_sharded_strategy(checkpoint_dir)
     sharded_strategy.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
 

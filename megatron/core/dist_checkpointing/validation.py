@@ -96,7 +96,9 @@ def determine_global_metadata(
     """(this rank's metadata, every rank's metadata): data-less ShardedTensors/ShardedObjects, gathered over
     ``process_group`` (default: WORLD; collective over it)."""
     local = local_sharded_metadata(sharded_state_dict)
-    ws = dist.get_world_size(group=process_group) if dist_utils.is_distributed() else 1
+    if process_group is None and not dist_utils.is_distributed():
+        return local, [local]  # one process without torch.distributed: nothing to gather
+    ws = dist.get_world_size(group=process_group)  # an explicit group is always asked, as upstream
     if ws == 1:
         return local, [local]
     gathered: List[Optional[List[ShardedBase]]] = [None] * ws

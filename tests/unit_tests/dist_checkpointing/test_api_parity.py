@@ -304,15 +304,16 @@ def test_narrow_save(tmp_path):
 
 # ---- strategies ----------------------------------------------------------------------------------------------------
 def _strategies(rank, world, tmp_path):
-    with pytest.raises(AssertionError, match="thread_count must be at least 2 if separation_hint is provided"):
-        TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, separation_hint="optimizer")
+    # upstream's defaults: one writer thread; a separation hint raises it to 2 at save (no error up front)
+    hinted = TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="optimizer")
+    assert (hinted.thread_count, hinted.cpu_shm_mode) == (1, False)
     s = TorchDistSaveShardedStrategy("torch_dist", 1, True, 1, False, None)  # upstream's positional order
     assert (s.keep_only_main_replica, s.thread_count, s.cached_metadata) == (True, 1, False)
     d = _ckpt_dir(tmp_path, "s", rank)
     full = _full(2 * world)
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", full.chunk(world)[rank].clone(),
                                                                   (0, rank, world))}, d, s)
-    load = TorchDistLoadShardedStrategy(True, "iter_1")  # upstream's cache_metadata, checkpoint_name
+    load = TorchDistLoadShardedStrategy(True, False, "iter_1")  # upstream 0.19.2's order: cache, stream, name
     assert load.cache_metadata and load.checkpoint_name == "iter_1" and load.stream_ckpt_dequant is False
     req = lambda: {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, rank, world))}  # noqa: E731
     assert torch.equal(dist_checkpointing.load(req(), d, load)["w"], full.chunk(world)[rank])
@@ -325,8 +326,7 @@ def _strategies(rank, world, tmp_path):
     m1 = no_cache.cached_global_metadata
     dist_checkpointing.load(req(), d, no_cache)
     assert no_cache.cached_global_metadata is not m1  # read each time
-    with pytest.raises(TypeError):
-        TorchDistLoadShardedStrategy(False, None, True)  # stream_ckpt_dequant is keyword-only
+    assert TorchDistLoadShardedStrategy(False, True).stream_ckpt_dequant  # second positional, as upstream
     assert TorchDistLoadShardedStrategy(stream_ckpt_dequant=True).stream_ckpt_dequant
 
 
@@ -460,3 +460,15 @@ def test_state_dict_utils_utils_dict_utils(capsys):
     dict_utils.inspect_types({"w": torch.zeros(2, 3), "s": {"k": "v" * 40}})
     printed = capsys.readouterr().out
     assert "> w: Tensor of shape (2, 3)" in printed and "> k: [str]: " + "v" * 30 + "... (truncated)" in printed
+
+
+def test_flatten_state_dict_and_planner_keywords():
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner, flatten_state_dict
+
+    t = ShardedTensor.from_rank_offsets("k", torch.ones(2))
+    flat, paths = flatten_state_dict({"a": {"b": [t, 3]}, "c": 1})
+    assert flat == {"a.b.0": t, "a.b.1": 3, "c": 1} and paths["a.b.0"] == ("a", "b", 0)
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten_state_dict({"a": {"b": 1}, "a.b": 2})
+    planner = MCoreSavePlanner(can_run_decentralized_global_plan=False, mcore_data={"k": {"x": 1}})
+    assert planner.can_run_decentralized_global_plan is False and planner.mcore_data == {"k": {"x": 1}}

@@ -126,7 +126,9 @@ def _error_body(rank, world, base):
             raise OSError(28, f"No space left on device: {self.name}")
 
         filesystem._ChecksummingStream.write = full
-    strategy = TorchDistSaveShardedStrategy()
+    # two writer threads: torch's extra thread dies silently, its items have no result (the one-thread default
+    # raises the OSError itself)
+    strategy = TorchDistSaveShardedStrategy(thread_count=2)
     strategy.async_checkpointer_type = "thread"
     request = dist_checkpointing.save(_state(rank, world), d, strategy, async_sharded_save=True)
     finalized = []

@@ -147,7 +147,7 @@ def test_default_strategies_and_config(tmp_path):
 
     save_s = get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1)
     assert isinstance(save_s, TorchDistSaveShardedStrategy) and (save_s.backend, save_s.version) == ("torch_dist", 1)
-    assert save_s.keep_only_main_replica and save_s.thread_count == 2
+    assert save_s.keep_only_main_replica and save_s.thread_count == 1
     load_s = get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
     load_s.stream_ckpt_dequant = True  # a copy: the default stays off
     assert get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1).stream_ckpt_dequant is False

@@ -249,7 +249,7 @@ def _errors(rank, world, tmp_path):
     got = dist_checkpointing.load(ssd(torch.zeros(4 // world, 2, dtype=torch.bfloat16)), ok)["w"]
     assert got.dtype == torch.bfloat16 and torch.equal(got, w.chunk(world)[rank].to(torch.bfloat16))
     # a floating-point tensor for an integer destination: a dtype mismatch
-    with pytest.raises(CheckpointingException, match=r"dtype mismatch.*'w'.*only floating-point dtypes convert"):
+    with pytest.raises(CheckpointingException, match=r"dtype mismatch.*'w'.*does not convert into an integer"):
         dist_checkpointing.load(ssd(torch.zeros(4 // world, 2, dtype=torch.int64)), ok)
     dist.barrier()
     # missing / truncated data file: the error names the file
@@ -296,6 +296,27 @@ def _uneven_participation(rank, world, tmp_path):
 
 def test_uneven_participation(tmp_path):
     run_distributed(_uneven_participation, 2, tmp_path)
+
+
+def _int_into_float_and_padding(rank, world, tmp_path):
+    d = _dir(tmp_path, "int_pad")
+    # an int64 tensor (8, 3) saved as two row blocks
+    dist_checkpointing.save(
+        {"i": ShardedTensor.from_rank_offsets("i", torch.arange(12).reshape(4, 3) + 12 * rank, (0, rank, world))}, d
+    )
+    # into float32 destinations of 5 rows each (10 > 8, allow_shape_mismatch): converted as upstream; the rows the
+    # checkpoint does not cover keep the destination's values (deviation: upstream zeroes them; here a resume with
+    # another vocabulary padding keeps the fresh initialisation of the extra rows)
+    out = dist_checkpointing.load(
+        {"i": ShardedTensor.from_rank_offsets("i", torch.ones(5, 3), (0, rank, world), allow_shape_mismatch=True)}, d
+    )["i"]
+    expected = torch.ones(10, 3)
+    expected[:8] = torch.arange(24.0).reshape(8, 3)
+    assert out.dtype == torch.float32 and torch.equal(out, expected.chunk(world)[rank])
+
+
+def test_int_into_float_and_shape_mismatch_padding(tmp_path):
+    run_distributed(_int_into_float_and_padding, 2, tmp_path)
 
 
 def test_factory_merge_fn_gets_what_build_fn_built(tmp_path):

@@ -10,6 +10,7 @@ for a shard that several ranks hold (same key, global offset and local shape):
 - ``FullyParallelLoadStrategyWrapper``: every distinct shard is read from disk by exactly one rank of the group (the
   same balancing), through the wrapped strategy; the read shards are then exchanged over the group
   (``torch.distributed.broadcast``; gloo on CPU, NCCL on GPU) and written into every rank's own destination tensors.
+  As upstream, it rewrites ``replica_id`` in place too (0 on the shards this rank reads, 1 elsewhere).
 
 Quantized destinations (Transformer Engine QuantizedTensor, ``--stream-ckpt-dequant``): the wrapped strategy's
 quantized-destination logic is kept. A rank that reads a shard for itself only passes its own destination to the
@@ -296,6 +297,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
         distribution = self.determine_distribution(sharded_tensors)
         reader, holders = distribution.main_rank_for_shard, distribution.all_ranks_for_shard
+        # as upstream, in place: replica_id 0 on the shards this rank reads, 1 on the others (the wrapped strategy
+        # sees its share as main replicas)
+        distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
 
         # What this rank reads through the wrapped strategy: its own destination, or a high-precision buffer when
         # the destination is quantized and other ranks need the value too. Sharded objects: every rank its own.

@@ -29,8 +29,16 @@ class MCoreSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner that records MCore data (``mcore_data``: original global shapes of N-D flattened tensors)
     in the DCP metadata, like upstream."""
 
-    def __init__(self, *args, mcore_data: Optional[Dict[str, dict]] = None, **kwargs):
+    def __init__(self, *args, dedup_replicated_tensors: Optional[bool] = None,
+                 can_run_decentralized_global_plan: bool = True, mcore_data: Optional[Dict[str, dict]] = None,
+                 **kwargs):
+        """Upstream's keyword arguments: ``dedup_replicated_tensors`` goes to torch's planner only when given (torch
+        deprecated it); ``can_run_decentralized_global_plan`` is stored (this planner always takes torch's central
+        global plan, so it changes nothing here)."""
+        if dedup_replicated_tensors is not None:
+            kwargs["dedup_replicated_tensors"] = dedup_replicated_tensors
         super().__init__(*args, **kwargs)
+        self.can_run_decentralized_global_plan = can_run_decentralized_global_plan
         self.mcore_data = dict(mcore_data or {})
 
     def create_global_plan(self, all_plans):

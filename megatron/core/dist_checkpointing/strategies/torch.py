@@ -18,6 +18,7 @@ import io
 import logging
 import math
 import os
+import pickle
 import time
 import warnings
 from collections import defaultdict
@@ -74,6 +75,28 @@ logger = logging.getLogger(__name__)
 
 MCORE_DATA_ORIG_SHAPE = "nd_reformulated_orig_global_shape"
 DEFAULT_ASYNC_CHECKPOINTER_TYPE = os.environ.get("MCORE_ASYNC_CKPT_CHECKPOINTER", "process")
+
+
+def flatten_state_dict(state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, Dict[str, tuple]]:
+    """Upstream's helper: ``state_dict`` as one level ``{"a.b.0": value}`` plus ``{"a.b.0": ("a", "b", 0)}`` (the
+    path of each key), as torch's ``flatten_state_dict`` but with ShardedTensors / ShardedObjects (and tensors,
+    ``io.BytesIO``) as leaves. A key reached twice raises ValueError."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    from ..mapping import ShardedBase
+
+    flattened: Dict[str, Any] = {}
+    mappings: Dict[str, tuple] = {}
+
+    def visit(path, value):
+        fqn = ".".join(map(str, path))
+        if fqn in flattened:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flattened[fqn] = value
+        mappings[fqn] = path
+
+    traverse_state_dict(state_dict, visit, lambda x: isinstance(x, (torch.Tensor, ShardedBase, io.BytesIO)))
+    return flattened, mappings
 
 
 def raise_collectively(error: Optional[str], what: str = "checkpointing", process_group=None) -> None:
@@ -301,13 +324,16 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         backend: str = "torch_dist",
         version: int = 1,
         keep_only_main_replica: bool = True,
-        thread_count: int = 2,
+        thread_count: int = 1,
         cached_metadata: bool = False,
         separation_hint: Optional[str] = None,
+        cpu_shm_mode: bool = False,
     ):
+        """Upstream's parameters and defaults. ``thread_count``: writer threads, i.e. data files per rank (a
+        ``separation_hint`` raises it to 2 at save, as upstream). ``cpu_shm_mode``: upstream's option of its nvrx
+        async writer (GPU tensors staged in CPU shared memory); stored, no effect here (async save is PyTorch DCP's,
+        which stages into CPU memory itself)."""
         super().__init__(backend, version)
-        if separation_hint is not None:
-            assert thread_count > 1, "thread_count must be at least 2 if separation_hint is provided"
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         # async_save: DCP's checkpoint process ("process") or a DCP thread of this process ("thread")
@@ -315,6 +341,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.last_staged_bytes: Optional[int] = None
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
+        self.cpu_shm_mode = cpu_shm_mode
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -451,6 +478,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         # No more files than items on this rank: an empty data file would not be referenced by the metadata, so its
         # loss could not be detected.
         n_items = sum(len(v.local_shards()) if isinstance(v, TorchShardedTensor) else 1 for v in pyt_state_dict.values())
+        if self.separation_hint is not None and self.thread_count <= 1:
+            self.thread_count = 2  # as upstream: the separated files need two buckets
         writer = ChecksummedFileSystemWriter(str(checkpoint_dir), thread_count=max(1, min(self.thread_count, n_items)),
                                              separation_hint=self.separation_hint)
         return pyt_state_dict, planner, writer
@@ -497,9 +526,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """
 
     def __init__(
-        self, cache_metadata: bool = False, checkpoint_name: Optional[str] = None, *, stream_ckpt_dequant: bool = False,
-        stream_ckpt_dequant_chunk_mb: float = DEFAULT_STREAM_CHUNK_MB,
+        self, cache_metadata: bool = False, stream_ckpt_dequant: bool = False, checkpoint_name: Optional[str] = None,
+        *, stream_ckpt_dequant_chunk_mb: float = DEFAULT_STREAM_CHUNK_MB,
     ):
+        """Upstream 0.19.2's positional order (cache_metadata, stream_ckpt_dequant, checkpoint_name). Deviation:
+        ``stream_ckpt_dequant`` defaults to False here (upstream: True), as ``--stream-ckpt-dequant`` defaults off."""
         super().__init__()
         self.cache_metadata = cache_metadata
         self.checkpoint_name = checkpoint_name
@@ -565,34 +596,38 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return out
 
     def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str):
-        """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (rank 0 rewrites
-        ``.metadata`` atomically), then delete the data files named ``<key_prefix>*.distcp`` that no kept entry
-        refers to (what a save with ``separation_hint=key_prefix`` wrote, as upstream); other files are kept."""
-        checkpoint_dir = Path(checkpoint_dir)
-        if dist_utils.get_rank() == 0:
-            metadata = read_dcp_metadata(checkpoint_dir)
-            metadata.state_dict_metadata = {
-                k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
-            }
-            if metadata.storage_data is not None:
-                metadata.storage_data = {
-                    k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(key_prefix)
-                }
-            mcore_data = getattr(metadata, "mcore_data", None)
-            if mcore_data:
-                metadata.mcore_data = {k: v for k, v in mcore_data.items() if not k.startswith(key_prefix)}
-            import pickle
+        """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint's DCP metadata (``.metadata``
+        rewritten atomically), then delete the data files named ``<key_prefix>*.distcp`` that no kept entry refers
+        to (what a save with ``separation_hint=key_prefix`` wrote, as upstream); other files are kept. Deviation:
+        without such files the keys are still dropped (upstream then warns and changes nothing).
 
-            tmp = checkpoint_dir / ".metadata.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
-            os.replace(tmp, checkpoint_dir / ".metadata")
-            if metadata.storage_data is not None:
-                kept = {info.relative_path for info in metadata.storage_data.values()}
-                for path in checkpoint_dir.glob(f"{glob.escape(key_prefix)}*.distcp"):
-                    if path.name not in kept:
-                        path.unlink()
-        dist_utils.barrier()
+        Not collective, as upstream: the calling process does the work, so call it from one rank (upstream's
+        pattern: ``if rank == 0: remove_sharded_tensors(...)``, then a barrier before other ranks read)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        prefixed = list(checkpoint_dir.glob(f"{glob.escape(key_prefix)}*.distcp"))
+        metadata = read_dcp_metadata(checkpoint_dir)
+        if not prefixed and not any(k.startswith(key_prefix) for k in metadata.state_dict_metadata):
+            warnings.warn(f'There are no keys or files in {checkpoint_dir} that begin with "{key_prefix}". '
+                          f'Skipping removal.')
+            return
+        metadata.state_dict_metadata = {
+            k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(key_prefix)
+        }
+        if metadata.storage_data is not None:
+            metadata.storage_data = {
+                k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(key_prefix)
+            }
+        mcore_data = getattr(metadata, "mcore_data", None)
+        if mcore_data:
+            metadata.mcore_data = {k: v for k, v in mcore_data.items() if not k.startswith(key_prefix)}
+        tmp = checkpoint_dir / ".metadata.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(metadata, f)
+        os.replace(tmp, checkpoint_dir / ".metadata")
+        kept = None if metadata.storage_data is None else {i.relative_path for i in metadata.storage_data.values()}
+        for path in prefixed:
+            if kept is not None and path.name not in kept:
+                path.unlink()
 
     # -- load --
     def _precheck(self, tensors: List[ShardedTensor], objects: List[ShardedObject], metadata, checkpoint_dir):
@@ -613,10 +648,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"{tuple(t.global_shape)}, checkpoint has {tuple(shape)}"
                 )
             if md.properties.dtype != t.dtype:
-                if not (md.properties.dtype.is_floating_point and t.dtype.is_floating_point):
+                stored = md.properties.dtype
+                if (stored.is_floating_point or stored.is_complex) and not (
+                    t.dtype.is_floating_point or t.dtype.is_complex
+                ):
                     return (
                         f"dtype mismatch for key {t.key!r} in checkpoint {checkpoint_dir}: requested {t.dtype}, "
-                        f"checkpoint has {md.properties.dtype} (only floating-point dtypes convert on load)"
+                        f"checkpoint has {stored} (a floating-point tensor does not convert into an integer "
+                        f"destination; other dtypes convert on load, as upstream's DCP copy does)"
                     )
                 converted.append(t.key)
         if converted:
