@@ -541,7 +541,7 @@ def model_key_problems(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple
 def vocab_padding_note(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple], resizable) -> Optional[str]:
     """One line when the vocabulary padding differs between the checkpoint and the model (upstream allows it:
     the padding is a multiple of ``--make-vocab-size-divisible-by`` x TP): which rows load, which checkpoint rows are
-    dropped or which model rows keep their fresh initialisation; None when nothing differs."""
+    dropped or which model rows are zero (as upstream's load pads them); None when nothing differs."""
     keys = sorted(k for k in resizable if k in ckpt_shapes and k in requested
                   and tuple(ckpt_shapes[k]) != tuple(requested[k])
                   and _rows_may_differ(k, requested[k], ckpt_shapes[k], resizable))
@@ -550,7 +550,7 @@ def vocab_padding_note(requested: Dict[str, tuple], ckpt_shapes: Dict[str, tuple
     ckpt_rows, model_rows = ckpt_shapes[keys[0]][0], requested[keys[0]][0]
     kept = min(ckpt_rows, model_rows)
     rest = (f"checkpoint rows {kept}-{ckpt_rows - 1} dropped" if ckpt_rows > model_rows
-            else f"model rows {kept}-{model_rows - 1} keep their fresh initialisation")
+            else f"model rows {kept}-{model_rows - 1} are zero (padding, as upstream)")
     return (f"vocabulary padding differs ({', '.join(keys)}): checkpoint {ckpt_rows} rows, model {model_rows}: "
             f"rows 0-{kept - 1} loaded, {rest}")
 

@@ -305,12 +305,11 @@ def _int_into_float_and_padding(rank, world, tmp_path):
         {"i": ShardedTensor.from_rank_offsets("i", torch.arange(12).reshape(4, 3) + 12 * rank, (0, rank, world))}, d
     )
     # into float32 destinations of 5 rows each (10 > 8, allow_shape_mismatch): converted as upstream; the rows the
-    # checkpoint does not cover keep the destination's values (deviation: upstream zeroes them; here a resume with
-    # another vocabulary padding keeps the fresh initialisation of the extra rows)
+    # checkpoint does not cover are zero (upstream pads with zeros), not the destination's ones
     out = dist_checkpointing.load(
         {"i": ShardedTensor.from_rank_offsets("i", torch.ones(5, 3), (0, rank, world), allow_shape_mismatch=True)}, d
     )["i"]
-    expected = torch.ones(10, 3)
+    expected = torch.zeros(10, 3)
     expected[:8] = torch.arange(24.0).reshape(8, 3)
     assert out.dtype == torch.float32 and torch.equal(out, expected.chunk(world)[rank])
 

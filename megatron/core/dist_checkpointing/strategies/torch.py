@@ -177,6 +177,17 @@ def _save_piece(sh_ten: ShardedTensor) -> Tuple[Tuple[int, ...], _Piece]:
     return frags + (math.prod(sh_ten.local_shape),), _Piece(idx + (fr.start,), shape, data.view(shape), n)
 
 
+def _zero_uncovered(entries) -> None:
+    """An ``allow_shape_mismatch`` destination whose global shape differs from the checkpoint's (another vocabulary
+    padding): zeros where the checkpoint does not reach, as upstream (its load pads with zeros); the read then
+    overwrites what the checkpoint holds. Temporaries of the non-direct pieces too (they are copied in whole)."""
+    for t, pieces in entries:
+        t.data.zero_()
+        for piece in pieces:
+            if not piece.direct:
+                piece.tensor.zero_()
+
+
 def _make_torch_sharded_tensor(key: str, global_shape, dtype, pieces: List[_Piece], mcore_sh_ten=None):
     """A torch ShardedTensor whose local shards are ``pieces`` (no communication).
 
@@ -844,6 +855,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             some = entries[0][0]
             if some.allow_shape_mismatch:
                 allow_mismatch[key] = some
+                if tuple(md.size) != tuple(some.global_shape):
+                    _zero_uncovered(entries)
             elif some.flattened_range is None and len(md.size) == len(some.global_shape):
                 validate.append(some.without_data())
             pyt_state_dict[key] = _make_torch_sharded_tensor(
