@@ -2,7 +2,7 @@
 feature of that job at once - multi-latent attention (q-LoRA and kv-LoRA) with YaRN, a sigmoid router with expert
 bias, shared experts, grouped GEMM experts, multi-token prediction, the first layer dense (``--moe-layer-freq``) -
 trains, saves and resumes exactly (losses, MTP losses and every router's ``expert_bias`` equal to the uninterrupted
-run's), with the distributed data-parallel wrapper and with Megatron-FSDP + meta-device init (whose ``expert_bias``
+run's; the same losses at TP1 x EP1 from that checkpoint), with the distributed data-parallel wrapper and with Megatron-FSDP + meta-device init (whose ``expert_bias``
 keeps its values: the same as the DDP run's)."""
 import pytest
 import torch
@@ -18,6 +18,18 @@ DEEPSEEK_V3 = TINY + MTP_MOE + MLA + [
     "--tensor-model-parallel-size", 2, "--expert-model-parallel-size", 2, "--sequence-parallel",
     "--make-vocab-size-divisible-by", 64]
 ITERS, SAVE_AT = 4, 2
+PARALLEL = {"--tensor-model-parallel-size": 1, "--expert-model-parallel-size": 1, "--sequence-parallel": 0}
+
+
+def _without_model_parallelism(args):
+    """``args`` at TP1 x EP1 (data-parallel only)."""
+    out, skip = [], 0
+    for a in args:
+        if skip or a in PARALLEL:
+            skip = 0 if skip else PARALLEL[a]
+            continue
+        out.append(a)
+    return out
 
 
 def _biases(model_chunks):
@@ -71,6 +83,15 @@ def _body(rank, world_size, tmp):
                                                 else "DistributedDataParallel")
         if engine == "ddp":
             _check_structure(model)
+            # the same checkpoint at TP1 x EP1 x DP4: the same losses (the TP/SP/EP splits of MLA, the MTP depth,
+            # the shared experts and the grouped experts, and their gradient reductions, are right)
+            tp1 = _run(_without_model_parallelism(DEEPSEEK_V3) + ["--train-iters", ITERS, "--load", f"{tmp}/ddp",
+                                                                  "--ckpt-step", SAVE_AT])
+            assert ps.get_tensor_model_parallel_world_size() == ps.get_expert_model_parallel_world_size() == 1
+            for i in range(SAVE_AT + 1, ITERS + 1):
+                assert tp1.losses[i] == pytest.approx(full.losses[i], rel=1e-5, abs=0), (i, tp1.losses, full.losses)
+                assert tp1.moe_losses[i]["mtp_1 loss"] == pytest.approx(full.moe_losses[i]["mtp_1 loss"], rel=1e-5,
+                                                                        abs=0)
         assert sorted(full.losses) == list(range(1, ITERS + 1)) and sorted(resumed.losses) == [3, 4]
         curve = [full.losses[i] for i in range(1, ITERS + 1)]
         assert len(set(curve)) == ITERS, curve  # it trains
