@@ -36,6 +36,7 @@ def _check(got, want, atol=3e-2):
 
 def _body(rank, world_size, kind, store_path):
     torch.cuda.set_device(rank)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one host: NCCL's bootstrap on loopback (it skips lo by default)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -76,6 +77,7 @@ def test_te_path_on_one_gpu_equals_ring_and_sdpa():
     fd, store = tempfile.mkstemp(prefix="cp_te_store_")
     os.close(fd)
     os.unlink(store)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # TE's p2p to itself opens a communicator: bootstrap on loopback
     dist.init_process_group("nccl", store=dist.FileStore(store, 1), rank=0, world_size=1)
     try:
         q, k, v, dout = _inputs()

@@ -19,7 +19,7 @@ from tests.unit_tests.dist_utils import run_distributed
 
 def _cfg(**kw):
     base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, hidden_dropout=0.0,
-                attention_dropout=0.0)
+                attention_dropout=0.0, transformer_impl="local")  # TE layers only where a test asks for them
     base.update(kw)
     return TransformerConfig(**base)
 
