@@ -165,7 +165,7 @@ class TransformerLayer(MegatronModule):
             self._check_submodules(submodules, config_layer_submodules(config, self.is_moe))
         self.submodules_config = submodules
         if te:
-            from megatron.core.extensions.te_layers import check_te_available
+            from megatron.core.fp8_utils import check_te_available
 
             check_te_available()
         mla = bool(getattr(config, "multi_latent_attention", False))
