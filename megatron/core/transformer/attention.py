@@ -25,7 +25,7 @@ def build_linear(config, kind: str, input_size: int, output_size: int, *, init_m
     """A linear layer for ``config.transformer_impl``: kind is 'column', 'row' or 'layernorm_column' (TE fused
     norm + linear; 'local' has no fused form, the caller then builds a separate norm)."""
     if config.transformer_impl == "transformer_engine":
-        from megatron.core.extensions import te_layers
+        from megatron.core.tensor_parallel import te_layers
 
         cls = {
             "column": te_layers.TEColumnParallelLinear,

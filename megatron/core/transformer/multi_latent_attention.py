@@ -66,7 +66,7 @@ def mla_submodules(use_te: bool, qk_layernorm: bool) -> MLASelfAttentionSubmodul
     the norms fused into the up projections (the down projections column-parallel, where upstream's TE spec has a
     replicated ``TELinear``: see the module docstring)."""
     if use_te:
-        from megatron.core.extensions import te_layers
+        from megatron.core.tensor_parallel import te_layers
 
         column = te_layers.TEColumnParallelLinear
         up = te_layers.TELayerNormColumnParallelLinear if qk_layernorm else column
