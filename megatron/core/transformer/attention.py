@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 
 from megatron.core.dist_utils import log_once
-from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import should_recompute
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.core_attention import CoreAttention, sdpa_backend  # noqa: F401 (also this module's name)
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
 
 
