@@ -34,16 +34,6 @@ import torch
 
 from .core import CheckpointingException
 
-__all__ = [
-    "SAFE_GLOBALS",
-    "safe_torch_load",
-    "safe_load_from_bytes",
-    "SafeUnpickler",
-    "safe_pickle_load",
-    "safe_np_load",
-    "safe_numpy_load",
-]
-
 
 def _numpy_globals() -> List[Any]:
     """What ``torch.save`` of a numpy array (e.g. ``np.random.get_state()``) names: the array rebuild function, the
