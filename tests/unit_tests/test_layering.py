@@ -167,5 +167,6 @@ def test_the_check_refuses_a_lazy_import_back_up_and_a_circle(tmp_path):
     layers = read_layers(DOC.read_text())
     ckpt = PKG / "core" / "dist_checkpointing" / "mapping.py"
     wrong = violations(layers, {ckpt: [(2, target)]})
-    assert len(wrong) == 1 and "core/dist_checkpointing/ (layer 4 checkpoint) may not import core/transformer/" in wrong[0]
+    assert len(wrong) == 1
+    assert "core/dist_checkpointing/ (layer 4 checkpoint) may not import core/transformer/" in wrong[0]
     assert _circles({ckpt: [(1, target)], target: [(3, ckpt)]}) == [sorted([ckpt, target])]
