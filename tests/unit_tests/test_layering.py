@@ -7,7 +7,6 @@ import pathlib
 import re
 from typing import Dict, List, Optional, Tuple
 
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PKG = ROOT / "megatron"
 DOC = ROOT / "docs" / "architecture.md"
