@@ -5,7 +5,7 @@
 #
 # Same positional arguments and the same flags as upstream's script, with smaller values (layers, hidden size,
 # sequence length, batch sizes, iterations, intervals, parallel sizes: tensor parallel 2 of the 2 CPU ranks).
-# Differences in flags, each because this fork refuses what it cannot honour (see the README's list): no
+# Differences in flags, each because this fork refuses what it cannot honour (see docs/training.md's list): no
 # --rampup-batch-size, --pipeline-model-parallel-size 1 (no pipeline parallelism); on CPU torchrun without
 # --master_addr/--master_port (--standalone) and --distributed-backend gloo. Like upstream it trains in --fp16 with
 # dynamic loss scaling from 2**32: the first iterations are skipped while the scale comes down (see the log line).

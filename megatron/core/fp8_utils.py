@@ -16,11 +16,15 @@ Recognized tensors:
 
 Plain tensors pass through every function unchanged, so callers need no ``if``.
 """
+import contextlib
+import contextvars
 import functools
+import inspect
 from typing import Dict, Optional
 
 import torch
 
+from .dist_utils import is_distributed
 from .extensions import transformer_engine as _te
 
 DELAYED = "delayed"  # FP8 per-tensor delayed scaling (Float8Quantizer: scale from an amax history)
@@ -573,19 +577,102 @@ def is_first_last_bf16_layer(config, layer_no: int) -> bool:
     return layer_no < config.num_layers_at_start_in_bf16 or layer_no >= config.num_layers - config.num_layers_at_end_in_bf16
 
 
+# ---- TE recipes and contexts (get_fp8_context below, and the TE layer wrappers, use them) ------------------------
+def _te_layers_available() -> bool:
+    """TE is installed with the layers the wrappers build on (read at each call: tests stand a fake TE in)."""
+    return bool(_te.HAVE_TE and _te.TELinear is not None and _te.TELayerNormLinear is not None)
+
+
+def check_te_available() -> None:
+    """Raise a clear error when TE layers are asked for but Transformer Engine is not installed."""
+    if not _te_layers_available():
+        raise RuntimeError(
+            "--transformer-impl transformer_engine (TransformerConfig.transformer_impl='transformer_engine') needs "
+            "Transformer Engine, which is not installed or failed to import; install it on a CUDA machine "
+            "(pip install 'megatron-core-fork[te]') or use --transformer-impl local"
+        )
+
+
+def get_quantization_recipe(config):
+    """The TE recipe for ``config.fp8`` / ``config.fp8_recipe`` (or ``config.fp4``), None when neither is set."""
+    check_te_available()
+    r = _te.te_recipe
+    if config.fp4 is not None:
+        return r.NVFP4BlockScaling()
+    if config.fp8 is None:
+        return None
+    fmt = r.Format.E4M3 if config.fp8 == "e4m3" else r.Format.HYBRID
+    if config.fp8_recipe == "delayed":
+        return r.DelayedScaling(
+            margin=config.fp8_margin,
+            fp8_format=fmt,
+            amax_history_len=config.fp8_amax_history_len,
+            amax_compute_algo=config.fp8_amax_compute_algo,
+        )
+    if config.fp8_recipe == "tensorwise":
+        return r.Float8CurrentScaling(fp8_format=fmt)
+    if config.fp8_recipe == "mxfp8":
+        return r.MXFP8BlockScaling(fp8_format=fmt)
+    if config.fp8_recipe == "blockwise":
+        return r.Float8BlockScaling(fp8_format=fmt)
+    raise ValueError(f"unknown fp8_recipe {config.fp8_recipe!r} (--fp8-recipe)")
+
+
+def _call_with_recipe(fn, recipe, **kwargs):
+    params = inspect.signature(fn).parameters
+    key = "recipe" if "recipe" in params else "fp8_recipe"
+    return fn(**{key: recipe}, **kwargs)
+
+
+def te_quantization_autocast(config):
+    """TE autocast (``te.pytorch.autocast`` or the older ``fp8_autocast``) for the config's fp8/fp4 recipe; amax
+    reduction (delayed scaling) over the data x context parallel group when torch.distributed is initialised."""
+    check_te_available()
+    kwargs = {"enabled": True}
+    if is_distributed():
+        from megatron.core import parallel_state
+
+        params = inspect.signature(_te.te_autocast).parameters
+        group_key = "amax_reduction_group" if "amax_reduction_group" in params else "fp8_group"
+        if group_key in params:
+            kwargs[group_key] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return _call_with_recipe(_te.te_autocast, get_quantization_recipe(config), **kwargs)
+
+
+_HIGH_PRECISION_INIT = contextvars.ContextVar("high_precision_init", default=False)
+
+
+@contextlib.contextmanager
+def high_precision_init():
+    """TE modules built inside get plain (not quantized) weights whatever ``fp8_param`` / ``fp4_param`` say: the
+    layers ``--first-last-layers-bf16`` keeps in high precision."""
+    token = _HIGH_PRECISION_INIT.set(True)
+    try:
+        yield
+    finally:
+        _HIGH_PRECISION_INIT.reset(token)
+
+
+def te_quantized_init_context(config):
+    """TE ``quantized_model_init`` / ``fp8_model_init`` when ``fp8_param`` / ``fp4_param`` (not inside
+    ``high_precision_init``), else a no-op."""
+    if not (config.fp8_param or config.fp4_param) or _HIGH_PRECISION_INIT.get():
+        return contextlib.nullcontext()
+    check_te_available()
+    if _te.te_quantized_model_init is None:
+        raise RuntimeError("this Transformer Engine has neither quantized_model_init nor fp8_model_init (--fp8-param-gather)")
+    return _call_with_recipe(_te.te_quantized_model_init, get_quantization_recipe(config), enabled=True)
+
+
 # ---- upstream's FP8 context API (training loop, TransformerBlock) ----------------------------------------------
 def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
     """Upstream's FP8 context: ``is_init=False``: TE's autocast with the config's recipe when ``config.fp8`` is set
     (what ``TransformerBlock`` runs its layers under); ``is_init=True``: TE's quantized model init when
     ``config.fp8_param`` is set (weights built as TE quantized tensors). ``nullcontext()`` otherwise, and for a layer ``layer_no`` (0-based,
     global) that ``--first-last-layers-bf16`` keeps in high precision (``is_first_last_bf16_layer``)."""
-    import contextlib
-
     if not (config.fp8_param if is_init else config.fp8) or is_first_last_bf16_layer(config, layer_no):
         return contextlib.nullcontext()
-    from megatron.core.extensions import te_layers
-
-    return te_layers.te_quantized_init_context(config) if is_init else te_layers.te_quantization_autocast(config)
+    return te_quantized_init_context(config) if is_init else te_quantization_autocast(config)
 
 
 def correct_amax_history_if_needed(model) -> None:

@@ -432,7 +432,7 @@ def _add_training_args(parser):
                    help="The kernel of torch's scaled_dot_product_attention that computes core attention: auto "
                         "(torch picks), flash, fused (memory-efficient; both CUDA), unfused/local (math, with "
                         "--transformer-impl local). The same math.")
-    # -- kernel selection (upstream's flags): each picks a kernel for the same math; README lists what they do here --
+    # -- kernel selection (upstream's flags): each picks a kernel for the same math (see docs/training.md) --
     g.add_argument("--use-flash-attn", action="store_true", help="The same as --attention-backend flash.")
     for flag, kwargs, what in KERNEL_FLAGS:
         g.add_argument(flag, help=f"Accepted: {what}.", **kwargs)

@@ -3,7 +3,7 @@ row groups ``x_i`` of sizes ``m_splits``, in one call of torch's grouped matmul 
 torch has it and the inputs suit it (:func:`use_torch_grouped_mm`), else one ``F.linear`` per group (the same math).
 Used by the experts of ``--moe-grouped-gemm``: the local layers of ``megatron.core.transformer.moe.grouped_gemm_util``
 and, for unquantized bf16 on Hopper, Transformer Engine's ``GroupedLinear``
-(``megatron.core.extensions.te_layers``). The group sizes reach the device without a host sync."""
+(``megatron.core.tensor_parallel.te_layers``). The group sizes reach the device without a host sync."""
 import itertools
 from typing import Sequence
 

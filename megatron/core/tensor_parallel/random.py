@@ -185,7 +185,7 @@ def checkpoint(function, distribute_saved_activations: bool, *args):
     """Upstream's ``tensor_parallel.checkpoint``: run ``function(*args)`` keeping only its inputs; it runs again in
     backward with the same RNG states (default generators and the tracker's). Non-reentrant
     (``torch.utils.checkpoint``), so it composes with FSDP2's hooks and with inputs that need no grad. FP8 runs use
-    TE's checkpoint instead (``megatron.core.extensions.te_layers.te_checkpoint``, which also restores FP8 state)."""
+    TE's checkpoint instead (``megatron.core.tensor_parallel.te_layers.te_checkpoint``, which also restores FP8 state)."""
     if distribute_saved_activations:
         raise NotImplementedError("--distribute-saved-activations is not supported (checkpointed inputs are kept "
                                   "whole on every tensor-parallel rank)")

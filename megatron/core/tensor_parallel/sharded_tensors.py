@@ -2,7 +2,7 @@
 checkpoint tensor (the tensor-parallel axis and fragment, the data-parallel replica id, the prepended layer / expert
 axes, a Megatron-FSDP DTensor's dim-0 shard).
 
-They stand at the bottom of the model stack: ``tensor_parallel/layers.py``, ``extensions/te_layers.py`` and
+They stand at the bottom of the model stack: ``tensor_parallel/layers.py``, ``tensor_parallel/te_layers.py`` and
 ``transformer/`` build their ``sharded_state_dict`` with them. Upstream keeps these names in
 ``megatron/core/utils.py`` and ``megatron/core/transformer/utils.py``; both re-export them from here.
 """

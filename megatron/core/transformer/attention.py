@@ -5,7 +5,6 @@ all-gathers them, the output projection reduce-scatters back). The QKV weight la
 group, ``[q heads of the group, k, v]`` each ``kv_channels`` wide, so the column-parallel split gives each tensor-parallel
 rank ``num_query_groups / tp`` whole groups and their heads.
 """
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -13,11 +12,11 @@ from typing import Optional
 import torch
 
 from megatron.core.dist_utils import log_once
-from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import should_recompute
 from megatron.core.tensor_parallel.utils import divide
-from megatron.core.transformer.core_attention import CoreAttention
+from megatron.core.transformer.core_attention import CoreAttention, sdpa_backend  # noqa: F401 (also this module's name)
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
 
 
@@ -26,7 +25,7 @@ def build_linear(config, kind: str, input_size: int, output_size: int, *, init_m
     """A linear layer for ``config.transformer_impl``: kind is 'column', 'row' or 'layernorm_column' (TE fused
     norm + linear; 'local' has no fused form, the caller then builds a separate norm)."""
     if config.transformer_impl == "transformer_engine":
-        from megatron.core.extensions import te_layers
+        from megatron.core.tensor_parallel import te_layers
 
         cls = {
             "column": te_layers.TEColumnParallelLinear,
@@ -60,19 +59,6 @@ class SelfAttentionSubmodules:
     linear_proj: object = None
     q_layernorm: object = None
     k_layernorm: object = None
-
-_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "fused": "EFFICIENT_ATTENTION", "unfused": "MATH", "local": "MATH"}
-
-
-def sdpa_backend(attention_backend):
-    """The context that restricts ``F.scaled_dot_product_attention`` to the kernel of ``--attention-backend`` (an
-    ``AttnBackend`` or its name; ``auto``: torch's own choice, no restriction)."""
-    name = _SDPA_BACKENDS.get(getattr(attention_backend, "name", attention_backend))
-    if name is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(getattr(SDPBackend, name))
 
 
 def fused_sdpa_kernel(q, k, v, dropout_p: float = 0.0) -> bool:

@@ -59,6 +59,20 @@ def sliding_window_mask(sq: int, sk: int, window: Optional[Tuple[int, int]], dev
 SINK_PAD = 8  # channels added to the head dimension for the sink key (a multiple of 8 keeps the kernels' alignment)
 
 
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "fused": "EFFICIENT_ATTENTION", "unfused": "MATH", "local": "MATH"}
+
+
+def sdpa_backend(attention_backend):
+    """The context that restricts ``F.scaled_dot_product_attention`` to the kernel of ``--attention-backend`` (an
+    ``AttnBackend`` or its name; ``auto``: torch's own choice, no restriction)."""
+    name = _SDPA_BACKENDS.get(getattr(attention_backend, "name", attention_backend))
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, name))
+
+
 def attention(q, k, v, mask: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0) -> torch.Tensor:
     """``[b, n, s, d]`` core attention by ``F.scaled_dot_product_attention``. ``mask``: None (causal) or bool
@@ -152,7 +166,6 @@ class CoreAttention(MegatronModule):
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)
         rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
-        from megatron.core.transformer.attention import sdpa_backend
 
         mask = self.mask(attention_mask, q.shape[2], k.shape[2], q.device)
         sink = self.sink(q) if sink is None and self.config.softmax_type != "vanilla" else sink

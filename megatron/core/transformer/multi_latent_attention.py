@@ -29,8 +29,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding, _yarn_get_mscale
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -40,8 +38,10 @@ from megatron.core.tensor_parallel.random import model_parallel_rng_context, sho
 from megatron.core.tensor_parallel.utils import divide, tp_group_info
 from megatron.core.transformer.attention import build_linear, sdpa_backend
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.core.transformer.torch_norm import IdentityOp, WrappedTorchNorm, build_norm
 from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
+from megatron.core.transformer.yarn_rotary_pos_embedding import YarnRotaryEmbedding, _yarn_get_mscale
 
 
 @dataclass
@@ -66,7 +66,7 @@ def mla_submodules(use_te: bool, qk_layernorm: bool) -> MLASelfAttentionSubmodul
     the norms fused into the up projections (the down projections column-parallel, where upstream's TE spec has a
     replicated ``TELinear``: see the module docstring)."""
     if use_te:
-        from megatron.core.extensions import te_layers
+        from megatron.core.tensor_parallel import te_layers
 
         column = te_layers.TEColumnParallelLinear
         up = te_layers.TELayerNormColumnParallelLinear if qk_layernorm else column

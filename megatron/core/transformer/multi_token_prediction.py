@@ -152,7 +152,7 @@ class MultiTokenPredictionBlockSubmodules:
 def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool) -> ModuleSpec:
     """The spec of one MTP depth around ``mtp_model_layer_spec`` (a TransformerLayer spec)."""
     if use_transformer_engine:
-        from megatron.core.extensions import te_layers
+        from megatron.core.tensor_parallel import te_layers
 
         column = te_layers.TEColumnParallelLinear
     else:
@@ -185,7 +185,7 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.enorm = build_norm(config, config.hidden_size, te_extra_state=te)
         self.hnorm = build_norm(config, config.hidden_size, te_extra_state=te)
         if te:
-            from megatron.core.extensions import te_layers
+            from megatron.core.tensor_parallel import te_layers
 
             column = te_layers.TEColumnParallelLinear
         else:

@@ -76,7 +76,7 @@ def resolve_layer_specs(config, spec, stage_layers: Optional[int] = None) -> Lis
 def quantization_autocast(config):
     """TE's FP8/FP4 autocast for ``config`` (Transformer Engine layers with fp8/fp4), else a no-op."""
     if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
-        from megatron.core.extensions.te_layers import te_quantization_autocast
+        from megatron.core.fp8_utils import te_quantization_autocast
 
         return te_quantization_autocast(config)
     return contextlib.nullcontext()
@@ -129,7 +129,7 @@ class TransformerBlock(MegatronModule):
         """A layer; one of the high-precision first/last layers (``--first-last-layers-bf16``) without quantized
         weights (upstream's per-layer init context)."""
         if _high_precision_layer(self.config, layer_number):
-            from megatron.core.extensions.te_layers import high_precision_init
+            from megatron.core.fp8_utils import high_precision_init
 
             with high_precision_init():
                 return build_module(spec, self.config, layer_number=layer_number)

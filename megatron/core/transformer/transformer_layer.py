@@ -83,7 +83,7 @@ def layer_submodules(use_te: bool, is_moe: bool, moe_grouped_gemm: bool = False,
     attention (``qk_layernorm``: its q/kv norms) keeps a separate ``input_layernorm`` and, local, no key map, as
     upstream's MLA specs."""
     if use_te:
-        from megatron.core.extensions import te_layers
+        from megatron.core.tensor_parallel import te_layers
 
         column, row = te_layers.TEColumnParallelLinear, te_layers.TERowParallelLinear
         fused = te_layers.TELayerNormColumnParallelLinear
@@ -165,7 +165,7 @@ class TransformerLayer(MegatronModule):
             self._check_submodules(submodules, config_layer_submodules(config, self.is_moe))
         self.submodules_config = submodules
         if te:
-            from megatron.core.extensions.te_layers import check_te_available
+            from megatron.core.fp8_utils import check_te_available
 
             check_te_available()
         mla = bool(getattr(config, "multi_latent_attention", False))

@@ -72,7 +72,7 @@ def recompute(config, function, *args, parameter_free: bool = False, preserve_rn
 
         return checkpoint_parameter_free(function, *args, preserve_rng_state=preserve_rng_state)
     if config.transformer_impl == "transformer_engine" and (config.fp8 is not None or config.fp4 is not None):
-        from megatron.core.extensions.te_layers import te_checkpoint
+        from megatron.core.tensor_parallel.te_layers import te_checkpoint
         from megatron.core.tensor_parallel.random import _counted_as_checkpointed
 
         return te_checkpoint(_counted_as_checkpointed(function), *args)

@@ -180,7 +180,7 @@ def test_the_spec_chooses_te_or_local():
     te_spec = specs.get_gpt_layer_with_transformer_engine_spec()
     cfg = _cfg()
     assert cfg.transformer_impl == "local"
-    from megatron.core.extensions.te_layers import HAVE_TE
+    from megatron.core.tensor_parallel.te_layers import HAVE_TE
 
     if HAVE_TE:  # pragma: no cover - TE machines
         model = GPTModel(cfg, te_spec, VOCAB, SEQ)

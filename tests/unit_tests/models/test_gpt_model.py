@@ -149,7 +149,7 @@ def test_perform_initialization_false_leaves_weights_alone():
 
 
 def test_te_requested_without_te_is_a_clear_error():
-    from megatron.core.extensions.te_layers import HAVE_TE
+    from megatron.core.tensor_parallel.te_layers import HAVE_TE
 
     if HAVE_TE:
         pytest.skip("Transformer Engine is installed")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron.core.extensions.te_layers import HAVE_TE
+from megatron.core.tensor_parallel.te_layers import HAVE_TE
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
@@ -33,7 +33,7 @@ def _batch(b=2, s=32):
 
 
 def test_te_layers_used_and_forward_backward():
-    from megatron.core.extensions.te_layers import TELayerNormColumnParallelLinear, TERowParallelLinear
+    from megatron.core.tensor_parallel.te_layers import TELayerNormColumnParallelLinear, TERowParallelLinear
 
     model = _build(_cfg())
     layer = model.decoder.layers[0]

@@ -94,7 +94,7 @@ if __name__ == "__main__":
 
 # ---- the tests -----------------------------------------------------------------------------------------------
 def _have_te():
-    from megatron.core.extensions.te_layers import HAVE_TE
+    from megatron.core.tensor_parallel.te_layers import HAVE_TE
 
     return HAVE_TE
 

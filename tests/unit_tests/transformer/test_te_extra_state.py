@@ -45,7 +45,7 @@ def _te_layers(model):
 
 def _train_fp8(model, cfg, steps, seed):
     """Emulate ``steps`` FP8 iterations of every TE layer (each its own amaxes)."""
-    from megatron.core.extensions import te_layers
+    from megatron.core.tensor_parallel import te_layers
 
     recipe = te_layers.get_quantization_recipe(cfg)
     for i, layer in enumerate(_te_layers(model).values()):

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.extensions import te_layers, transformer_engine
+from megatron.core.extensions import transformer_engine
+from megatron.core.tensor_parallel import te_layers
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 

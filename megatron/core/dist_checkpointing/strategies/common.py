@@ -5,7 +5,7 @@ from typing import Union
 
 import torch
 from ... import dist_utils
-from ...safe_globals import safe_torch_load
+from ..safe_load import safe_torch_load
 from ..core import CheckpointingException
 from ..mapping import StateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from ... import dist_utils
-from ...safe_globals import _PLAIN_CLASSES, SafeUnpickler, safe_pickle_load, safe_torch_load
+from ..safe_load import _PLAIN_CLASSES, SafeUnpickler, safe_pickle_load, safe_torch_load
 from ..core import CheckpointingException
 from .item_checks import checksum_message, checksum_range, describe_index, truncated_message  # noqa: F401
 

@@ -68,7 +68,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ...safe_globals import SafeUnpickler
+from ..safe_load import SafeUnpickler
 from ..core import CheckpointingException
 from .item_checks import checksum_message, checksum_range, describe_index, truncated_message
 

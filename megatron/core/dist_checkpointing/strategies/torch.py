@@ -41,7 +41,7 @@ from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 from ...fp8_utils import dequantize
 from ... import dist_utils
-from ...safe_globals import safe_torch_load
+from ..safe_load import safe_torch_load
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_items_iter
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica

@@ -270,7 +270,7 @@ class TEGroupedMLP(GroupedMLP):
 
     @staticmethod
     def _linear_classes():
-        from megatron.core.extensions.te_layers import (
+        from megatron.core.tensor_parallel.te_layers import (
             TEColumnParallelGroupedLinear,
             TERowParallelGroupedLinear,
             check_te_available,

@@ -1,5 +1,5 @@
 """Grouped-GEMM expert linears for ``--moe-grouped-gemm`` without Transformer Engine (``--transformer-impl local``);
-with TE the experts are TE's ``GroupedLinear`` (``megatron.core.extensions.te_layers.TEColumnParallelGroupedLinear``).
+with TE the experts are TE's ``GroupedLinear`` (``megatron.core.tensor_parallel.te_layers.TEColumnParallelGroupedLinear``).
 Both run their GEMMs through ``megatron.core.fusions.grouped_mm.grouped_gemm`` (TE: unquantized bf16 on Hopper;
 FP8/FP4 and expert tensor parallelism stay on TE's grouped GEMM).
 

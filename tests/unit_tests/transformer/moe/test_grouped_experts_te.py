@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron.core.extensions.te_layers import HAVE_TE
+from megatron.core.tensor_parallel.te_layers import HAVE_TE
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
@@ -65,7 +65,7 @@ def _load(model, path, **strategy):
 
 @pytest.mark.parametrize("first", ["sequential", "grouped"])
 def test_te_grouped_and_sequential_interchange(tmp_path, first):
-    from megatron.core.extensions.te_layers import TEColumnParallelGroupedLinear
+    from megatron.core.tensor_parallel.te_layers import TEColumnParallelGroupedLinear
 
     a = _build(_cfg(first == "grouped"), 1)
     with torch.no_grad():
@@ -80,7 +80,7 @@ def test_te_grouped_and_sequential_interchange(tmp_path, first):
 
 
 def _fp8_train(model, steps=3):
-    from megatron.core.extensions.te_layers import te_quantization_autocast
+    from megatron.core.tensor_parallel.te_layers import te_quantization_autocast
 
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)  # scales move, weights stay
     for _ in range(steps):
@@ -141,7 +141,7 @@ def test_te_grouped_fp8_param_gather_stream_load_and_scales(tmp_path):
 def test_recompute_fp8_delayed_scaling_equals_no_recompute():
     """Full and selective recompute under FP8 delayed scaling (TE's checkpoint): loss, gradients and the FP8 scales
     after the steps equal those without recompute (the recompute sees the original forward's scales)."""
-    from megatron.core.extensions.te_layers import te_quantization_autocast
+    from megatron.core.tensor_parallel.te_layers import te_quantization_autocast
     from megatron.core.extensions.transformer_engine import te_is_fp8_available
 
     if te_is_fp8_available is not None and not te_is_fp8_available():
@@ -178,7 +178,7 @@ def test_unquantized_te_grouped_experts_run_torch_grouped_mm_like_te(dtype, monk
     """bf16 TE grouped experts (no FP8, TP 1) on Hopper run torch's grouped matmul on their own weights
     (fp32 and other GPUs stay on TE's grouped GEMM): the loss and every gradient equal those of TE's grouped GEMM
     (forced by turning the check off) up to rounding; FP8 stays on TE."""
-    from megatron.core.extensions import te_layers
+    from megatron.core.tensor_parallel import te_layers
 
     calls = []
     real = te_layers.TEGroupedLinear.uses_torch_grouped_mm

@@ -15,101 +15,24 @@ With ``config.fp8_param`` / ``config.fp4_param`` the module is built under TE's 
 ``fp8_model_init``): its weights are TE quantized tensors (Float8Tensor, MXFP8Tensor, ...).
 """
 import contextlib
-import contextvars
 import inspect
 
 import torch
 
-from megatron.core.dist_utils import is_distributed
 from megatron.core.extensions import te_extra_state
 from megatron.core.extensions import transformer_engine as _te
+from megatron.core.fp8_utils import (  # noqa: F401 (the recipes and contexts live there; still this module's names)
+    check_te_available,
+    get_quantization_recipe,
+    high_precision_init,
+    te_quantization_autocast,
+    te_quantized_init_context,
+)
 from megatron.core.fusions.grouped_mm import add_grouped_bias, grouped_gemm, use_torch_grouped_mm
 from megatron.core.tensor_parallel.sharded_tensors import make_sharded_tensors_for_checkpoint
 from megatron.core.tensor_parallel.utils import set_param_attrs
 
 HAVE_TE = _te.HAVE_TE and _te.TELinear is not None and _te.TELayerNormLinear is not None
-
-
-def check_te_available() -> None:
-    """Raise a clear error when TE layers are asked for but Transformer Engine is not installed."""
-    if not HAVE_TE:
-        raise RuntimeError(
-            "--transformer-impl transformer_engine (TransformerConfig.transformer_impl='transformer_engine') needs "
-            "Transformer Engine, which is not installed or failed to import; install it on a CUDA machine "
-            "(pip install 'megatron-core-fork[te]') or use --transformer-impl local"
-        )
-
-
-# ---- recipes and contexts ---------------------------------------------------------------------------------
-def get_quantization_recipe(config):
-    """The TE recipe for ``config.fp8`` / ``config.fp8_recipe`` (or ``config.fp4``), None when neither is set."""
-    check_te_available()
-    r = _te.te_recipe
-    if config.fp4 is not None:
-        return r.NVFP4BlockScaling()
-    if config.fp8 is None:
-        return None
-    fmt = r.Format.E4M3 if config.fp8 == "e4m3" else r.Format.HYBRID
-    if config.fp8_recipe == "delayed":
-        return r.DelayedScaling(
-            margin=config.fp8_margin,
-            fp8_format=fmt,
-            amax_history_len=config.fp8_amax_history_len,
-            amax_compute_algo=config.fp8_amax_compute_algo,
-        )
-    if config.fp8_recipe == "tensorwise":
-        return r.Float8CurrentScaling(fp8_format=fmt)
-    if config.fp8_recipe == "mxfp8":
-        return r.MXFP8BlockScaling(fp8_format=fmt)
-    if config.fp8_recipe == "blockwise":
-        return r.Float8BlockScaling(fp8_format=fmt)
-    raise ValueError(f"unknown fp8_recipe {config.fp8_recipe!r} (--fp8-recipe)")
-
-
-def _call_with_recipe(fn, recipe, **kwargs):
-    params = inspect.signature(fn).parameters
-    key = "recipe" if "recipe" in params else "fp8_recipe"
-    return fn(**{key: recipe}, **kwargs)
-
-
-def te_quantization_autocast(config):
-    """TE autocast (``te.pytorch.autocast`` or the older ``fp8_autocast``) for the config's fp8/fp4 recipe; amax
-    reduction (delayed scaling) over the data x context parallel group when torch.distributed is initialised."""
-    check_te_available()
-    kwargs = {"enabled": True}
-    if is_distributed():
-        from megatron.core import parallel_state
-
-        params = inspect.signature(_te.te_autocast).parameters
-        group_key = "amax_reduction_group" if "amax_reduction_group" in params else "fp8_group"
-        if group_key in params:
-            kwargs[group_key] = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return _call_with_recipe(_te.te_autocast, get_quantization_recipe(config), **kwargs)
-
-
-_HIGH_PRECISION_INIT = contextvars.ContextVar("high_precision_init", default=False)
-
-
-@contextlib.contextmanager
-def high_precision_init():
-    """TE modules built inside get plain (not quantized) weights whatever ``fp8_param`` / ``fp4_param`` say: the
-    layers ``--first-last-layers-bf16`` keeps in high precision."""
-    token = _HIGH_PRECISION_INIT.set(True)
-    try:
-        yield
-    finally:
-        _HIGH_PRECISION_INIT.reset(token)
-
-
-def te_quantized_init_context(config):
-    """TE ``quantized_model_init`` / ``fp8_model_init`` when ``fp8_param`` / ``fp4_param`` (not inside
-    ``high_precision_init``), else a no-op."""
-    if not (config.fp8_param or config.fp4_param) or _HIGH_PRECISION_INIT.get():
-        return contextlib.nullcontext()
-    check_te_available()
-    if _te.te_quantized_model_init is None:
-        raise RuntimeError("this Transformer Engine has neither quantized_model_init nor fp8_model_init (--fp8-param-gather)")
-    return _call_with_recipe(_te.te_quantized_model_init, get_quantization_recipe(config), enabled=True)
 
 
 def te_checkpoint(function, *args):
