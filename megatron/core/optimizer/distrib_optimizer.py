@@ -211,6 +211,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 s = _Slice(p, a - o, b - o, a - lo, space_of[p])
                 self.slices.append(s)
                 main = torch.nn.Parameter(_flat_values(p)[s.start : s.stop].float().clone())
+                if self.main_grad_dtype != torch.float32:  # --main-grads-dtype bf16: the reduced bf16 gradient
+                    main.grad_dtype = self.main_grad_dtype
                 mains.append(main)
             main_params.extend(mains)
             shard_groups.append({**g, "params": mains})

@@ -9,7 +9,7 @@ Upstream 0.19.2 builds it on Transformer Engine's FusedAdam; this fork's :class:
 - ``fp8``: the values divided by a per-tensor fp32 scale ``absmax / 448``, stored as float8 e4m3 (1 byte).
 
 A step reads each state as fp32 (stored value x scale), runs torch's AdamW arithmetic in fp32 on it (the same
-kernel as ``torch.optim.AdamW``, decoupled weight decay; on fp32 states and gradients the very same results), and
+kernel as ``torch.optim.AdamW(foreach=True)``, fused on CUDA; on fp32 states and gradients the very same results), and
 stores it back, recomputing the scale from the new absmax. The parameters it updates are the fp32 main params (the
 distributed optimizer's slices, Megatron-FSDP's fp32 shards); their gradients may be bf16 (``--main-grads-dtype
 bf16``: no fp32 copy of the reduced gradient is kept), read as fp32 inside the step. The scale of a state is kept
@@ -166,7 +166,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if s.device != p.device:
                     self.state[p]["step"] = s.to(p.device)
             steps = [self.state[p]["step"] for p in params]
+        # foreach elsewhere (CPU too): a few multi-tensor ops instead of ~10 per tensor
         adam(params, grads, moments["exp_avg"], moments["exp_avg_sq"], [], steps, fused=True if fused else None,
+             foreach=None if fused else True,
              decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         for name in STATE_KEYS:
