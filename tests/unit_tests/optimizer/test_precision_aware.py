@@ -363,3 +363,43 @@ def test_megatron_fsdp_reduced_moments_train_and_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     run_distributed(_fsdp_body, 2, ckpt)
+
+
+# ---- through pretrain: save with bf16 moments and bf16 main grads, resume with fp32 moments ------------------------
+def _pretrain_body(rank, ws, root):
+    from tests.unit_tests.training.test_training import NO_DROPOUT, TINY, _run
+
+    args = TINY + NO_DROPOUT + ["--bf16", "--use-distributed-optimizer", "--train-iters", 2, "--log-interval", 1]
+    aware = ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
+             "--exp-avg-sq-dtype", "bf16"]
+    saved = _run(args + aware + ["--save", root, "--save-interval", 2])
+    opt = saved.optimizer
+    assert isinstance(opt.optimizer, PrecisionAwareAdamW)
+    assert {m.grad.dtype for m in opt.main_params if m.grad is not None} == {torch.bfloat16}
+    want = {(s.model_param, s.start): {k: opt.optimizer.get_unscaled_state(m, k).clone()
+                                       for k in ("exp_avg", "exp_avg_sq")} for s, m in zip(opt.slices, opt.main_params)}
+    want = {(opt.param_to_name[p], start): v for (p, start), v in want.items()}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("megatron.core.optimizer.precision_aware")
+    log.addHandler(handler)
+    try:
+        loaded = _run(args + ["--load", root, "--ckpt-step", 2])  # fp32 moments (no flag): converted on load
+    finally:
+        log.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    if rank == 0:
+        assert len(lines) == 1 and "exp_avg bf16 -> fp32, exp_avg_sq bf16 -> fp32" in lines[0], lines
+    else:
+        assert lines == []
+    lopt = loaded.optimizer
+    assert type(lopt.optimizer) is torch.optim.AdamW
+    for s, m in zip(lopt.slices, lopt.main_params):
+        for k, v in want[(lopt.param_to_name[s.model_param], s.start)].items():
+            got = lopt.optimizer.state[m][k]
+            assert got.dtype == torch.float32 and torch.equal(got, v), (k, (got - v).abs().max())
+
+
+def test_pretrain_resume_from_bf16_moments_into_fp32_moments(tmp_path):
+    run_distributed(_pretrain_body, 2, str(tmp_path / "ckpt"))
