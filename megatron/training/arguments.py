@@ -299,9 +299,6 @@ KERNEL_FLAGS = (
 REFUSED_FLAGS = (
     (("--moe-flex-dispatcher-backend",), dict(type=str, default=None),
      "the flex token dispatcher (DeepEP / HybridEP) is not implemented: use alltoall or allgather"),
-    (("--use-precision-aware-optimizer",), dict(action="store_true"),
-     "it keeps optimizer state in lower precision through Transformer Engine's FusedAdam; this fork's optimizer "
-     "keeps fp32 main params and state"),
     (("--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub",
       "--fsdp-db-use-persist-buf-on-alloc-fail"), dict(action="store_true"),
      "Megatron-FSDP's NCCL buffer options: this fork's Megatron-FSDP runs on FSDP2, which has no such buffers"),
@@ -331,6 +328,14 @@ def _add_refused_args(parser):
             g.add_argument(flag, help=f"Refused: {reason}.", **kwargs)
     for flag, kwargs, value, reason in ACCEPTED_VALUE_FLAGS:
         g.add_argument(flag, help=f"{value} (what this fork does); other values are refused: {reason}.", **kwargs)
+
+
+def _map_precision_aware_dtypes(args):
+    """``--main-grads-dtype`` ... as torch dtypes (upstream's mapping: fp8 is ``torch.uint8``)."""
+    from megatron.core.optimizer.precision_aware import as_state_dtype
+
+    for dest in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        setattr(args, dest, as_state_dtype(getattr(args, dest), flag_name(dest)))
 
 
 def _validate_refused_args(args):
@@ -575,6 +580,22 @@ def _add_mixed_precision_args(parser):
                    help="Reduce grads in fp32 (on by default with --bf16, as upstream).")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="With --bf16: reduce grads in bf16 instead of fp32.")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Keep Adam's moments (--exp-avg-dtype, --exp-avg-sq-dtype) and the main grads "
+                        "(--main-grads-dtype) in lower precision; the update is computed in fp32. Needs "
+                        "--use-distributed-optimizer or --use-megatron-fsdp (as upstream; torch, no Transformer "
+                        "Engine needed).")
+    g.add_argument("--main-grads-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="Main grads' dtype with --use-precision-aware-optimizer (bf16: with --bf16, gradients are "
+                        "then reduced in bf16 and stepped from directly).")
+    g.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"],
+                   help="Main params' dtype with --use-precision-aware-optimizer (fp16 is refused: not built here).")
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="Storage dtype of Adam's first moment with --use-precision-aware-optimizer (fp16 / fp8 "
+                        "scaled per tensor); the update is computed in fp32.")
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="Storage dtype of Adam's second moment with --use-precision-aware-optimizer (as "
+                        "--exp-avg-dtype).")
 
 
 def _add_transformer_engine_args(parser):
@@ -1342,8 +1363,12 @@ def validate_args(args, defaults={}):
     if args.fp16 and (args.fp8 is not None or args.fp4 is not None):
         _fail("--fp16 with --fp8-format / --fp4-format is not supported: use --bf16 as the high precision")
     args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
-    if args.bf16:  # as upstream: bf16 gradients are all-reduced in fp32 unless --grad-reduce-in-bf16
-        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+    _map_precision_aware_dtypes(args)
+    if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != torch.float32:
+        _fail("--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set (as upstream)")
+    if args.bf16:  # as upstream: bf16 gradients are all-reduced in fp32 unless --grad-reduce-in-bf16 or bf16 main grads
+        args.accumulate_allreduce_grads_in_fp32 = (not args.grad_reduce_in_bf16
+                                                   and args.main_grads_dtype == torch.float32)
     # fp16/bf16, fp8/fp4 and their param-gather and --transformer-impl combinations: the configs' own checks
     # (_validate_configs, below)
 
@@ -1545,6 +1570,11 @@ def optimizer_config_from_args(args):
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        main_grads_dtype=args.main_grads_dtype,
+        main_params_dtype=args.main_params_dtype,
+        exp_avg_dtype=args.exp_avg_dtype,
+        exp_avg_sq_dtype=args.exp_avg_sq_dtype,
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
     )

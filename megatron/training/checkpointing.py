@@ -196,12 +196,14 @@ def loaded_sd_metadata(checkpoint_dir: str) -> dict:
     ``fully_sharded_model_space``."""
     from megatron.core.optimizer.distrib_optimizer import FULLY_SHARDED_MODEL_SPACE
 
-    found = [(_read_content_metadata(checkpoint_dir), _fp32_main_params_location(checkpoint_dir))
-             if get_rank() == 0 else None]
+    found = [(_read_content_metadata(checkpoint_dir), _fp32_main_params_location(checkpoint_dir),
+              _checkpoint_state_dtypes(checkpoint_dir)) if get_rank() == 0 else None]
     if get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
-    content, where = found[0]
+    content, where, state_dtypes = found[0]
     metadata = dict(content or {})
+    if state_dtypes is not None:  # the Adam moments' precision it was saved from (precision_aware.py)
+        metadata["checkpoint_state_dtypes"] = state_dtypes
     metadata.setdefault("distrib_optim_sharding_type", FULLY_SHARDED_MODEL_SPACE)
     if where is not None:  # where the checkpoint keeps its fp32 main params (MegatronOptimizer.sharded_state_dict)
         metadata["checkpoint_fp32_main_params"] = where
@@ -224,6 +226,19 @@ def _fp32_main_params_location(checkpoint_dir: str) -> Optional[str]:
     except (CheckpointingException, OSError):
         return None
     return fp32_main_params_location(k for k, md in sdm.items() if isinstance(md, TensorStorageMetadata))
+
+
+def _checkpoint_state_dtypes(checkpoint_dir: str) -> Optional[dict]:
+    """The Adam moments' precision of the run that saved the checkpoint, from its args (``--exp-avg-dtype`` ...
+    with ``--use-precision-aware-optimizer``, ours and upstream's); None where the args cannot be read."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.optimizer.precision_aware import checkpoint_state_dtypes
+
+    try:
+        saved_args = dist_checkpointing.load_common_state_dict(checkpoint_dir).get("args")
+    except (CheckpointingException, OSError):
+        return None
+    return None if saved_args is None else checkpoint_state_dtypes(saved_args)
 
 
 def _read_content_metadata(checkpoint_dir: str) -> Optional[dict]:

@@ -69,6 +69,8 @@ from megatron.core.fp8_utils import (
     rowwise_bytes,
 )
 from megatron.core.optimizer.param_layout import BucketLayout, BufferLayout, buffer_layouts
+from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, log_state_conversion, main_grad_dtype,
+                                                     set_slice_state, slice_state)
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     _foreach_copy,
@@ -174,6 +176,7 @@ class DistributedOptimizer(MegatronOptimizer):
         plain_dtypes = {p.dtype for p in plain}
         self.param_dtype = next(iter(plain_dtypes)) if len(plain_dtypes) == 1 else torch.float32
         self.check_for_nan_in_grad = check_for_nan_in_grad
+        self.main_grad_dtype = main_grad_dtype(config, self.reduce_dtype)  # precision_aware.py: bf16 or fp32
         self.device = self.all_params[0].device if self.all_params else torch.device("cpu")
 
         # flat layouts (plain parameters; quantized weights in a space of their own, gathered as bytes; expert
@@ -208,6 +211,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 s = _Slice(p, a - o, b - o, a - lo, space_of[p])
                 self.slices.append(s)
                 main = torch.nn.Parameter(_flat_values(p)[s.start : s.stop].float().clone())
+                if self.main_grad_dtype != torch.float32:  # --main-grads-dtype bf16: the reduced bf16 gradient
+                    main.grad_dtype = self.main_grad_dtype
                 mains.append(main)
             main_params.extend(mains)
             shard_groups.append({**g, "params": mains})
@@ -252,7 +257,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 shard.div_(self.dp_size)
             if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
                 raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
-            shards.append(shard.float())  # fresh every step: the main grads are views of it (no copy when fp32)
+            shards.append(shard.to(self.main_grad_dtype))  # fresh every step: the main grads are views of it (no copy when fp32)
         for s, main in zip(self.slices, self.main_params):
             if shards[s.space] is not None:
                 main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start]
@@ -271,15 +276,15 @@ class DistributedOptimizer(MegatronOptimizer):
             if g is None:
                 g = s.model_param.grad
             if g is None:
-                main.grad = torch.zeros(s.stop - s.start, dtype=torch.float32, device=self.device)
+                main.grad = torch.zeros(s.stop - s.start, dtype=self.main_grad_dtype, device=self.device)
                 continue
             g = g.reshape(-1)[s.start : s.stop]
-            if g.dtype == torch.float32 and self.dp_size == 1:
+            if g.dtype == self.main_grad_dtype and self.dp_size == 1:
                 main.grad = g
                 continue
             todo.append((main, g))
         if todo:
-            flat = torch.empty(sum(g.numel() for _, g in todo), dtype=torch.float32, device=self.device)
+            flat = torch.empty(sum(g.numel() for _, g in todo), dtype=self.main_grad_dtype, device=self.device)
             dst, o = [], 0
             for main, g in todo:
                 main.grad = flat[o : o + g.numel()]
@@ -393,10 +398,9 @@ class DistributedOptimizer(MegatronOptimizer):
         return {"param_groups": groups}
 
     def _slice_state(self, main) -> Dict[str, torch.Tensor]:
-        st = self.optimizer.state.get(main, {})
-        out = {"fp32_param": main.detach()}
-        out.update({k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0})
-        return out
+        """{``fp32_param``: the main slice, state key: its state}; the precision-aware optimizer's moments as fp32
+        values (copies, see ``precision_aware.slice_state``)."""
+        return slice_state(self.optimizer, main)
 
     def _common_state(self, kind: str, expert: Optional[bool] = None) -> dict:
         """The plain values of every layout: param groups (with ``step``; ``expert``: see ``_param_groups_state``),
@@ -426,6 +430,8 @@ class DistributedOptimizer(MegatronOptimizer):
             raise ValueError(f"DistributedOptimizer.sharded_state_dict: distrib_optim_sharding_type {kind!r} is not "
                              f"supported (supported: {sorted(builders)})")
         self.init_state()
+        if is_loading:  # a checkpoint of other moment precisions: said in one line
+            log_state_conversion(self.optimizer, metadata)
         if kind == FULLY_SHARDED_MODEL_SPACE:
             return {**self._common_state(kind), "param_state": builders[kind](model_sharded_state_dict)}
         # upstream's layouts, per optimizer upstream would have (with expert parallelism a dense and an expert one)
@@ -583,7 +589,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """The keys of a slice's state (``fp32_param`` and the optimizer's tensors): the same for every slice."""
         if self.main_params:
             return list(self._slice_state(self.main_params[0]))
-        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # a rank without slices: the same
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW, PrecisionAwareAdamW)):  # the same
             return ["fp32_param", "exp_avg", "exp_avg_sq"]
         momentum = any(g.get("momentum", 0) for g in self.optimizer.param_groups)
         return ["fp32_param"] + (["momentum_buffer"] if momentum else [])
@@ -634,7 +640,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for k, dest in self._slice_state(main).items():
                 value = read(i, k)
                 if value is not dest:
-                    dest.copy_(value.reshape(dest.shape))
+                    set_slice_state(self.optimizer, main, k, dest, value)
             st = self.optimizer.state.get(main)
             if st and "step" in st:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU

@@ -701,7 +701,9 @@ class MegatronOptimizer:
                 st = self.optimizer.state[p]
                 if len(st) > 0:
                     continue
-                if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                if hasattr(self.optimizer, "initialize_state"):  # precision_aware.PrecisionAwareAdamW
+                    self.optimizer.initialize_state(p)
+                elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
                     # fused / capturable Adam keep the step count on the parameter's device (as torch's lazy init)
                     on_device = group.get("fused") or group.get("capturable")
                     st["step"] = torch.tensor(0.0, dtype=torch.float32, device=_local(p).device if on_device else None)
@@ -808,6 +810,10 @@ class MegatronOptimizer:
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
         self.init_state()
+        if is_loading:  # a checkpoint of other moment precisions: said in one line (precision_aware.py)
+            from megatron.core.optimizer.precision_aware import log_state_conversion
+
+            log_state_conversion(self.optimizer, metadata)
         sd = self.optimizer.state_dict()
         sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # never modify the live state dicts
         shs = [self._param_sharded_tensor(p, model_sharded_state_dict) for p in self.model_params]

@@ -18,6 +18,22 @@ class OptimizerConfig:
     bf16: bool = False
     params_dtype: torch.dtype = torch.float32
     use_precision_aware_optimizer: bool = False
+    """Keep the Adam moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and the main grads in ``main_grads_dtype``
+    (``precision_aware.py``; upstream: Transformer Engine's FusedAdam). Needs the distributed optimizer (or
+    Megatron-FSDP, which shards the optimizer too) and adam, as upstream."""
+    store_param_remainders: bool = True
+    """Upstream's FusedAdam option (fp32 main params stored as 16-bit remainders beside bf16 weights); accepted, and
+    this fork keeps whole fp32 main params either way."""
+    main_grads_dtype: torch.dtype = torch.float32
+    """Main grads' dtype with the precision-aware optimizer: fp32, or bf16 (the reduced bf16 gradient is stepped from
+    directly, read as fp32 inside the step)."""
+    main_params_dtype: torch.dtype = torch.float32
+    """Main params' dtype with the precision-aware optimizer: fp32 (upstream also allows fp16, not built here)."""
+    exp_avg_dtype: torch.dtype = torch.float32
+    """Adam's first moment's storage dtype with the precision-aware optimizer: float32, bfloat16, float16 or uint8
+    (fp8 e4m3, as upstream's config names it); fp16 / fp8 scaled per tensor."""
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """Adam's second moment's storage dtype with the precision-aware optimizer (as ``exp_avg_dtype``)."""
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2**32
     min_loss_scale: float = 1.0
@@ -42,6 +58,40 @@ class OptimizerConfig:
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive")
         self._check_loss_scale()
+        self._check_precision_aware()
+
+    def _check_precision_aware(self) -> None:
+        """Upstream's rules for the precision-aware optimizer's dtypes (and this fork's one refusal: fp16 main
+        params)."""
+        from megatron.core.optimizer.precision_aware import as_state_dtype
+
+        flags = {"main_grads_dtype": "--main-grads-dtype", "main_params_dtype": "--main-params-dtype",
+                 "exp_avg_dtype": "--exp-avg-dtype", "exp_avg_sq_dtype": "--exp-avg-sq-dtype"}
+        for field, flag in flags.items():
+            setattr(self, field, as_state_dtype(getattr(self, field), f"{field} ({flag})"))
+        if not self.use_precision_aware_optimizer:
+            for field, flag in flags.items():
+                if getattr(self, field) != torch.float32:
+                    raise ValueError(f"{field} ({flag}) can only be fp32 without use_precision_aware_optimizer "
+                                     "(--use-precision-aware-optimizer)")
+            return
+        if self.optimizer != "adam":
+            raise ValueError(f"use_precision_aware_optimizer (--use-precision-aware-optimizer) is only supported with "
+                             f"optimizer 'adam' (--optimizer), got {self.optimizer!r}")
+        if not self.use_distributed_optimizer:
+            raise ValueError("use_precision_aware_optimizer (--use-precision-aware-optimizer) is only supported with "
+                             "the distributed optimizer (--use-distributed-optimizer, or --use-megatron-fsdp), as "
+                             "upstream")
+        if self.main_grads_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"main_grads_dtype (--main-grads-dtype) must be fp32 or bf16, got {self.main_grads_dtype}")
+        if self.main_params_dtype == torch.float16:
+            raise ValueError("main_params_dtype (--main-params-dtype) fp16 is not implemented in this fork (the main "
+                             "params stay fp32; the Adam moments and main grads can be reduced): use fp32")
+        if self.main_params_dtype != torch.float32:
+            raise ValueError(f"main_params_dtype (--main-params-dtype) must be fp32 or fp16, got "
+                             f"{self.main_params_dtype}")
+        if self.fp16 and self.main_grads_dtype == torch.bfloat16:
+            raise ValueError("main_grads_dtype (--main-grads-dtype) bf16 needs bf16 training (--bf16), not --fp16")
 
     def _check_loss_scale(self) -> None:
         """The fp16 loss scale: static (``loss_scale``) or dynamic (initial/min scale, window, hysteresis)."""

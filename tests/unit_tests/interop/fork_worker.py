@@ -52,8 +52,9 @@ def build_optimizer(model, precision: str, distributed: bool = False):
     if distributed:
         chunk = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
                                         model)
-    return get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", use_distributed_optimizer=distributed,
-                                                  **rc.OPTIM_KW), [chunk])
+    return get_megatron_optimizer(OptimizerConfig(bf16=precision.startswith("bf16"),
+                                                  use_distributed_optimizer=distributed,
+                                                  **rc.precision_aware_kwargs(precision), **rc.OPTIM_KW), [chunk])
 
 
 def set_grad(param, grad) -> None:
@@ -70,9 +71,11 @@ def optimizer_state(model, opt) -> dict:
         pieces = {n: (tuple(p.shape), []) for p, n in names.items()}
         for s, main in zip(opt.slices, opt.main_params):
             st = opt.optimizer.state[main]
+            # the precision-aware optimizer's moments as fp32 values (upstream's get_unscaled_state)
+            moment = getattr(opt.optimizer, "get_unscaled_state", lambda p, k: st[k])
             pieces[names[s.model_param]][1].append((s.start, s.stop, dict(
-                fp32_param=main.detach().clone(), exp_avg=st["exp_avg"].clone(), exp_avg_sq=st["exp_avg_sq"].clone(),
-                step=float(st["step"]))))
+                fp32_param=main.detach().clone(), exp_avg=moment(main, "exp_avg").clone(),
+                exp_avg_sq=moment(main, "exp_avg_sq").clone(), step=float(st["step"]))))
         return rc.whole_state(pieces, experts={n for p, n in names.items() if not getattr(p, "allreduce", True)})
     mains = opt.main_params if opt.main_params is not None else opt.model_params
     out = {}

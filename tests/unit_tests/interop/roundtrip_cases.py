@@ -152,6 +152,8 @@ def cases(layout: str):
     parallel save on and off (the qk-layernorm and sliding-window models with one save kind), the dense model once
     more with an async save (tp1 only), recipe False (local layers); on the GPU every model with TE layers per FP8
     recipe (None: no FP8; the sliding-window model without FP8 only)."""
+    if os.environ.get("ROUNDTRIP_PRECISION_AWARE"):  # the precision-aware optimizer's run: its optimizer cases only
+        return []
     models = selected_models()
     if layout in GPU_LAYOUTS:  # the sliding-window model with TE layers without FP8
         return [(m, False, False, r) for m in models if m != "qk" for r in FP8_RECIPES if m != "swa" or r is None]
@@ -399,6 +401,29 @@ OPTIM_CASES = {"tp1": (("dense", "bf16", None), ("gqa", "fp32", None), ("dense",
                "pp2": (("dense", "bf16", None), ("dense", "bf16", "dp_reshardable"),
                        ("dense", "bf16", "fully_reshardable"))}
 OPTIM_STEPS = 2
+# The precision-aware optimizer (--use-precision-aware-optimizer, bf16 moments: precision "bf16pa"): upstream's runs
+# on Transformer Engine's FusedAdam, CUDA only, so these cases run on one GPU and only where
+# ROUNDTRIP_PRECISION_AWARE is set (test_precision_aware_optimizer_interchanges_with_upstream_on_gpu), instead of
+# the layout's other cases. Upstream's store_param_remainders is turned off on its side: with it (its default under
+# bf16) upstream saves the 16-bit remainders of its fp32 mains, as float values, where the mains belong ("param").
+PRECISION_AWARE_CASES = {"gpu_te": (("dense", "bf16pa", "fully_reshardable"), ("dense", "bf16pa", "dp_reshardable"))}
+
+
+def optim_cases(layout: str) -> tuple:
+    """(model, precision, sharding type) of one layout's optimizer cases (see PRECISION_AWARE_CASES)."""
+    if os.environ.get("ROUNDTRIP_PRECISION_AWARE"):
+        return PRECISION_AWARE_CASES.get(layout, ())
+    return OPTIM_CASES.get(layout, ())
+
+
+def precision_aware_kwargs(precision: str) -> dict:
+    """The OptimizerConfig fields of a precision: the precision-aware optimizer's for "bf16pa" (both sides'
+    names), else none."""
+    import torch
+
+    if precision != "bf16pa":
+        return {}
+    return dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
 OPTIM_KW = dict(optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                 adam_eps=1e-8, clip_grad=1.0)
 
@@ -421,7 +446,7 @@ def optim_results_path(workdir: str, side: str, phase: str, layout: str) -> str:
 def optim_jobs(layout: str):
     """(model, precision, sharding type, record name) of one layout's optimizer cases."""
     return [(m, prec, kind, f"optim_{m}_{prec}" + (f"_distopt_{kind}" if kind else ""))
-            for m, prec, kind in OPTIM_CASES.get(layout, ())]
+            for m, prec, kind in optim_cases(layout)]
 
 
 def sharded_sd_metadata(kind) -> dict:
@@ -505,7 +530,7 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
     from megatron.core import parallel_state as ps
 
     for layout in layouts.split(","):
-        if layout not in OPTIM_CASES or os.environ.get("ROUNDTRIP_MODELS"):  # the main matrix's run only
+        if not optim_cases(layout) or os.environ.get("ROUNDTRIP_MODELS"):  # the main matrix's run only
             continue
         world, tp, ep, _, pp = LAYOUTS[layout]
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -515,7 +540,7 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
             torch.manual_seed(1000 if phase == "save" else 2000)
             record = {"side": side, "case": name, "phase": phase, "layout": layout}
             try:
-                dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+                dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
                 model = build_model(model_name, layout, False, dtype)
                 opt = build_optimizer(model, precision, kind is not None)
                 metadata = sharded_sd_metadata(kind) if kind else None

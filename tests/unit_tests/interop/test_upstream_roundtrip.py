@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.unit_tests.interop import roundtrip_cases as rc
 
@@ -196,3 +197,32 @@ def test_roundtrip_with_upstream_te_fp8_on_gpu(upstream_site, tmp_path):
                 lines += f.read_text().splitlines()
             Path(out, "upstream_roundtrip_gpu.jsonl").write_text("\n".join(lines) + "\n")
     assert {r["case"].split("_te_")[1] for r in loaded} == {"noquant", "tensorwise", "delayed"}
+
+
+@pytest.mark.gpu
+def test_precision_aware_optimizer_interchanges_with_upstream_on_gpu(upstream_site, tmp_path, monkeypatch):
+    """``--use-precision-aware-optimizer`` with bf16 moments (``roundtrip_cases.PRECISION_AWARE_CASES``): upstream's
+    distributed optimizer on Transformer Engine's FusedAdam (CUDA only) and ours (``precision_aware.py``), two steps
+    with known gradients on one GPU, saved in upstream's ``fully_reshardable`` and ``dp_reshardable`` layouts (the
+    moments as fp32 values on both sides); each side loads the other's and every exp_avg / exp_avg_sq (read back as
+    fp32, upstream's ``get_unscaled_state``), fp32 main param and step equals the saver's exactly."""
+    pytest.importorskip("transformer_engine.pytorch")
+    if not torch.cuda.is_available():
+        pytest.skip("upstream's precision-aware optimizer needs CUDA (TE's FusedAdam)")
+    monkeypatch.setenv("ROUNDTRIP_PRECISION_AWARE", "1")
+    _roundtrip(upstream_site, tmp_path, list(rc.GPU_LAYOUTS), ROUNDTRIP_PRECISION_AWARE="1")
+    records = []
+    for side in ("upstream", "fork"):
+        for phase in ("save", "load"):
+            path = Path(rc.optim_results_path(str(tmp_path), side, phase, "gpu_te"))
+            assert path.is_file(), f"{side} wrote no optimizer results for {phase} gpu_te"
+            records += [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 2 * 2 * len(rc.PRECISION_AWARE_CASES["gpu_te"])
+    assert not [r for r in records if not r["ok"]], [r for r in records if not r["ok"]]
+    loaded = [r for r in records if r["phase"] == "load"]
+    assert {(r["side"], r["case"]) for r in loaded} == {
+        (side, f"optim_dense_bf16pa_distopt_{kind}") for side in ("upstream", "fork")
+        for kind in ("fully_reshardable", "dp_reshardable")}
+    for r in loaded:
+        assert r["compared"] == ["exp_avg", "exp_avg_sq", "fp32_param", "step"], r
+        assert r["steps"] == [float(rc.OPTIM_STEPS)] and r["params"] > 20 and r["diffs"] == {}, r

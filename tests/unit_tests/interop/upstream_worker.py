@@ -179,9 +179,12 @@ def build_optimizer(model, precision: str, distributed: bool = False):
 
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed), model)
-    opt = get_megatron_optimizer(OptimizerConfig(bf16=precision == "bf16", use_distributed_optimizer=distributed,
-                                                 **rc.OPTIM_KW), [ddp])
-    if distributed:
+    aware = rc.precision_aware_kwargs(precision)
+    if aware:  # its FusedAdam keeps whole fp32 mains (see roundtrip_cases.PRECISION_AWARE_CASES)
+        aware["store_param_remainders"] = False
+    opt = get_megatron_optimizer(OptimizerConfig(bf16=precision.startswith("bf16"),
+                                                 use_distributed_optimizer=distributed, **aware, **rc.OPTIM_KW), [ddp])
+    if distributed and not aware:  # (TE's FusedAdam makes its own state, the step in its param groups)
         _init_adam_state(opt)
     return opt
 
@@ -237,6 +240,8 @@ def _owned_range(inner, param) -> list:
     st = {k: v.detach().clone() if v.dim() else float(v)
           for k, v in inner._get_main_param_and_optimizer_states(param).items()}
     st["fp32_param"] = st.pop("param")
+    if "step" not in st:  # TE's FusedAdam (the precision-aware optimizer): one step per param group
+        st["step"] = float(next(g["step"] for g in inner.optimizer.param_groups if "step" in g))
     return [(rng.start, rng.end, st)]
 
 
