@@ -6,6 +6,8 @@ them imports another for it. Plain torch only.
 """
 from typing import Tuple
 
+import torch
+
 _DTENSOR_TYPE = None  # torch's DTensor class, imported on the first is_dtensor call (() without DTensor)
 
 
@@ -50,3 +52,23 @@ def local_chunk_range(t, key: str = "parameter") -> Tuple[int, int]:
     """``(offset, length)`` on dim 0 of the full tensor of a Megatron-FSDP DTensor's local shard."""
     rank, count, _ = dtensor_shard_layout(t, key)
     return chunk_range(t.shape[0], count, rank)
+
+
+def as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """(The optimizer's and ``precision_aware``'s helper.) ``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
+    ``param`` is a DTensor)."""
+    if not is_dtensor(param) or is_dtensor(value):
+        return value
+    out = torch.zeros_like(param, dtype=value.dtype)
+    local = out.to_local()
+    if tuple(value.shape) == tuple(local.shape):
+        local.copy_(value)
+    elif tuple(value.shape) == tuple(param.shape):
+        start, length = local_chunk_range(param, "optimizer state")
+        local.copy_(value[start : start + length])
+    else:
+        raise RuntimeError(
+            f"optimizer state of shape {tuple(value.shape)} fits neither the local shard {tuple(local.shape)} nor "
+            f"the parameter {tuple(param.shape)}"
+        )
+    return out

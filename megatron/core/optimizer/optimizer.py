@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_world_size, is_distributed
-from megatron.core.dtensor_utils import is_dtensor as _is_dtensor, local_chunk_range  # the one DTensor check
+from megatron.core.dtensor_utils import as_layout_of as _as_layout_of
+from megatron.core.dtensor_utils import is_dtensor as _is_dtensor  # the one DTensor check
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,26 +131,6 @@ def _sharded_like(sh, tensor: torch.Tensor, prefix: Optional[str]):
 
     out = make_sharded_optimizer_tensor(sh, tensor, prefix or "_")
     return out if prefix else dataclasses.replace(out, key=sh.key)
-
-
-def _as_layout_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``value`` (a plain tensor: the LOCAL shard, or the full tensor) in ``param``'s layout (a DTensor shard when
-    ``param`` is a DTensor)."""
-    if not _is_dtensor(param) or _is_dtensor(value):
-        return value
-    out = torch.zeros_like(param, dtype=value.dtype)
-    local = out.to_local()
-    if tuple(value.shape) == tuple(local.shape):
-        local.copy_(value)
-    elif tuple(value.shape) == tuple(param.shape):
-        start, length = local_chunk_range(param, "optimizer state")
-        local.copy_(value[start : start + length])
-    else:
-        raise RuntimeError(
-            f"optimizer state of shape {tuple(value.shape)} fits neither the local shard {tuple(local.shape)} nor "
-            f"the parameter {tuple(param.shape)}"
-        )
-    return out
 
 
 @torch.no_grad()

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron.core.dtensor_utils import as_layout_of, is_dtensor as _is_dtensor
+
 logger = logging.getLogger(__name__)
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -115,9 +117,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if unscaled is dest:
             return
         if _is_dtensor(dest):  # Megatron-FSDP: the local shards (a plain value: the local shard or the whole tensor)
-            from megatron.core.optimizer.optimizer import _as_layout_of
-
-            dest, unscaled = _local(dest), _local(_as_layout_of(unscaled, st[name]))
+            dest, unscaled = _local(dest), _local(as_layout_of(unscaled, st[name]))
         unscaled = unscaled.reshape(dest.shape)
         rng = _SCALED_RANGE.get(dest.dtype)
         if rng is None:
@@ -201,12 +201,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 st["step"] = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
             for name, value in loaded.items():
                 self.set_scaled_state(p, name, value.float())
-
-
-def _is_dtensor(t) -> bool:
-    from megatron.core.dtensor_utils import is_dtensor
-
-    return is_dtensor(t)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
