@@ -43,6 +43,8 @@ def wrap_data_parallel(config, ddp_config: DistributedDataParallelConfig, module
     if eff.use_megatron_fsdp:
         from megatron.core.distributed.fsdp import FullyShardedDataParallel
 
+        kwargs.pop("disable_bucketing", None)  # FSDP2 units, no buckets
+
         return FullyShardedDataParallel(config=config, ddp_config=eff, module=module, **kwargs)
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 
