@@ -155,8 +155,8 @@ class DistributedDataParallel(MegatronModule):
             raise RuntimeError(
                 f"--overlap-grad-reduce: the gradient of {self.param_to_name.get(param, '?')} was accumulated again "
                 f"after its bucket (bucket {bucket.index}) started its reduction, in the last micro-batch of a "
-                "step: its gradient arrives in more backward passes than in the first step; run without "
-                "--overlap-grad-reduce")
+                "step: zero_grad_buffer() was not called before the step, or the gradient arrives in more backward "
+                "passes than in the first step (then run without --overlap-grad-reduce)")
         bucket.ready[param] = bucket.ready.get(param, 0) + 1
         if self._golden is not None:
             self._launch_ready()
@@ -228,12 +228,13 @@ class DistributedDataParallel(MegatronModule):
             bucket.finish_param_gather()
 
     @torch.no_grad()
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Average the gradients over the data-parallel group (fp32 when ``grad_reduce_in_fp32``); expert
         parameters: sum over the expert-data-parallel group / data-parallel size. With ``overlap_grad_reduce``:
         launch the buckets not launched yet and wait for all (reduce-scatter for the distributed optimizer, whose
         buckets it reads). Without it and with ``use_distributed_optimizer`` nothing happens here: the
-        DistributedOptimizer reduce-scatters the grads in its step."""
+        DistributedOptimizer reduce-scatters the grads in its step. ``force_all_reduce`` (upstream's keyword) is
+        accepted; the distributed optimizer's buckets always reduce-scatter."""
         if not self._sync_enabled:
             return
         rest = None
