@@ -10,7 +10,7 @@ the overlapped run from the non-overlapped one (same seeds and data: it should b
     torchrun --nproc-per-node 8 benchmarks/overlap_grad_reduce.py [--layers 8 --hidden 4096 --seq 2048 --mbs 2
         --micro-batches 4 --bucket-size 40000000 --modes ddp,ddp+ov,distopt,distopt+ov,distopt+ov+pg]
     # MoE (EP over the GPUs): --moe --experts 8 --ep 8 (DDP's expert buckets over the expert-data-parallel group)
-    # CPU smoke (gloo): torchrun --nproc-per-node 2 benchmarks/overlap_grad_reduce.py --smoke
+    # CPU smoke (gloo; bf16 unless --fp32): torchrun --nproc-per-node 2 benchmarks/overlap_grad_reduce.py --smoke
 """
 import argparse
 import contextlib
@@ -44,6 +44,7 @@ def _args():
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     p.add_argument("--micro-batches", type=int, default=4, help="gradient accumulation steps per iteration")
     p.add_argument("--bucket-size", type=int, default=None, help="--ddp-bucket-size (default upstream's)")
+    p.add_argument("--average-in-collective", action="store_true", help="--ddp-average-in-collective")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
@@ -87,7 +88,8 @@ def _run(a, mode: str, device):
     module.to(device)
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=ov_grad,
                                             overlap_param_gather=ov_param, bucket_size=a.bucket_size,
-                                            grad_reduce_in_fp32=not a.fp32)
+                                            grad_reduce_in_fp32=not a.fp32,
+                                            average_in_collective=a.average_in_collective and ov_grad)
     model = DistributedDataParallel(cfg, ddp_cfg, module)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=1.0, bf16=not a.fp32,
                                                  use_distributed_optimizer=dist_opt), [model])

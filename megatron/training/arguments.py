@@ -1019,7 +1019,7 @@ def _validate_data_parallel_args(args):
                     _fail(f"{flag_name(dest)} is not supported with --data-parallel-sharding-strategy {strategy} "
                           "(parameters and gradients are not sharded: a DDP wrapper); use optim_grads or "
                           "optim_grads_params, or remove the flag")
-            _validate_overlap_args(args)
+        _validate_overlap_args(args)  # as upstream under Megatron-FSDP too
         return
     _validate_overlap_args(args)
     if strategy not in (None, "no_shard"):
