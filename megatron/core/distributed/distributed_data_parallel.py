@@ -78,6 +78,7 @@ class DistributedDataParallel(MegatronModule):
         self._sync_enabled = True
         self.buckets: List[Bucket] = []
         self.bucket_size = None
+        self._next_launch = 0  # the first bucket whose reduction has not been launched this step
         if ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather:
             self._setup_overlap(disable_bucketing)
 
