@@ -659,6 +659,8 @@ def _add_distributed_args(parser):
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Elements per gradient bucket with --overlap-grad-reduce (default max(4e7, 1e6 x "
                         "data-parallel size); no bucketing past the first pipeline stage or the first model chunk).")
+    g.add_argument("--ddp-num-buckets", type=int, default=None,
+                   help="Instead of --ddp-bucket-size: this rank's parameters / N elements per bucket.")
     g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
                    help="Pad each bucket to a multiple of 2**16 elements (NCCL bus bandwidth at large DP sizes).")
     g.add_argument("--ddp-average-in-collective", action="store_true",
@@ -1605,6 +1607,7 @@ def ddp_config_from_args(args):
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.align_param_gather,
         bucket_size=args.ddp_bucket_size,
+        num_buckets=args.ddp_num_buckets,
         pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
         average_in_collective=args.ddp_average_in_collective,
         use_distributed_optimizer=args.use_distributed_optimizer,

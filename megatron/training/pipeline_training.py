@@ -40,8 +40,10 @@ def build_pipeline_model_chunks(build: Callable, config, args, wrap_with_ddp: bo
     from megatron.training.arguments import ddp_config_from_args
 
     # as upstream: only the first model chunk's gradients are bucketed (the later chunks' reduce off the critical path)
-    return [wrap_data_parallel(config, ddp_config_from_args(args), chunk, disable_bucketing=i > 0)
-            for i, chunk in enumerate(chunks)]
+    from megatron.core.distributed.data_parallel_wrapper import resolve_num_buckets
+
+    ddp_config = resolve_num_buckets(ddp_config_from_args(args), chunks)
+    return [wrap_data_parallel(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
 
 def broadcast_from_last_stage(value: torch.Tensor) -> torch.Tensor:

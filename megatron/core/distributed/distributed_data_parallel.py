@@ -112,6 +112,8 @@ class DistributedDataParallel(MegatronModule):
                              f"{cfg.bucket_size}")
         ws = self._world_size()
         bucket_size = cfg.bucket_size or max(40_000_000, 1_000_000 * ws)  # upstream's default
+        if cfg.num_buckets is not None and cfg.bucket_size is None:
+            bucket_size = max(1, sum(p.numel() for p in self.module.parameters()) // cfg.num_buckets)
         pp = parallel_state.model_parallel_is_initialized()
         if disable_bucketing or (pp and parallel_state.get_pipeline_model_parallel_rank() > 0):
             bucket_size = None  # as upstream: one bucket per buffer off the critical path

@@ -25,6 +25,9 @@ class DistributedDataParallelConfig:
     bucket_size: Optional[int] = None
     """Elements per gradient bucket with ``overlap_grad_reduce`` (None: upstream's max(4e7, 1e6 x DP)); ignored
     without it (one bucket per buffer), past the first pipeline stage and for later model chunks, as upstream."""
+    num_buckets: Optional[int] = None
+    """``--ddp-num-buckets``: instead of ``bucket_size``, the parameters / num_buckets elements per bucket (the
+    training loop counts every model chunk of the rank, as upstream; a DDP built directly counts its own)."""
     pad_buckets_for_high_nccl_busbw: bool = False
     average_in_collective: bool = False
     """Average in the collective (NCCL's AVG; experts pre-scaled by expert-DP / DP) instead of dividing by the
@@ -59,6 +62,9 @@ class DistributedDataParallelConfig:
                 f"data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of {_SHARDING}, "
                 f"got {self.data_parallel_sharding_strategy!r}"
             )
+        if self.num_buckets is not None and (self.bucket_size is not None or self.num_buckets <= 0):
+            raise ValueError(f"num_buckets (--ddp-num-buckets={self.num_buckets}) must be positive and not given with "
+                             f"bucket_size (--ddp-bucket-size={self.bucket_size})")
         size = self.suggested_communication_unit_size
         if size is not None and size <= 0:
             raise ValueError("suggested_communication_unit_size: --suggested-communication-unit-size must be a "

@@ -96,6 +96,7 @@ def test_overlap_flags_reach_the_ddp_config():
     assert (c.overlap_grad_reduce, c.overlap_param_gather, c.bucket_size, c.average_in_collective,
             c.pad_buckets_for_high_nccl_busbw, c.align_param_gather) == (True, True, 1000, True, True, False)
     assert ddp_config_from_args(_args("--overlap-grad-reduce")).overlap_grad_reduce  # DDP without dist-opt
+    assert ddp_config_from_args(_args("--overlap-grad-reduce", "--ddp-num-buckets", "3")).num_buckets == 3
     z1 = _args("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce",
                "--overlap-param-gather")  # ZeRO-1: the DDP wrapper and the distributed optimizer overlap
     assert z1.overlap_grad_reduce and z1.overlap_param_gather and z1.use_distributed_optimizer
@@ -133,6 +134,8 @@ REFUSED = [
     (["--overlap-param-gather"], ["--overlap-param-gather needs --use-distributed-optimizer"]),
     (["--use-distributed-optimizer", "--overlap-param-gather"], ["--overlap-param-gather needs --overlap-grad-reduce"]),
     (["--overlap-grad-reduce", "--ddp-bucket-size", 0], ["--ddp-bucket-size must be a positive number"]),
+    (["--overlap-grad-reduce", "--ddp-num-buckets", 4, "--ddp-bucket-size", 100],
+     ["num_buckets (--ddp-num-buckets=4) must be positive and not given with bucket_size (--ddp-bucket-size=100)"]),
     (["--ddp-average-in-collective", "--calculate-per-token-loss"],
      ["--ddp-average-in-collective cannot be used with --calculate-per-token-loss"]),
     (["--loss-scale", 1024], ["--loss-scale=1024.0) is the static fp16 loss scale: it needs fp16 (--fp16)"]),
