@@ -668,11 +668,29 @@ def _add_distributed_args(parser):
                         "2**29 elements with one data-parallel rank. Upstream's flag sizes Megatron-FSDP's buckets; "
                         "here it sizes FSDP2 units.")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="Overlap the gradient reduce with backward: with --use-megatron-fsdp only (FSDP2 "
-                        "reduce-scatters each unit's gradients during backward).")
+                   help="Overlap the gradient reduction with the backward pass: DDP all-reduces (the distributed "
+                        "optimizer reduce-scatters) each bucket of gradients asynchronously as its last gradient "
+                        "arrives; with gradient accumulation only the last micro-batch communicates. Megatron-FSDP: "
+                        "FSDP2 reduce-scatters each unit's gradients during backward.")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="Overlap the parameter all-gather with compute: with --use-megatron-fsdp only (FSDP2 "
-                        "prefetches the next unit's parameters).")
+                   help="Overlap the parameter all-gather with the forward pass (distributed optimizer, with "
+                        "--overlap-grad-reduce): each bucket's updated parameters are gathered asynchronously after "
+                        "the optimizer step and waited for by the first module that uses them. Megatron-FSDP: "
+                        "FSDP2 prefetches the next unit's parameters.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Elements per gradient bucket with --overlap-grad-reduce (default max(4e7, 1e6 x "
+                        "data-parallel size); no bucketing past the first pipeline stage or the first model chunk).")
+    g.add_argument("--ddp-num-buckets", type=int, default=None,
+                   help="Instead of --ddp-bucket-size: this rank's parameters / N elements per bucket.")
+    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
+                   help="Pad each bucket to a multiple of 2**16 elements (NCCL bus bandwidth at large DP sizes).")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="Average gradients in the collective (NCCL's AVG; on gloo the sum is divided, the same "
+                        "values) instead of dividing by the data-parallel size.")
+    g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather",
+                   help="With --overlap-param-gather and an interleaved pipeline: each model chunk starts its "
+                        "parameter all-gathers at its own first forward instead of all chunks together at the start "
+                        "of the step.")
     g.add_argument("--local-rank", type=int, default=None, help="Set by the launcher (or LOCAL_RANK).")
 
 
@@ -1015,14 +1033,18 @@ def _validate_data_parallel_args(args):
     if args.use_megatron_fsdp:
         strategy = args.data_parallel_sharding_strategy = strategy or "optim_grads_params"
         args.use_distributed_optimizer = strategy != "no_shard"
-        if strategy in ("no_shard", "optim"):  # DDP wrapper: FSDP2's overlap, FP8 gather and units do not apply
-            for dest in ("overlap_grad_reduce", "overlap_param_gather", "fp8_param_gather", "fp4_param_gather",
-                         "suggested_communication_unit_size"):
+        if strategy in ("no_shard", "optim"):  # DDP wrapper: FSDP2's FP8 gather and units do not apply (DDP
+            # overlaps the reduction itself, and with 'optim' the parameter gather)
+            refused = ("fp8_param_gather", "fp4_param_gather", "suggested_communication_unit_size") + (
+                ("overlap_param_gather",) if strategy == "no_shard" else ())
+            for dest in refused:
                 if getattr(args, dest, False):
                     _fail(f"{flag_name(dest)} is not supported with --data-parallel-sharding-strategy {strategy} "
                           "(parameters and gradients are not sharded: a DDP wrapper); use optim_grads or "
                           "optim_grads_params, or remove the flag")
+        _validate_overlap_args(args)  # as upstream under Megatron-FSDP too
         return
+    _validate_overlap_args(args)
     if strategy not in (None, "no_shard"):
         _fail(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it nothing is "
               "sharded: no_shard)")
@@ -1035,12 +1057,25 @@ def _validate_data_parallel_args(args):
         _fail("--use-distributed-optimizer without --use-megatron-fsdp does not support --fp8-param-gather with "
               "--fp8-recipe mxfp8 (per-rank 1x32 block scales; Transformer Engine cannot re-point MXFP8 data); use "
               "delayed, tensorwise or blockwise, or add --use-megatron-fsdp")
-    for dest, what in (("overlap_grad_reduce", "gradients are all-reduced after the backward pass"),
-                       ("overlap_param_gather", "parameters are not gathered (DDP replicates them)"),
-                       ("suggested_communication_unit_size", "it sizes Megatron-FSDP's units")):
-        if getattr(args, dest, None):
-            _fail(f"{flag_name(dest)} is not supported without --use-megatron-fsdp: {what}; remove the flag, or add "
-                  "--use-megatron-fsdp (FSDP2 overlaps its reduce-scatter and all-gather with compute)")
+    if args.suggested_communication_unit_size:
+        _fail("--suggested-communication-unit-size is not supported without --use-megatron-fsdp: it sizes "
+              "Megatron-FSDP's units; remove the flag, or add --use-megatron-fsdp")
+
+
+def _validate_overlap_args(args):
+    """Upstream's checks of the overlap flags (``megatron/core/distributed/distributed_data_parallel.py``)."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp): without it "
+              "parameters are replicated, there is nothing to gather")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        _fail("--overlap-param-gather needs --overlap-grad-reduce (as upstream)")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        _fail(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
+    if args.ddp_average_in_collective and getattr(args, "calculate_per_token_loss", False):
+        _fail("--ddp-average-in-collective cannot be used with --calculate-per-token-loss (the gradients are "
+              "divided by the global token count instead), as upstream")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is None:
+        args.align_param_gather = False  # as upstream: only the interleaved schedule aligns the gathers
 
 
 def _validate_data_path_args(args):
@@ -1600,6 +1635,11 @@ def ddp_config_from_args(args):
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.align_param_gather,
+        bucket_size=args.ddp_bucket_size,
+        num_buckets=args.ddp_num_buckets,
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
+        average_in_collective=args.ddp_average_in_collective,
         use_distributed_optimizer=args.use_distributed_optimizer,
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         fp8_param_gather=args.fp8_param_gather,

@@ -39,7 +39,11 @@ def build_pipeline_model_chunks(build: Callable, config, args, wrap_with_ddp: bo
     from megatron.core.distributed.data_parallel_wrapper import wrap_data_parallel
     from megatron.training.arguments import ddp_config_from_args
 
-    return [wrap_data_parallel(config, ddp_config_from_args(args), chunk) for chunk in chunks]
+    # as upstream: only the first model chunk's gradients are bucketed (the later chunks' reduce off the critical path)
+    from megatron.core.distributed.data_parallel_wrapper import resolve_num_buckets
+
+    ddp_config = resolve_num_buckets(ddp_config_from_args(args), chunks)
+    return [wrap_data_parallel(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
 
 def broadcast_from_last_stage(value: torch.Tensor) -> torch.Tensor:
@@ -59,6 +63,25 @@ def _lm_loss(reported: dict) -> torch.Tensor:
     return value.reshape(())
 
 
+def _set_sync_funcs(config, model: list, args) -> None:
+    """Upstream's training-loop settings of the schedule's hooks under ``--overlap-grad-reduce``: ``no_sync_func``
+    (every chunk's ``no_sync``: only the last micro-batch's backward communicates), ``grad_sync_func`` (a chunk's
+    reduction starts after its last backward), with ``--overlap-param-gather`` and ``align_param_gather``
+    ``param_sync_func`` (every chunk's parameter all-gathers start together at the beginning of the step)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    # as upstream, only with --overlap-grad-reduce (without it gradients are reduced once, at the end); Megatron-FSDP
+    # (FSDP2) chunks keep accumulating as they do without it
+    if not getattr(args, "overlap_grad_reduce", False) or not all(
+            isinstance(chunk, DistributedDataParallel) for chunk in model):
+        return
+    one = len(model) == 1
+    config.no_sync_func = model[0].no_sync if one else [chunk.no_sync for chunk in model]
+    config.grad_sync_func = model[0].start_grad_sync if one else [chunk.start_grad_sync for chunk in model]
+    if getattr(args, "overlap_param_gather", False) and getattr(args, "align_param_gather", False):
+        config.param_sync_func = model[0].start_param_sync if one else [chunk.start_param_sync for chunk in model]
+
+
 def pipeline_forward_backward(forward_step_func, data_iterator, model: list, optimizer: Optional[object],
                               forward_only: bool) -> List[torch.Tensor]:
     """One iteration's forward (and backward) of ``args.num_microbatches`` micro-batches through the pipeline
@@ -73,6 +96,7 @@ def pipeline_forward_backward(forward_step_func, data_iterator, model: list, opt
     for chunk in model:
         config = get_model_config(chunk)
         config.finalize_model_grads_func = finalize_model_grads
+        _set_sync_funcs(config, model, args)
         config.grad_scale_func = None
         if callable(get_loss_scale):
             config.grad_scale_func = lambda loss: loss * get_loss_scale().to(loss.device).reshape(())

@@ -118,7 +118,9 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
 
     # --data-parallel-sharding-strategy under --use-megatron-fsdp picks FSDP2 (optim_grads[_params]) or DDP
     # (optim with the distributed optimizer, no_shard): see data_parallel_wrapper.py
-    wrapped = wrap_data_parallel(config, ddp_config_from_args(args), model)
+    from megatron.core.distributed.data_parallel_wrapper import resolve_num_buckets
+
+    wrapped = wrap_data_parallel(config, resolve_num_buckets(ddp_config_from_args(args), [model]), model)
     groups = getattr(wrapped, "unit_groups", None)
     if groups is not None:  # Megatron-FSDP: which modules share one FSDP2 unit (--suggested-communication-unit-size)
         joined = [f"{g[0]}..{g[-1].rsplit('.', 1)[-1]}" if len(g) > 1 else g[0] for g in groups]

@@ -36,12 +36,23 @@ def effective_ddp_config(ddp_config: DistributedDataParallelConfig) -> Distribut
     return dataclasses.replace(ddp_config, use_megatron_fsdp=False, use_distributed_optimizer=strategy == "optim")
 
 
+def resolve_num_buckets(ddp_config: DistributedDataParallelConfig, chunks) -> DistributedDataParallelConfig:
+    """``num_buckets`` (``--ddp-num-buckets``) as upstream's training loop resolves it: ``bucket_size`` = the
+    parameters of all of this rank's model chunks // num_buckets."""
+    if ddp_config.num_buckets is None:
+        return ddp_config
+    total = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    return dataclasses.replace(ddp_config, bucket_size=max(1, total // ddp_config.num_buckets), num_buckets=None)
+
+
 def wrap_data_parallel(config, ddp_config: DistributedDataParallelConfig, module, **kwargs):
     """Wrap ``module`` as ``ddp_config`` asks (``use_megatron_fsdp`` and ``data_parallel_sharding_strategy``);
     ``kwargs`` (``process_group``, ``param_keyed_maps``) go to the wrapper."""
     eff = effective_ddp_config(ddp_config)
     if eff.use_megatron_fsdp:
         from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+        kwargs.pop("disable_bucketing", None)  # FSDP2 units, no buckets
 
         return FullyShardedDataParallel(config=config, ddp_config=eff, module=module, **kwargs)
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel

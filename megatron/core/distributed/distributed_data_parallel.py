@@ -1,14 +1,26 @@
 """Plain data parallelism (runs without ``--use-megatron-fsdp``): full replicas, gradients all-reduced.
 
-Gradients accumulate in ``param.grad`` during the backward passes of a step (no hooks, so gradient accumulation
-over micro-batches needs nothing); ``finish_grad_sync()`` (called by ``finalize_model_grads``) averages them over
-the data-parallel group in flat buckets, one collective per dtype. Parameters whose gradient is ``None`` on this
+Gradients accumulate in ``param.grad`` during the backward passes of a step; ``finish_grad_sync()`` (called by
+``finalize_model_grads``) averages them over the data-parallel group in flat buckets, one collective per dtype.
+
+``overlap_grad_reduce`` (``--overlap-grad-reduce``, as upstream): the parameters are cut into upstream's buckets
+(``param_and_grad_buffer.py``; ``bucket_size``, default max(4e7, 1e6 x DP), none past the first pipeline stage or
+with ``disable_bucketing``) and a hook after each parameter's gradient accumulation marks it ready; a bucket whose
+parameters are all ready is reduced asynchronously (all-reduce, or reduce-scatter for the distributed optimizer)
+while the backward pass goes on. Only the last micro-batch of a step communicates (``no_sync`` around the others,
+as upstream). The first step learns how many times each parameter's hook fires (upstream's golden counts); its
+buckets are launched by ``finish_grad_sync``. Buckets are always launched in their fixed order (a ready bucket waits
+for the ones before it), so every rank issues the same collectives in the same order even where some parameter got
+no gradient on one rank; ``finish_grad_sync`` launches what is left and waits. ``overlap_param_gather`` (distributed
+optimizer): the optimizer step queues each bucket's updated shard; the first forward pre-hook of the chunk starts
+every bucket's all-gather (``align_param_gather``: ``start_param_sync`` before the step's first forward, all
+chunks at once) and each module's pre-hook waits for the buckets of its own parameters. Parameters whose gradient is ``None`` on this
 rank take part with zeros, so ranks never disagree on collective sizes. Expert parameters (``allreduce=False``, held
 by one expert-parallel rank) are summed over the expert-data-parallel group instead and divided by the data-parallel
 size, as upstream (each expert's gradient already sums the contributions of the tokens of every EP rank).
 """
 import contextlib
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device, get_world_size
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import has_meta_tensors, materialize_meta_module
+from megatron.core.distributed.param_and_grad_buffer import Bucket, build_buckets
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -63,19 +76,117 @@ class DistributedDataParallel(MegatronModule):
             self.old_to_new_params = materialize_meta_module(module, default_device(), maps=param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         self._sync_enabled = True
+        self.buckets: List[Bucket] = []
+        self.bucket_size = None
+        self._next_launch = 0  # the first bucket whose reduction has not been launched this step
+        if ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather:
+            self._setup_overlap(disable_bucketing)
 
     # ---- forward / state ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
+        self.finish_param_sync()  # a queued gather must not overwrite the loaded values later
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        self.finish_param_sync()
         return self.module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+
+    # ---- overlap: buckets and hooks (see the module docstring) ---------------------------------------------
+    def _setup_overlap(self, disable_bucketing: bool) -> None:
+        cfg = self.ddp_config
+        if cfg.overlap_param_gather and not cfg.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather (--overlap-param-gather) needs use_distributed_optimizer "
+                             "(--use-distributed-optimizer): without it parameters are not gathered")
+        if cfg.overlap_param_gather and not cfg.overlap_grad_reduce:
+            raise ValueError("overlap_param_gather (--overlap-param-gather) needs overlap_grad_reduce "
+                             "(--overlap-grad-reduce), as upstream")
+        if cfg.bucket_size is not None and cfg.bucket_size <= 0:
+            raise ValueError(f"bucket_size (--ddp-bucket-size) must be a positive number of elements, got "
+                             f"{cfg.bucket_size}")
+        ws = self._world_size()
+        bucket_size = cfg.bucket_size or max(40_000_000, 1_000_000 * ws)  # upstream's default
+        if cfg.num_buckets is not None and cfg.bucket_size is None:
+            bucket_size = max(1, sum(p.numel() for p in self.module.parameters()) // cfg.num_buckets)
+        pp = parallel_state.model_parallel_is_initialized()
+        if disable_bucketing or (pp and parallel_state.get_pipeline_model_parallel_rank() > 0):
+            bucket_size = None  # as upstream: one bucket per buffer off the critical path
+        self.bucket_size = bucket_size
+        from megatron.core.optimizer.param_layout import upstream_module_order
+
+        params = upstream_module_order([(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
+        dist_opt = cfg.use_distributed_optimizer
+        if dist_opt:  # the distributed optimizer's one reduce dtype (distrib_optimizer.py)
+            dtypes = {p.dtype for p in params}
+            one = torch.float32 if cfg.grad_reduce_in_fp32 or len(dtypes) != 1 else next(iter(dtypes), None)
+            reduce_dtype_of = lambda p: one  # noqa: E731
+        else:
+            reduce_dtype_of = lambda p: torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype  # noqa: E731
+        groups_ready = self.process_group is not None and ws > 1
+        self.buckets = [] if not groups_ready else build_buckets(
+            params, self.process_group, self.expert_process_group, ws, bucket_size, reduce_dtype_of,
+            reduce_scatter=dist_opt, grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+            pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw,
+            pipelined=pp and parallel_state.get_pipeline_model_parallel_world_size() > 1,
+            average_in_collective=cfg.average_in_collective, check_for_nan=cfg.check_for_nan_in_grad,
+            names=self.param_to_name)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._golden: Optional[List[dict]] = None  # per bucket: {param: hook calls} of the first step
+        self._next_launch = 0
+        self._hooks = []
+        if cfg.overlap_grad_reduce:
+            for p in self._bucket_of:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        if cfg.overlap_param_gather and self.buckets:
+            self._hooks.append(self.module.register_forward_pre_hook(self._dispatch_param_gathers))
+            for m in self.module.modules():
+                if any(p in self._bucket_of for p in m.parameters(recurse=False)):
+                    self._hooks.append(m.register_forward_pre_hook(self._wait_param_gathers))
+
+    def _grad_ready(self, param) -> None:
+        """Post-accumulate-grad hook: mark ``param`` ready in the last micro-batch; launch what is complete."""
+        if not self._sync_enabled:
+            return
+        bucket = self._bucket_of[param]
+        if bucket.launched:
+            raise RuntimeError(
+                f"--overlap-grad-reduce: the gradient of {self.param_to_name.get(param, '?')} was accumulated again "
+                f"after its bucket (bucket {bucket.index}) started its reduction, in the last micro-batch of a "
+                "step: zero_grad_buffer() was not called before the step, or the gradient arrives in more backward "
+                "passes than in the first step (then run without --overlap-grad-reduce)")
+        bucket.ready[param] = bucket.ready.get(param, 0) + 1
+        if self._golden is not None:
+            self._launch_ready()
+
+    def _complete(self, bucket: Bucket) -> bool:
+        golden = self._golden[bucket.index]
+        return bool(golden) and bucket.ready == golden
+
+    def _launch_ready(self) -> None:
+        """Launch the complete buckets, in bucket order: a complete bucket waits for the ones before it."""
+        while self._next_launch < len(self.buckets) and self._complete(self.buckets[self._next_launch]):
+            self.buckets[self._next_launch].launch_grad_reduce()
+            self._next_launch += 1
+
+    def _dispatch_param_gathers(self, *unused) -> None:
+        """The chunk's forward pre-hook: start every queued parameter all-gather, in bucket order (the same order on
+        every rank, all before any wait, so no rank waits for a gather another has not started)."""
+        for bucket in self.buckets:
+            bucket.start_param_gather()
+
+    def _wait_param_gathers(self, module, *unused) -> None:
+        """A module's forward pre-hook: its own parameters' buckets gathered and written back."""
+        for p in module.parameters(recurse=False):
+            bucket = self._bucket_of.get(p)
+            if bucket is not None and bucket.param_gather_pending:
+                self._dispatch_param_gathers()
+                bucket.finish_param_gather()
 
     # ---- gradients ---------------------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -86,10 +197,14 @@ class DistributedDataParallel(MegatronModule):
             p.grad = None
             if hasattr(p, "main_grad"):
                 p.main_grad = None
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradients are only reduced in ``finish_grad_sync``; inside ``no_sync`` that call does nothing."""
+        """Inside ``no_sync`` gradients only accumulate: no bucket is launched and ``finish_grad_sync`` does
+        nothing (upstream's gradient accumulation: only the last micro-batch communicates)."""
         old, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -97,20 +212,54 @@ class DistributedDataParallel(MegatronModule):
             self._sync_enabled = old
 
     def start_grad_sync(self, *unused) -> None:
-        pass
+        """Launch the reduction of every bucket not launched yet (in bucket order; asynchronous)."""
+        for bucket in self.buckets[self._next_launch :]:
+            bucket.launch_grad_reduce()
+        self._next_launch = len(self.buckets)
 
-    def start_param_sync(self, *unused, **unused_kw) -> None:
-        pass
+    def start_param_sync(self, *unused, force_sync: bool = False, **unused_kw) -> None:
+        """Start the queued parameter all-gathers (``overlap_param_gather``); ``force_sync``: and wait for them."""
+        self._dispatch_param_gathers()
+        if force_sync:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every queued parameter all-gather and write the parameters (before they are read outside the
+        forward pass: checkpoints, loads)."""
+        self._dispatch_param_gathers()
+        for bucket in self.buckets:
+            bucket.finish_param_gather()
 
     @torch.no_grad()
-    def finish_grad_sync(self) -> None:
-        """Average ``param.grad`` over the data-parallel group (fp32 when ``grad_reduce_in_fp32``); expert
-        parameters: sum over the expert-data-parallel group / data-parallel size. With ``use_distributed_optimizer``
-        nothing happens here: the DistributedOptimizer reduce-scatters the grads."""
-        ws = self._world_size()
-        if not self._sync_enabled or ws == 1 or self.ddp_config.use_distributed_optimizer:
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Average the gradients over the data-parallel group (fp32 when ``grad_reduce_in_fp32``); expert
+        parameters: sum over the expert-data-parallel group / data-parallel size. With ``overlap_grad_reduce``:
+        launch the buckets not launched yet and wait for all (reduce-scatter for the distributed optimizer, whose
+        buckets it reads). Without it and with ``use_distributed_optimizer`` nothing happens here: the
+        DistributedOptimizer reduce-scatters the grads in its step. ``force_all_reduce`` (upstream's keyword) is
+        accepted; the distributed optimizer's buckets always reduce-scatter."""
+        if not self._sync_enabled:
             return
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        rest = None
+        if self.buckets:
+            self.finish_param_sync()  # gathers of parameters no forward pre-hook waited for
+            if self.ddp_config.overlap_grad_reduce:
+                self.start_grad_sync()
+                for bucket in self.buckets:
+                    bucket.finish_grad_reduce()
+                if self._golden is None:
+                    self._golden = [dict(b.ready) for b in self.buckets]
+                rest = [p for p in self.module.parameters() if p.requires_grad and p not in self._bucket_of]
+        if self._world_size() == 1 or self.ddp_config.use_distributed_optimizer:
+            return
+        self._reduce_now(rest)
+
+    @torch.no_grad()
+    def _reduce_now(self, params=None) -> None:
+        """Without overlap: one all-reduce per (expert, dtype) of ``params`` (default all trainable ones)."""
+        ws = self._world_size()
+        if params is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -138,9 +287,12 @@ class DistributedDataParallel(MegatronModule):
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply the gradients the optimizer reads (``main_grad`` where set, else ``grad``)."""
         for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scaling_factor)
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                g.mul_(scaling_factor)
 
     @torch.no_grad()
     def broadcast_params(self) -> None:

@@ -150,7 +150,7 @@ def get_megatron_optimizer(
             check_for_nan_in_grad=any(c.check_for_nan_in_grad for c in ddp_configs),
             chunk_params=[upstream_module_order([(n, p) for n, p in _named_params(c) if p.requires_grad])
                           for c in model_chunks],
-            ddp_config=ddp_configs[0],
+            ddp_config=ddp_configs[0], model_chunks=model_chunks,
         )
     if any(c.use_distributed_optimizer and not c.use_megatron_fsdp for c in ddp_configs):
         raise ValueError(

@@ -24,6 +24,13 @@ torch 2.13 has both, and where a backend lacks them the code falls back to ``all
 says ``use_distributed_optimizer`` (this optimizer reduces); building this optimizer on a model whose DDP config
 says otherwise is refused.
 
+``--overlap-grad-reduce`` (``DistributedDataParallel`` buckets, ``distributed/param_and_grad_buffer.py``): each
+bucket is an index space of its own (upstream's layout: each rank owns 1/DP of every bucket), reduce-scattered by
+the DDP chunk during the backward pass; the step reads the owned range of the bucket's flat gradient instead of
+reduce-scattering. ``--overlap-param-gather``: the step hands each bucket this rank's updated (or quantized) shard and
+the bucket gathers it before the next forward (``DistributedDataParallel``'s forward pre-hooks); every other use of
+the model's weights here (loads, ``reload_model_params``) first waits for queued gathers.
+
 Checkpoint: upstream 0.19.2's layouts, chosen as upstream by ``metadata['distrib_optim_sharding_type']`` of
 ``sharded_state_dict`` (the training loop passes it and stores it as the checkpoint's content metadata; a load passes
 the checkpoint's own). Plain values in all: ``optimizer.param_groups`` (hyper-parameters and ``step``),
@@ -110,6 +117,7 @@ class _Space:
     group: Optional[dist.ProcessGroup] = None
     size: int = 1
     rank: int = 0
+    bucket: Optional[object] = None  # --overlap-grad-reduce: the DDP bucket (param_and_grad_buffer.Bucket) it is
 
 
 def _dp_group_and_size(expert: bool = False):
@@ -148,7 +156,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def __init__(self, make_optimizer, config, groups: List[dict], param_to_name: Dict, grad_scaler=None,
                  grad_reduce_in_fp32: bool = False, check_for_nan_in_grad: bool = False,
-                 chunk_params: Optional[List[List[torch.nn.Parameter]]] = None, ddp_config=None):
+                 chunk_params: Optional[List[List[torch.nn.Parameter]]] = None, ddp_config=None,
+                 model_chunks=None):
         self.group, self.dp_size, self.dp_rank = _dp_group_and_size()
         # what upstream's buffer layout follows (``dp_reshardable``): each model chunk's trainable parameters in
         # module order, and the DDP config's bucketing
@@ -184,11 +193,24 @@ class DistributedOptimizer(MegatronOptimizer):
         # rank's range of each
         self.spaces: List[_Space] = []
         space_of: Dict[torch.nn.Parameter, int] = {}
+        # --overlap-grad-reduce: the DDP chunks' buckets are index spaces of their own (reduced by DDP during the
+        # backward pass; --overlap-param-gather: gathered before the next forward)
+        self.overlap_param_gather = bool(getattr(ddp_config, "overlap_param_gather", False))
+        self._defer_param_gather = False
+        for bucket in _overlap_buckets(model_chunks, ddp_config):
+            missing = [param_to_name.get(p, "<unnamed>") for p in bucket.params if p not in set(self.all_params)]
+            if missing:
+                raise ValueError(f"--overlap-grad-reduce: parameters {missing[:3]} are in a DistributedDataParallel "
+                                 "bucket but not in the optimizer's param groups")
+            for p in bucket.params:
+                space_of[p] = len(self.spaces)
+            self.spaces.append(_Space(list(bucket.params), dict(bucket.offsets), bucket.shard_numel,
+                                      bucket.quantized, bucket.expert, bucket.group, bucket.size, bucket.rank, bucket))
         for expert in (False, True):
             group, size, rank = _dp_group_and_size(expert)
             for quantized in (False, True):
-                params = [p for p in self.all_params
-                          if _is_quantized_param(p) == quantized and _is_expert(p) == expert]
+                params = [p for p in self.all_params if p not in space_of
+                          and _is_quantized_param(p) == quantized and _is_expert(p) == expert]
                 if not params:
                     continue
                 offsets, total = {}, 0
@@ -236,6 +258,9 @@ class DistributedOptimizer(MegatronOptimizer):
         its whole EP group)."""
         shards = []
         for k, space in enumerate(self.spaces):
+            if space.bucket is not None:  # reduced by DistributedDataParallel (finish_grad_sync)
+                shards.append(space.bucket.owned_grad_shard().float())
+                continue
             if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
                 shards.append(None)
                 self._own_grads_to_main(k)
@@ -358,12 +383,21 @@ class DistributedOptimizer(MegatronOptimizer):
             shard = torch.zeros(space.shard_numel, dtype=dtype, device=self.device)
             _foreach_copy([shard[s.shard_offset : s.shard_offset + s.stop - s.start] for s, _ in owned],
                           [values(s, main) for s, main in owned])
+
+            def write_back(full, space=space):
+                _foreach_copy([rowwise_bytes(p) if space.quantized else p.data.view(-1) for p in space.params],
+                              [full[space.offsets[p] : space.offsets[p] + p.numel()] for p in space.params])
+                if space.quantized:
+                    finish_param_gather(space.params)
+
+            if space.bucket is not None:  # through the DDP bucket: deferred to the next forward in a step with
+                space.bucket.set_param_shard(shard, write_back)  # --overlap-param-gather
+                if not self._defer_param_gather:
+                    space.bucket.finish_param_gather()
+                continue
             full = torch.empty(space.shard_numel * space.size, dtype=dtype, device=self.device)
             _all_gather(full, shard, space.group)
-            _foreach_copy([rowwise_bytes(p) if space.quantized else p.data.view(-1) for p in space.params],
-                          [full[space.offsets[p] : space.offsets[p] + p.numel()] for p in space.params])
-            if space.quantized:
-                finish_param_gather(space.params)
+            write_back(full)
 
     @staticmethod
     def _own_mains_to_model(space: "_Space", owned) -> None:
@@ -376,13 +410,25 @@ class DistributedOptimizer(MegatronOptimizer):
         _foreach_copy([s.model_param.data.view(-1)[s.start : s.stop] for s, _ in owned],
                       [main.detach() for _, main in owned])
 
+    def _finish_param_gathers(self) -> None:
+        """Wait for the queued --overlap-param-gather all-gathers (before the model's weights are read here)."""
+        for space in self.spaces:
+            if space.bucket is not None:
+                space.bucket.finish_param_gather()
+
     @torch.no_grad()
     def reload_model_params(self) -> None:
+        self._finish_param_gathers()
         for s, main in zip(self.slices, self.main_params):
             main.copy_(_flat_values(s.model_param)[s.start : s.stop])
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        result = super().step()
+        # --overlap-param-gather: the updated shards are gathered asynchronously before the next forward
+        self._defer_param_gather = self.overlap_param_gather
+        try:
+            result = super().step()
+        finally:
+            self._defer_param_gather = False
         if result[0]:
             self._step_count += 1
         return result
@@ -619,6 +665,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict()`` / what ``dist_checkpointing.load`` returned for ``sharded_state_dict``; then
         all-gather the loaded fp32 params into the model (a collective: every DP rank calls it)."""
+        self._finish_param_gathers()
         parts = _upstream_parts(state_dict)
         kind = parts[0].get("param_state_sharding_type")
         readers = {FULLY_SHARDED_MODEL_SPACE: self._fs_model_space_reader,
@@ -739,6 +786,14 @@ class DistributedOptimizer(MegatronOptimizer):
             return tensors[name][start + s.start : start + s.stop]
 
         return read
+
+
+def _overlap_buckets(model_chunks, ddp_config) -> list:
+    """The gradient buckets of the DistributedDataParallel chunks when they reduce during the backward pass
+    (``overlap_grad_reduce``); empty otherwise."""
+    if not getattr(ddp_config, "overlap_grad_reduce", False):
+        return []
+    return [b for chunk in model_chunks or () for b in getattr(chunk, "buckets", ())]
 
 
 def _is_expert(p) -> bool:

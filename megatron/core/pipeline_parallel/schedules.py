@@ -135,6 +135,31 @@ def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _no_sync_func(config) -> Callable:
+    """``config.no_sync_func`` as one context manager factory: upstream's training loop sets one per model chunk
+    (a list) under pipeline parallelism; all of them are entered."""
+    funcs = config.no_sync_func
+    if funcs is None:
+        return contextlib.nullcontext
+    if not isinstance(funcs, (list, tuple)):
+        return funcs
+
+    def enter_all():
+        stack = contextlib.ExitStack()
+        for func in funcs:
+            stack.enter_context(func())
+        return stack
+
+    return enter_all
+
+
+def _per_chunk(funcs, chunk: int) -> Optional[Callable]:
+    """The ``grad_sync_func`` / ``param_sync_func`` of model chunk ``chunk`` (a list, or one for every chunk)."""
+    if funcs is None:
+        return None
+    return funcs[chunk] if isinstance(funcs, (list, tuple)) else funcs
+
+
 # ---- no pipelining ----------------------------------------------------------------------------------------
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
                                    model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int,
@@ -148,7 +173,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
         raise ValueError("non-pipeline-parallel schedule does not support model chunking")
     model, data_iterator = models[0], iterators[0]
     config = get_model_config(model)
-    no_sync = config.no_sync_func or contextlib.nullcontext
+    no_sync = _no_sync_func(config)
     store, total_tokens = [], torch.zeros([], dtype=torch.int)
     for i in range(num_microbatches):
         ctx = no_sync() if i < num_microbatches - 1 else contextlib.nullcontext()
@@ -230,16 +255,21 @@ def _run_actions(forward_step_func, data_iterator, model, num_microbatches: int,
     def virtual_stage(chunk: int) -> int:
         return chunk * pp_size + pp_rank
 
-    no_sync = config.no_sync_func or contextlib.nullcontext
-    sync_ctx = no_sync()
+    if not forward_only:  # --overlap-param-gather with align_param_gather: every chunk's gathers start now
+        for chunk in range(num_chunks):
+            param_sync = _per_chunk(config.param_sync_func, chunk)
+            if param_sync is not None:
+                param_sync(models[chunk].parameters())
+    sync_ctx = _no_sync_func(config)()
     sync_ctx.__enter__()
     store, total_tokens, pending = [], torch.zeros([], dtype=torch.int), []
     inputs, outputs = {}, {}
     acts = _actions(num_microbatches, num_chunks, pp_size, pp_rank, group, forward_only)
     num_backwards = sum(1 for a in acts if a[0] == "B")
+    last_backward = {chunk: i for i, (kind, _, chunk) in enumerate(acts) if kind == "B"}
     done_backwards = 0
     try:
-        for kind, mb, chunk in acts:
+        for i, (kind, mb, chunk) in enumerate(acts):
             vs = virtual_stage(chunk)
             if kind == "F":
                 x = None
@@ -264,6 +294,9 @@ def _run_actions(forward_step_func, data_iterator, model, num_microbatches: int,
                     grad = comm.communicate(recv_next=True, tensor_shape=shape)[1]
                 x, out = inputs.pop((mb, chunk)), outputs.pop((mb, chunk))
                 x_grad = backward_step(x, out, grad, config)
+                grad_sync = _per_chunk(config.grad_sync_func, chunk)
+                if grad_sync is not None and sync_ctx is not None and last_backward[chunk] == i:
+                    grad_sync(models[chunk].parameters())  # this chunk's gradients are complete: reduce them
                 if vs > 0:
                     pending.append(comm.communicate(tensor_send_prev=x_grad, wait=False)[2])
     finally:

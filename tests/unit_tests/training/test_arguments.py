@@ -87,6 +87,21 @@ def test_defaults_as_upstream():
     assert b.use_distributed_optimizer and b.overlap_grad_reduce and b.overlap_param_gather
 
 
+def test_overlap_flags_reach_the_ddp_config():
+    """--overlap-grad-reduce / --overlap-param-gather with plain DDP and the distributed optimizer (upstream's
+    DistributedDataParallelConfig fields); align_param_gather stays on only for an interleaved pipeline."""
+    a = _args("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
+              "1000", "--ddp-average-in-collective", "--ddp-pad-buckets-for-high-nccl-busbw")
+    c = ddp_config_from_args(a)
+    assert (c.overlap_grad_reduce, c.overlap_param_gather, c.bucket_size, c.average_in_collective,
+            c.pad_buckets_for_high_nccl_busbw, c.align_param_gather) == (True, True, 1000, True, True, False)
+    assert ddp_config_from_args(_args("--overlap-grad-reduce")).overlap_grad_reduce  # DDP without dist-opt
+    assert ddp_config_from_args(_args("--overlap-grad-reduce", "--ddp-num-buckets", "3")).num_buckets == 3
+    z1 = _args("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce",
+               "--overlap-param-gather")  # ZeRO-1: the DDP wrapper and the distributed optimizer overlap
+    assert z1.overlap_grad_reduce and z1.overlap_param_gather and z1.use_distributed_optimizer
+
+
 def test_unknown_flags_one_line_each_with_the_closest_name(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(args=BASE + ["--num-layer", "3", "--use-distributed-optimiser", "--xyzzy", "7"])
@@ -116,8 +131,13 @@ REFUSED = [
     (["--use-distributed-optimizer", "--fp4-format", "e2m1", "--fp4-param-gather", "--transformer-impl",
       "transformer_engine"], ["--use-distributed-optimizer without --use-megatron-fsdp does not support "
                               "--fp4-param-gather"]),
-    (["--overlap-grad-reduce"], ["--overlap-grad-reduce is not supported without --use-megatron-fsdp"]),
-    (["--overlap-param-gather"], ["--overlap-param-gather is not supported without --use-megatron-fsdp"]),
+    (["--overlap-param-gather"], ["--overlap-param-gather needs --use-distributed-optimizer"]),
+    (["--use-distributed-optimizer", "--overlap-param-gather"], ["--overlap-param-gather needs --overlap-grad-reduce"]),
+    (["--overlap-grad-reduce", "--ddp-bucket-size", 0], ["--ddp-bucket-size must be a positive number"]),
+    (["--overlap-grad-reduce", "--ddp-num-buckets", 4, "--ddp-bucket-size", 100],
+     ["num_buckets (--ddp-num-buckets=4) must be positive and not given with bucket_size (--ddp-bucket-size=100)"]),
+    (["--ddp-average-in-collective", "--calculate-per-token-loss"],
+     ["--ddp-average-in-collective cannot be used with --calculate-per-token-loss"]),
     (["--loss-scale", 1024], ["--loss-scale=1024.0) is the static fp16 loss scale: it needs fp16 (--fp16)"]),
     (["--fp16", "--loss-scale", 0], ["--loss-scale=0.0) must be positive"]),
     (["--fp16", "--hysteresis", 0], ["--hysteresis=0) must be >= 1"]),
@@ -127,8 +147,8 @@ REFUSED = [
                                              "initial_loss_scale (--initial-loss-scale=4294967296)]"]),
     (["--fp16", "--use-megatron-fsdp"], ["--fp16 with --use-megatron-fsdp is not supported yet"]),
     (["--timing-log-level", 1], ["--timing-log-level 1 is not supported"]),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"],
-     ["--overlap-grad-reduce is not supported with --data-parallel-sharding-strategy optim", "optim_grads"]),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--fp8-param-gather"],
+     ["--fp8-param-gather is not supported with --data-parallel-sharding-strategy optim", "optim_grads"]),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--overlap-param-gather"],
      ["--overlap-param-gather is not supported with --data-parallel-sharding-strategy no_shard"]),
     (["--tokenizer-type", "GPT2BPETokenizer"], ["--vocab-file is required with --tokenizer-type GPT2BPETokenizer"]),
