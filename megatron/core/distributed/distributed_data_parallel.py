@@ -118,7 +118,7 @@ class DistributedDataParallel(MegatronModule):
         if disable_bucketing or (pp and parallel_state.get_pipeline_model_parallel_rank() > 0):
             bucket_size = None  # as upstream: one bucket per buffer off the critical path
         self.bucket_size = bucket_size
-        from megatron.core.optimizer.param_layout import upstream_module_order
+        from megatron.core.distributed.param_layout import upstream_module_order
 
         params = upstream_module_order([(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
         dist_opt = cfg.use_distributed_optimizer

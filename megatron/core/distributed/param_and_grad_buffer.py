@@ -216,7 +216,7 @@ def build_buckets(params: List[torch.nn.Parameter], group, expert_group, dp_size
     expected (the first bucket of each buffer holds the last parameters). Buckets over a group of one rank are left
     out: nothing to communicate (the caller handles those parameters as without overlap)."""
     from megatron.core.fp8_utils import is_quantized_tensor
-    from megatron.core.optimizer.param_layout import buffer_layouts
+    from megatron.core.distributed.param_layout import buffer_layouts
 
     expert_of = lambda p: not getattr(p, "allreduce", True)  # noqa: E731
     edp = get_world_size(expert_group) if expert_group is not None else 1

@@ -6,7 +6,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.param_layout import upstream_module_order
+from megatron.core.distributed.param_layout import upstream_module_order
 
 HAVE_EMERGING_OPTIMIZERS = False  # upstream's Muon / Lion etc. are not part of this fork
 

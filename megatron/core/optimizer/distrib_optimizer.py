@@ -75,7 +75,7 @@ from megatron.core.fp8_utils import (
     quantize_whole_masters,
     rowwise_bytes,
 )
-from megatron.core.optimizer.param_layout import BucketLayout, BufferLayout, buffer_layouts
+from megatron.core.distributed.param_layout import BucketLayout, BufferLayout, buffer_layouts
 from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, log_state_conversion, main_grad_dtype,
                                                      set_slice_state, slice_state)
 from megatron.core.optimizer.optimizer import (
@@ -259,7 +259,7 @@ class DistributedOptimizer(MegatronOptimizer):
         shards = []
         for k, space in enumerate(self.spaces):
             if space.bucket is not None:  # reduced by DistributedDataParallel (finish_grad_sync)
-                shards.append(space.bucket.owned_grad_shard().float())
+                shards.append(space.bucket.owned_grad_shard().to(self.main_grad_dtype))
                 continue
             if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
                 shards.append(None)
@@ -550,7 +550,7 @@ class DistributedOptimizer(MegatronOptimizer):
         buckets and parameter ranges as upstream pads them (``param_layout.buffer_layouts``). This fork's DDP keeps
         no flat buffers (``DistributedDataParallel`` accepts ``full_param_layout=`` and ignores it); the optimizer
         uses the same layout for upstream's ``dp_reshardable`` checkpoint keys."""
-        from megatron.core.optimizer.param_layout import FullParamLayout
+        from megatron.core.distributed.param_layout import FullParamLayout
 
         edp = data_parallel_world_size if expert_data_parallel_world_size is None else expert_data_parallel_world_size
         buffers = buffer_layouts(list(params), data_parallel_world_size, edp, _is_quantized_param, _upstream_expert,
