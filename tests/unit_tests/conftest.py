@@ -1,15 +1,22 @@
 import pytest
 import torch
 
-# Tests that take a minute or more of one worker (many torchrun launches): collected first, so that under
-# ``pytest -n 2`` one worker starts on them while the other takes the short tests, instead of one of them being
-# the last thing left running.
-LONG_FIRST = ("interop/test_upstream_roundtrip.py",)
+# The longest tests (the round trip with upstream: a minute or more of one worker; then the tests of tens of seconds
+# that launch fresh interpreters), in this order: collected first, so that under ``pytest -n 2`` one worker starts
+# on the round trip while the other takes the rest of these, and the short tests fill in behind, instead of a long
+# one being the last thing left running.
+LONG_FIRST = ("interop/test_upstream_roundtrip.py", "training/test_pipeline_cli.py", "interop/test_upstream_mtp.py",
+              "training/test_upstream_recipe.py")
+
+
+def _long_rank(item) -> int:
+    return next((i for i, p in enumerate(LONG_FIRST) if item.nodeid.startswith(f"tests/unit_tests/{p}")),
+                len(LONG_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
     """Long tests first; skip tests marked ``gpu`` cleanly where there is no CUDA device."""
-    items.sort(key=lambda item: not any(item.nodeid.startswith(f"tests/unit_tests/{p}") for p in LONG_FIRST))
+    items.sort(key=_long_rank)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")

@@ -102,12 +102,12 @@ torch.save(sd, sys.argv[1])
 
 
 def test_upstream_pickled_state_loads(tmp_path):
-    from tests.unit_tests.interop.upstream_env import upstream_site_or_skip
+    from tests.unit_tests.interop.upstream_env import EAGER_COMPILE, upstream_site_or_skip
 
     site = upstream_site_or_skip()
     path = tmp_path / "rsm.pt"
     env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-c", _UPSTREAM, str(path)], env=env, cwd=tmp_path, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", EAGER_COMPILE + _UPSTREAM, str(path)], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     import megatron.core  # noqa: F401  (registers the safe globals, upstream's enums among them)

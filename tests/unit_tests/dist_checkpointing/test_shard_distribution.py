@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.interop.upstream_env import EAGER_COMPILE
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -113,7 +114,7 @@ def test_same_assignment_as_real_upstream(upstream_site, monkeypatch, tmp_path):
     cases = [(_cases(4, seed), ignore) for seed in (0, 1, 2) for ignore in (False, True)]
     env = dict(os.environ, PYTHONPATH=str(upstream_site), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     script = tmp_path / "upstream_distribution.py"
-    script.write_text(_UPSTREAM_SCRIPT)
+    script.write_text(EAGER_COMPILE + _UPSTREAM_SCRIPT)
     done = subprocess.run([sys.executable, str(script)], input=json.dumps(cases), env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Run by ``test_upstream_roundtrip.py`` under ``torch.distributed.run`` with this fork on ``PYTHONPATH``:
 ``fork_worker.py PHASES WORKDIR LAYOUTS`` (PHASES: ``save``, ``load`` or ``load,save``;
-LAYOUTS: comma-separated, of one world size). load: upstream's checkpoints of every case, loaded with
+LAYOUTS: comma-separated, of one world size; on CPU the test runs ``run`` in ranks forked from pytest instead, the
+fork being imported there already). load: upstream's checkpoints of every case, loaded with
 our ``dist_checkpointing.load``; save: our GPTModel of every case into ``WORKDIR/fork/...`` (see
 ``roundtrip_cases.drive``)."""
 import sys
@@ -10,7 +11,10 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import roundtrip_cases as rc  # noqa: E402
+try:  # a script under torch.distributed.run, the interop directory on PYTHONPATH
+    import roundtrip_cases as rc  # noqa: E402
+except ImportError:  # imported by the test (its CPU round trip runs these phases in ranks forked from pytest)
+    from tests.unit_tests.interop import roundtrip_cases as rc  # noqa: E402
 
 
 def build_model(model: str, layout: str, recipe=False, dtype=None):
@@ -87,17 +91,22 @@ def optimizer_state(model, opt) -> dict:
     return out
 
 
-def main(phases: str, workdir: str, layouts: str) -> int:
+def run(phases: str, workdir: str, layouts: str) -> None:
+    """The phases, in a process group already initialised (also the test's in-process entry, on CPU)."""
     import megatron.core
 
     assert not hasattr(megatron.core, "package_info"), "upstream megatron-core is first on the path"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
     for phase in phases.split(","):
         rc.drive("fork", "upstream", phase, workdir, layouts, build_model)
         rc.drive_optimizer("fork", "upstream", phase, workdir, layouts, build_model, build_optimizer,
                            optimizer_state, set_grad)
+
+
+def main(phases: str, workdir: str, layouts: str) -> int:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
+    run(phases, workdir, layouts)
     dist.destroy_process_group()
     return 0
 

@@ -14,7 +14,10 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import roundtrip_cases as rc  # noqa: E402
+try:  # a script under torch.distributed.run, the interop directory on PYTHONPATH
+    import roundtrip_cases as rc  # noqa: E402
+except ImportError:  # imported by the test (the fork's side runs in a rank forked from pytest)
+    from tests.unit_tests.interop import roundtrip_cases as rc  # noqa: E402
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=4,
               moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_score_function="sigmoid",
@@ -59,12 +62,21 @@ def outputs(model) -> dict:
 
 def main(side: str, phase: str, workdir: str) -> int:
     if side == "upstream":
+        rc.eager_torch_compile()
         from megatron.core.package_info import __version__  # this fork has no package_info: upstream's alone
         from upstream_worker import _shim_cuda
 
         assert __version__ == "0.19.2", __version__
         _shim_cuda()
     dist.init_process_group("gloo")
+    run(side, phase, workdir)
+    dist.destroy_process_group()
+    return 0
+
+
+def run(side: str, phase: str, workdir: str) -> None:
+    """One phase of one side, in a process group already initialised (also the test's in-process entry for the
+    fork's side)."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
@@ -89,8 +101,7 @@ def main(side: str, phase: str, workdir: str) -> int:
         with open(os.path.join(workdir, f"result_{side}.json"), "w") as f:
             json.dump({"diffs": diffs, "before": before, "expert_bias": bias,
                        "mtp_shape": list(got["mtp"].shape)}, f)
-    dist.destroy_process_group()
-    return 0
+    ps.destroy_model_parallel()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ dropout 0; a loader compares its logits of one fixed input with the saver's (<= 
 bias with the value the saver set."""
 import json
 import os
+import time
 import traceback
 import warnings
 
@@ -76,10 +77,24 @@ MODELS["llama31"] = dict(
 SEPARATE = {m: dict(layouts=("tp1", "tp2_dp1"), reshard={"tp1": ("tp2_dp1",)}) for m in ("mla", "yarn", "llama31")}
 
 
-def selected_models() -> list:
-    """``ROUNDTRIP_MODELS`` (comma-separated) when set, else every model of the main matrix."""
+def selected_models(with_separate: bool = False) -> list:
+    """``ROUNDTRIP_MODELS`` (comma-separated) when set, else every model of the main matrix (``with_separate``: and
+    the ``SEPARATE`` ones, which run in the same launches as the main matrix on CPU, in their own layouts)."""
     names = os.environ.get("ROUNDTRIP_MODELS")
-    return names.split(",") if names else [m for m in MODELS if m not in SEPARATE]
+    return names.split(",") if names else [m for m in MODELS if with_separate or m not in SEPARATE]
+
+
+def eager_torch_compile() -> None:
+    """``torch.compile`` returns its function unchanged, for upstream's workers on CPU (call before importing
+    megatron): upstream compiles its fused activations (``jit_fuser``) and router helpers, which costs each worker
+    seconds of imports (dynamo, inductor) and tens of seconds of compilation, for the same values in eager mode (the
+    comparisons are with this fork's eager code, within their tolerances)."""
+    import torch
+
+    def compile(model=None, **unused):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = compile
 
 
 def set_config_attrs(model: str, config):
@@ -109,6 +124,7 @@ LAYOUTS = {
 }
 GPU_LAYOUTS = ("gpu_te",)
 SEPARATE_LAYOUTS = ("tp2_dp1",)  # not in the main matrix
+MAIN_LAYOUTS = tuple(k for k in LAYOUTS if k not in GPU_LAYOUTS + SEPARATE_LAYOUTS)
 FP8_RECIPES = (None, "tensorwise", "delayed")  # None: TE layers without FP8
 # Logit tolerances on the GPU: the two sides' compute paths differ there (attention kernels, TF32 in fp32 GEMMs; in
 # MoE layers FP8 rounding, most likely through where the router probabilities are applied). Measured on the H200
@@ -154,11 +170,12 @@ def cases(layout: str):
     recipe (None: no FP8; the sliding-window model without FP8 only)."""
     if os.environ.get("ROUNDTRIP_PRECISION_AWARE"):  # the precision-aware optimizer's run: its optimizer cases only
         return []
-    models = selected_models()
+    models = selected_models(with_separate=layout not in GPU_LAYOUTS)
     if layout in GPU_LAYOUTS:  # the sliding-window model with TE layers without FP8
         return [(m, False, False, r) for m in models if m != "qk" for r in FP8_RECIPES if m != "swa" or r is None]
     out = [(m, fp, False, False) for m in models for fp in (True, False)  # recipe False: no TE
-           if (m not in (*ONE_SAVE_KIND, *SEPARATE) or fp) and layout in SEPARATE.get(m, {}).get("layouts", (layout,))]
+           if (m not in (*ONE_SAVE_KIND, *SEPARATE) or fp)
+           and layout in (SEPARATE[m]["layouts"] if m in SEPARATE else MAIN_LAYOUTS)]
     if layout == "tp1" and "dense" in models:
         out.append(("dense", True, True, False))
     return out
@@ -222,6 +239,7 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
             model = build_model(model_name, layout, recipe).eval()
             routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
             record = {"side": side, "case": record_name, "phase": phase, "layout": layout}
+            started = time.perf_counter()
             try:
                 if phase == "save":
                     for r in routers:
@@ -256,6 +274,7 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 _record_failure(record, e)
+            record["seconds"] = round(time.perf_counter() - started, 2)  # this rank's, for finding slow jobs
             results.append(record)
             dist.barrier()
         _finish_layout(results, results_path(workdir, side, phase, layout), ps)
@@ -539,6 +558,7 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
         for model_name, precision, kind, name in optim_jobs(layout):
             torch.manual_seed(1000 if phase == "save" else 2000)
             record = {"side": side, "case": name, "phase": phase, "layout": layout}
+            started = time.perf_counter()
             try:
                 dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
                 model = build_model(model_name, layout, False, dtype)
@@ -599,6 +619,7 @@ def drive_optimizer(side: str, other: str, phase: str, workdir: str, layouts: st
                 record.setdefault("ok", True)
             except Exception as e:
                 _record_failure(record, e)
+            record["seconds"] = round(time.perf_counter() - started, 2)  # this rank's, for finding slow jobs
             results.append(record)
             dist.barrier()
         _finish_layout(results, optim_results_path(workdir, side, phase, layout), ps)

@@ -1,4 +1,5 @@
-"""Multi-token prediction interchanges with the REAL upstream megatron-core 0.19.2 (CPU, gloo, one process each):
+"""Multi-token prediction interchanges with the REAL upstream megatron-core 0.19.2 (CPU, gloo, one process each;
+the fork's in a rank forked from pytest):
 a model with MTP + MoE with shared experts + expert bias + first layer dense, saved by upstream and loaded here, and
 saved here and loaded by upstream; the same checkpoint keys, and the MTP block's output (decoder hidden states and
 the depth's), the loss and the logits within 1e-5 after the load (far apart before), expert biases as set."""
@@ -11,7 +12,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +32,21 @@ def _launch(side: str, phase: str, workdir: Path, pythonpath: str) -> None:
         pytest.fail(f"{side} {phase} exited {done.returncode}:\n{tail}")
 
 
+def _fork_phases(rank, world_size, workdir: str) -> None:
+    """The fork's load and save in one rank forked from this process (the fork imported already)."""
+    from tests.unit_tests.interop import mtp_worker
+
+    for phase in ("load", "save"):
+        mtp_worker.run("fork", phase, workdir)
+
+
 def test_mtp_shared_experts_expert_bias_round_trip_with_upstream(upstream_site, tmp_path):
+    from tests.unit_tests.dist_utils import run_distributed
     from tests.unit_tests.interop import roundtrip_cases as rc
 
-    for side, phase, path in (("upstream", "save", str(upstream_site)), ("fork", "load", str(REPO)),
-                              ("fork", "save", str(REPO)), ("upstream", "load", str(upstream_site))):
-        _launch(side, phase, tmp_path, path)
+    _launch("upstream", "save", tmp_path, str(upstream_site))
+    run_distributed(_fork_phases, 1, str(tmp_path))
+    _launch("upstream", "load", tmp_path, str(upstream_site))
     keys = {side: json.loads((tmp_path / f"keys_{side}.json").read_text()) for side in ("upstream", "fork")}
     mtp_keys = [k for k in keys["upstream"] if k.startswith("mtp.")]
     assert "mtp.layers.0.eh_proj.weight" in mtp_keys and "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in \

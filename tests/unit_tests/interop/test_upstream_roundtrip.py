@@ -6,9 +6,11 @@ EP2 on 4 ranks) x (fully parallel save on, off), plus one async save; the other 
 ``dist_checkpointing`` and must reproduce the saver's logits (<= 1e-5) and expert bias, or, where either side is
 pipelined, its weights and expert biases exactly. Both sides also load the other's TP2 + SP + EP2 and PP2
 checkpoints at TP1 x DP2, and the other's TP1 x DP2 checkpoints at PP2. The same launches also round-trip the
-optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``: non-distributed and distributed). Six
-``torch.distributed.run`` launches, in the order the checkpoints need: upstream saves -> the fork loads and saves ->
-upstream loads."""
+optimizer's state with the model (``roundtrip_cases.OPTIM_CASES``: non-distributed and distributed), and the models
+of ``roundtrip_cases.SEPARATE`` (MLA, YaRN, Llama 3.1 rope scaling) in their own layouts. In the order the
+checkpoints need: upstream saves -> the fork loads and saves -> upstream loads; upstream's side in four
+``torch.distributed.run`` launches (2 and 4 ranks), the fork's (on CPU) in ranks forked from this process
+(``run_distributed``: the fork is imported here already)."""
 import json
 import os
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.interop import roundtrip_cases as rc
 
 # One worker runs the whole module (pytest -n 2 --dist loadgroup): its tests share the minutes-long launches of the
@@ -55,16 +58,31 @@ def _records(workdir: Path, side: str, phase: str, layouts) -> list:
     return out
 
 
+def _fork_phases(rank, world_size, phases: str, workdir: str, layouts: str) -> None:
+    """The fork's side on CPU: ``fork_worker.run`` in ranks forked from this process (the fork imported already),
+    not a ``torch.distributed.run`` launch of fresh interpreters."""
+    import warnings
+
+    from tests.unit_tests.interop import fork_worker
+
+    warnings.filterwarnings("ignore")
+    fork_worker.run(phases, workdir, layouts)
+
+
 def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
     """Upstream saves -> the fork loads and saves -> upstream loads, for ``layouts`` (grouped by world size); the
     load records, after checking that every job reported and is good."""
     by_world = {}
     for layout in layouts:
         by_world.setdefault(rc.LAYOUTS[layout][0], []).append(layout)
+    on_cpu = not set(layouts) & set(rc.GPU_LAYOUTS)
     for side, phases, path in (("upstream", "save", str(site)), ("fork", "load,save", str(REPO)),
                                ("upstream", "load", str(site))):
         for world, group in sorted(by_world.items()):
-            _launch(side, phases, workdir, ",".join(group), world, path, **extra_env)
+            if side == "fork" and on_cpu:
+                run_distributed(_fork_phases, world, phases, str(workdir), ",".join(group), timeout=600)
+            else:
+                _launch(side, phases, workdir, ",".join(group), world, path, **extra_env)
     records = []
     for side in ("upstream", "fork"):
         for phase in ("save", "load"):
@@ -83,20 +101,21 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
 def roundtrip_cpu(upstream_site, tmp_path_factory):
     """The CPU round trip's work directory, after the launches (the model and the optimizer cases run in them)."""
     workdir = tmp_path_factory.mktemp("roundtrip")
-    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS + rc.SEPARATE_LAYOUTS]
+    layouts = [k for k in rc.LAYOUTS if k not in rc.GPU_LAYOUTS]  # the separate models' layouts too
     return workdir, _roundtrip(upstream_site, workdir, layouts)
 
 
 def test_roundtrip_with_upstream_both_ways(roundtrip_cpu):
-    loaded = roundtrip_cpu[1]
+    loaded = [r for r in roundtrip_cpu[1] if r["case"].split("_")[0] not in rc.SEPARATE]
     assert any(r["case"].endswith("_async") for r in loaded) and any("<-" in r["case"] for r in loaded)
+    assert {r["layout"] for r in loaded} == set(rc.MAIN_LAYOUTS)
     # every load really changed the model (its logits / weights were far from the saver's before) and then matched
     # them: logits within the tolerance, weights (a pipelined saver or loader) exactly
     for r in loaded:
         if r["compare"] == "weights":
             assert r["max_abs_diff"] == 0.0 < 1e-3 < r["max_abs_diff_before_load"], r
         else:
-            assert r["max_abs_diff"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
+            assert r["max_abs_diff"] <= r["tolerance"] <= rc.TOLERANCE < 1e-2 < r["max_abs_diff_before_load"], r
     # pipelined checkpoints, both ways: PP2 -> PP2, PP2 -> PP1 x DP2, PP1 x DP2 -> PP2, every model
     pipelined = {(r["side"], r["layout"], r["case"].partition("<-")[2]) for r in loaded if r["compare"] == "weights"}
     assert pipelined == {(side, dst, src) for side in ("upstream", "fork")
@@ -150,17 +169,17 @@ def test_optimizer_state_interchanges_with_upstream(roundtrip_cpu):
         for *_, name in rc.optim_jobs(layout)}
 
 
-def test_mla_yarn_roundtrip_with_upstream(upstream_site, tmp_path, monkeypatch):
+def test_mla_yarn_roundtrip_with_upstream(roundtrip_cpu):
     """Multi-latent attention with YaRN (``roundtrip_cases.MODELS['mla']``), standard attention with YaRN
     (``'yarn'``, gpt-oss's rotary) and with Llama 3.1's rope scaling (``'llama31'``), both ways: upstream's models
-    (local spec) saved at TP1 x DP2 and at TP2 (2 ranks, the same launches) load here with their logits within 1e-5,
-    and ours load there; each side also loads the other's TP2 checkpoints at TP1 x DP2 (resharded). The same
-    checkpoint keys on both sides, or the strict load fails."""
-    models = "mla,yarn,llama31"
-    monkeypatch.setenv("ROUNDTRIP_MODELS", models)
-    loaded = _roundtrip(upstream_site, tmp_path, list(rc.SEPARATE["mla"]["layouts"]), ROUNDTRIP_MODELS=models)
+    (local spec) saved at TP1 x DP2 and at TP2 (2 ranks; in the launches of the main matrix) load here with their
+    logits within 1e-5, and ours load there; each side also loads the other's TP2 checkpoints at TP1 x DP2
+    (resharded). The same checkpoint keys on both sides, or the strict load fails."""
+    models = ("mla", "yarn", "llama31")
+    assert set(rc.SEPARATE) == set(models)
+    loaded = [r for r in roundtrip_cpu[1] if r["case"].split("_")[0] in models]
     assert {(r["side"], r["layout"], r["case"]) for r in loaded} == {
-        (side, layout, f"{model}_{case}") for side in ("upstream", "fork") for model in models.split(",")
+        (side, layout, f"{model}_{case}") for side in ("upstream", "fork") for model in models
         for layout, case in (("tp1", "fp1"), ("tp2_dp1", "fp1"), ("tp1", "fp1<-tp2_dp1"))}
     for r in loaded:
         assert r["compare"] == "logits" and r["max_abs_diff"] <= r["tolerance"] <= rc.TOLERANCE, r

@@ -18,7 +18,8 @@ and a CPU tensor's ``type()`` names the CUDA type (its parameter / gradient type
 Its DistributedOptimizer over torch's AdamW (its CPU fallback; TE's FusedAdam on the GPU keeps no per-parameter step)
 gets zero Adam state before a load (``_init_adam_state``), and its loaders of a parameter's state leave that state's
 ``step`` alone (``load_state_dict`` has set it from the param groups already; the loaders provide no ``step`` and
-failed on it). Nothing else stops it on CPU."""
+failed on it). Nothing else stops it on CPU. Its ``torch.compile``d functions run eagerly on CPU
+(``roundtrip_cases.eager_torch_compile``: the same values, without minutes of compilation per launch)."""
 import sys
 import warnings
 
@@ -246,6 +247,8 @@ def _owned_range(inner, param) -> list:
 
 
 def main(phases: str, workdir: str, layouts: str) -> int:
+    if not torch.cuda.is_available():
+        rc.eager_torch_compile()
     from megatron.core.package_info import __version__  # this fork has no package_info: upstream's alone
 
     assert __version__ == "0.19.2", __version__

@@ -154,11 +154,13 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
 
 
 def _shim_upstream_on_cpu():
-    """The real upstream's CUDA-only calls on CPU: the round-trip worker's shims (``interop/upstream_worker.py``)
-    plus, for a training step, its gradient reduction's stream bookkeeping (the current stream: nothing to wait
+    """The real upstream's CUDA-only calls on CPU: the round-trip worker's shims (``interop/upstream_worker.py``;
+    ``torch.compile`` a no-op, as there) plus, for a training step, its gradient reduction's stream bookkeeping (the current stream: nothing to wait
     for on CPU)."""
+    import roundtrip_cases
     import upstream_worker
 
+    roundtrip_cases.eager_torch_compile()  # before megatron's first import: its fused activations run eagerly
     upstream_worker._shim_cuda()
 
     class _NoStream:
