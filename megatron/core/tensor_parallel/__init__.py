@@ -4,7 +4,9 @@ from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_tensor_model_parallel_attributes,
     param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
@@ -26,12 +28,19 @@ from megatron.core.tensor_parallel.random import (
     model_parallel_cuda_manual_seed,
     set_random_seed,
 )
+from megatron.core.tensor_parallel.utils import (
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
+)
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "vocab_parallel_cross_entropy",
     "all_to_all",
@@ -49,4 +58,7 @@ __all__ = [
     "get_expert_parallel_rng_tracker_name",
     "model_parallel_cuda_manual_seed",
     "set_random_seed",
+    "gather_split_1d_tensor",
+    "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
 ]
