@@ -26,6 +26,7 @@ CPU a 2-rank run of the whole directory takes longer than 10 minutes, so measure
 """
 import argparse
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -82,6 +83,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _destroy_subgroups():
+    """Destroy every process group but the default one: a gloo group keeps its threads until destroyed, and
+    upstream's tests build the model-parallel groups again for each test (thousands of threads otherwise)."""
+    if not torch.distributed.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            try:
+                torch.distributed.destroy_process_group(pg)
+            except Exception:
+                pass
+
+
 class Utils:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -110,12 +127,14 @@ class Utils:
         if not Utils.inited:
             return
         ps.destroy_model_parallel()
+        _destroy_subgroups()
         Utils.inited = False
 
     @staticmethod
     def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   virtual_pipeline_model_parallel_size=None, **kwargs):
         ps.destroy_model_parallel()
+        _destroy_subgroups()
         Utils.initialize_distributed()
         ps.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                      virtual_pipeline_model_parallel_size, **kwargs)
@@ -144,6 +163,11 @@ import torch
 
 if not hasattr(typing, "override"):  # Python < 3.12: upstream's megatron.training imports typing.override
     typing.override = lambda fn: fn
+
+try:
+    from pytest_mock import mocker  # noqa: F401  (the fixture, for tests that take it without importing it)
+except ImportError:
+    pass
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -180,6 +204,55 @@ def reset_env_vars():
 '''
 
 
+MOCKER_SHIM = '''"""Stand-in for pytest-mock's ``mocker`` fixture (written by tools/run_upstream_tests.py when pytest_mock is not
+installed): patch / patch.object / patch.dict / spy / Mock / MagicMock, every patch undone after the test."""
+import unittest.mock as _mock
+
+import pytest
+
+
+class _Patcher:
+    def __init__(self, started):
+        self._started = started
+
+    def _start(self, p):
+        self._started.append(p)
+        return p.start()
+
+    def __call__(self, target, *args, **kwargs):
+        return self._start(_mock.patch(target, *args, **kwargs))
+
+    def object(self, target, attribute, *args, **kwargs):
+        return self._start(_mock.patch.object(target, attribute, *args, **kwargs))
+
+    def dict(self, in_dict, values=(), clear=False, **kwargs):
+        return self._start(_mock.patch.dict(in_dict, values, clear, **kwargs))
+
+
+class MockerFixture:
+    Mock, MagicMock, PropertyMock, ANY, call, sentinel = (_mock.Mock, _mock.MagicMock, _mock.PropertyMock,
+                                                          _mock.ANY, _mock.call, _mock.sentinel)
+
+    def __init__(self):
+        self._started = []
+        self.patch = _Patcher(self._started)
+
+    def spy(self, obj, name):
+        return self.patch.object(obj, name, wraps=getattr(obj, name))
+
+    def stopall(self):
+        while self._started:
+            self._started.pop().stop()
+
+
+@pytest.fixture
+def mocker():
+    m = MockerFixture()
+    yield m
+    m.stopall()
+'''
+
+
 def extract(mirror: str, ref: str, dest: Path) -> None:
     """Upstream's ``tests/unit_tests`` at ``ref`` into ``dest`` (git archive | tar; the whole tree, since test files
     import helpers from other folders, e.g. ``tests.unit_tests.dist_checkpointing.TempNamedDir``), plus the package
@@ -191,6 +264,10 @@ def extract(mirror: str, ref: str, dest: Path) -> None:
         (dest / pkg / "__init__.py").touch()
     (dest / "tests/unit_tests/test_utilities.py").write_text(UTILS_SHIM)
     (dest / "tests/unit_tests/conftest.py").write_text(CONFTEST_SHIM)
+    try:
+        import pytest_mock  # noqa: F401  (installed: upstream's tests use it as is)
+    except ImportError:
+        (dest / "pytest_mock.py").write_text(MOCKER_SHIM)
 
 
 RANK_MAIN = '''"""One rank's pytest run (written by tools/run_upstream_tests.py)."""
@@ -226,11 +303,13 @@ class Progress:
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
-            reason = str(report.longrepr).strip().splitlines()[-1:] if report.longrepr else [""]
+            crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+            reason = crash.strip().splitlines()[:1] if crash else (
+                str(report.longrepr).strip().splitlines()[-1:] if report.longrepr else [""])
             outcome = report.outcome
             if outcome == "failed" and report.when != "call":
                 outcome = "error"
-            self.out.write(f"{outcome}\\t{report.nodeid}\\t{reason[0][:200]}\\n")
+            self.out.write(f"{outcome}\\t{report.nodeid}\\t{(reason or [''])[0][:200]}\\n")
             self.out.flush()
 
 
@@ -545,6 +624,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-file", action="store_true",
                     help="one pytest run per test file, --timeout each (a hang costs one file, not the folder)")
     ap.add_argument("--table", help="write the per-file markdown table (passed/failed/error/skipped) here")
+    ap.add_argument("--save-json", help="write every test's outcome and reason here (for --load-json)")
+    ap.add_argument("--load-json", nargs="+", help="print the table of earlier --save-json files; runs nothing")
     ap.add_argument("--baseline", help="write the node ids that passed to this file")
     ap.add_argument("--compare", help="a file of node ids (from --baseline): report how many of them pass here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (its path is printed)")
@@ -569,11 +650,21 @@ def main(argv=None) -> int:
         ap.error(f"--mirror: {args.mirror} is not a directory (fetch github:NVIDIA/Megatron-LM first)")
 
     named, broken, status = {}, {}, 0
-    for against in args.against:
-        package_root, results, broken[against] = measure(args, against)
-        named[against] = results
-        status = max(status, 2 if broken[against] and not args.per_file else 0)
-        report(args, package_root, results)
+    if args.load_json:  # tables from earlier runs, nothing run
+        for path in args.load_json:
+            for against, saved in json.loads(Path(path).read_text()).items():
+                named[against] = {n: tuple(v) for n, v in saved["results"].items()}
+                broken[against] = saved["broken"]
+    else:
+        for against in args.against:
+            package_root, results, broken[against] = measure(args, against)
+            named[against] = results
+            status = max(status, 2 if broken[against] and not args.per_file else 0)
+            report(args, package_root, results)
+        if args.save_json:
+            Path(args.save_json).write_text(json.dumps(
+                {a: {"results": named[a], "broken": broken[a], "nproc": args.nproc, "dir": args.dir}
+                 for a in named}, indent=0))
     if len(named) > 1 or args.table:
         text = table(named, broken)
         print("\n" + text)
