@@ -1,5 +1,6 @@
 """Tensor parallelism: split layers, the communication mappings, vocab-parallel cross entropy, the RNG tracker."""
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -43,6 +44,7 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "vocab_parallel_cross_entropy",
+    "broadcast_data",
     "all_to_all",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
