@@ -518,6 +518,13 @@ def run_pytest(tmp: Path, package_root: Path, nproc: int, pytest_targets, extra,
     launch = [sys.executable]
     if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    else:  # what torchrun would set for one rank (some upstream tests initialise with env://)
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("localhost", 0))
+            port = sock.getsockname()[1]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=str(port))
     cmd = [*launch, "rank_main.py", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp),
            "--continue-on-collection-errors", "-W", "ignore", *pytest_targets, *extra]
     done = run_group(cmd, cwd=tmp, env=env, timeout=timeout)
