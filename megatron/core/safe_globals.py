@@ -43,10 +43,13 @@ def _enum_globals() -> List[Any]:
         ModelType,
     )
 
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
     from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
 
-    return [AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType, RerunDiagnostic,
-            RerunMode, RerunState]
+    # upstream pickles megatron.core.enums.ModelType (its own class there); here that name is the same class
+    return [AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType,
+            (ModelType, "megatron.core.enums.ModelType"), Fp8Recipe, Fp4Recipe, RerunDiagnostic, RerunMode,
+            RerunState]
 
 
 def register_safe_globals(extra: Iterable[Any] = ()) -> None:

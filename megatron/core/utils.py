@@ -59,6 +59,20 @@ def get_pg_rank(group=None) -> int:
     return group.rank()
 
 
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert: bool = False, check_initialized: bool = True):
+    """``tp_group`` when given; else the (expert) tensor-parallel group of ``parallel_state``. None without
+    torch.distributed; ``tp_group`` as passed while ``parallel_state`` holds no groups (upstream's rules)."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        return None
+    if tp_group is not None or not parallel_state.is_initialized():
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
 def get_pg_src_rank(group=None) -> int:
     """The global rank of ``group``'s first rank (0 without distributed or group)."""
     if not torch.distributed.is_initialized() or group is None:

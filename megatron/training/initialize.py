@@ -5,15 +5,17 @@ already-initialized default group is reused; without launcher variables a single
 (file store in a temp dir). Backend: ``--distributed-backend`` (default nccl with CUDA, gloo without).
 """
 import os
+import random
 import tempfile
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_rank, get_world_size, is_distributed
-from megatron.core.tensor_parallel.random import set_random_seed
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed, set_random_seed
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
 
@@ -65,3 +67,26 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     if getattr(parsed_args, "disable_bf16_reduced_precision_matmul", False):
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     return parsed_args
+
+
+def _set_random_seed(seed_: int, data_parallel_random_init: bool = False, te_rng_tracker: bool = False,
+                     inference_rng_tracker: bool = False, use_cudagraphable_rng: bool = False, pp_group=None,
+                     dp_group=None, tp_group=None, ep_group=None, etp_group=None) -> None:
+    """Upstream's seeding helper (upstream's tests and recipes call it): ``seed_ + 100 * pipeline rank`` (``+ 10 *
+    data-parallel rank`` with ``data_parallel_random_init``) seeds python, numpy, torch and the model-parallel RNG
+    tracker. Each rank comes from the given group, else from parallel_state. A seed that is not a positive integer
+    is refused. (``initialize_megatron`` here seeds every stage with ``--seed`` itself: ``set_random_seed``.)"""
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f"Seed ({seed_}) should be a positive integer.")
+    pp_rank = pp_group.rank() if pp_group is not None else parallel_state.get_pipeline_model_parallel_rank()
+    seed = seed_ + 100 * pp_rank
+    if data_parallel_random_init:
+        seed += 10 * (dp_group.rank() if dp_group is not None else parallel_state.get_data_parallel_rank())
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(
+        seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng,
+        tp_rank=tp_group.rank() if tp_group is not None else None,
+        ep_rank=ep_group.rank() if ep_group is not None else None,
+        etp_rank=etp_group.rank() if etp_group is not None else None)

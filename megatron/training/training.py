@@ -40,15 +40,7 @@ from megatron.training.utils import (
     TrainingStopped,
 )
 
-try:
-    from megatron.core.enums import ModelType  # noqa: F401
-except ImportError:  # megatron/core/enums.py is not part of this fork (yet)
-    import enum
-
-    class ModelType(enum.Enum):
-        encoder_or_decoder = 1
-        retro_encoder = 2
-        retro_decoder = 3
+from megatron.core.enums import ModelType  # noqa: F401 (upstream's training imports it from here)
 
 
 _TRAIN_START_TIME = None  # when pretrain() started (--exit-duration-in-mins)

@@ -620,8 +620,8 @@ class MegatronOptimizer:
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         """Clip and step. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``. fp16 (a grad scaler): the
         grads are unscaled and an inf/nan on any rank skips the step and updates the scaler (upstream returns
-        ``(False, None, None)`` then). A non-finite grad norm also skips the update (parameters and optimizer
-        state unchanged) and returns ``update_successful=False``."""
+        ``(False, None, None)`` then). A non-finite grad norm, or one above ``config.grad_norm_skip_threshold``,
+        also skips the update (parameters and optimizer state unchanged) and returns ``update_successful=False``."""
         self._copy_model_grads_to_main()
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_inf()
@@ -630,7 +630,7 @@ class MegatronOptimizer:
                 return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm) or grad_norm > self.config.grad_norm_skip_threshold:
             return False, grad_norm, num_zeros
         self._update()
         self._copy_main_params_to_model()

@@ -47,6 +47,9 @@ class OptimizerConfig:
     overlap_param_gather_with_optimizer_step: bool = False
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value (0: no clipping, the norm is still computed)."""
+    grad_norm_skip_threshold: float = float("inf")
+    """Skip the update (parameters and optimizer state unchanged, ``update_successful=False``) when the global grad
+    norm, before clipping, exceeds this value. Off by default (inf), as upstream."""
     log_num_zeros_in_grad: bool = False
     barrier_with_L1_time: bool = False
     timers: Optional[object] = None

@@ -56,11 +56,44 @@ def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, st
     set_param_attrs((tensor,), tensor_model_parallel=is_parallel, partition_dim=dim, partition_stride=stride)
 
 
-def param_is_not_tensor_parallel_duplicate(param) -> bool:
-    """True for a TP-split parameter, or for a replicated one on TP rank 0: count each value once (grad norms)."""
+# upstream's tensor-parallel attributes of a parameter, with the value a parameter without them stands for
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "expert_tp": False,
+    "is_qkv": False,
+    "qkv_split_shapes": None,
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
+    """Give ``tensor`` each tensor-parallel attribute it lacks, at its default (a replicated parameter)."""
+    for name, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> None:
+    """Copy the tensor-parallel attributes ``source_tensor`` has onto ``destination_tensor`` (e.g. a main fp32
+    copy of a model parameter)."""
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
+
+
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group=None) -> bool:
+    """True for a TP-split parameter, or for a replicated one on TP rank 0: count each value once (grad norms).
+    The group is upstream's choice: ``expert_tp_group`` (when given) for a parameter reduced over expert data
+    parallel (``allreduce=False``), else ``tp_group`` when given, else parallel_state's (expert) TP group."""
     if getattr(param, "tensor_model_parallel", False):
         return True
-    return tp_group_info(is_expert=not getattr(param, "allreduce", True))[2] == 0
+    is_expert = not getattr(param, "allreduce", True)
+    if is_expert and expert_tp_group is not None:
+        return expert_tp_group.rank() == 0
+    if tp_group is not None:
+        return tp_group.rank() == 0
+    return tp_group_info(is_expert=is_expert)[2] == 0
 
 
 def _init_split(weight, init_method, partition_dim: int, config, tp_size: int, tp_rank: int, is_expert: bool):

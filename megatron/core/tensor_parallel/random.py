@@ -9,8 +9,10 @@ available (upstream) and always the CPU generator's too, so CPU-built tensors ge
 """
 import contextlib
 import random
+from typing import Optional
 
 import numpy as np
+
 import torch
 
 from megatron.core import parallel_state
@@ -100,11 +102,23 @@ def model_parallel_rng_context(config=None, name: str = _MODEL_PARALLEL_RNG_TRAC
     return _RNG_TRACKER.fork(name)
 
 
-def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False):
-    """Seed the default generators with ``seed`` and (re)create the tracker states (see the module docstring)."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                                   use_cudagraphable_rng: bool = False, tp_rank: Optional[int] = None,
+                                   ep_rank: Optional[int] = None, etp_rank: Optional[int] = None,
+                                   force_reset_rng: bool = False):
+    """Seed the default generators with ``seed`` and (re)create the tracker states (see the module docstring).
+    ``tp_rank`` / ``ep_rank`` / ``etp_rank`` (upstream's keywords) stand for parallel_state's ranks when given (a
+    caller without parallel_state groups); the tracker is always recreated (``force_reset_rng`` is accepted).
+    ``use_cudagraphable_rng`` (CUDA-graph-safe generators) is not built here and is refused."""
+    if use_cudagraphable_rng:
+        raise ValueError("model_parallel_cuda_manual_seed: use_cudagraphable_rng=True (CUDA-graph-safe RNG tracker, "
+                         "--cuda-graph-impl) is not supported by this fork")
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if ep_rank is None:
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+    if etp_rank is None:
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)

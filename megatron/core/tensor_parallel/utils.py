@@ -1,7 +1,9 @@
 """Tensor-parallel helpers: the group a layer uses, exact division with a clear error, vocab ranges, the parameter
 attributes a layer sets (``set_param_attrs``), and the ``_extra_state`` key that non-TE modules accept where
-upstream's checkpoints have one."""
-from typing import Iterable, Optional, Tuple
+upstream's checkpoints have one. Upstream's public helpers of this module keep their names here too
+(``split_tensor_along_last_dim``, ``split_tensor_into_1d_equal_chunks``, ``gather_split_1d_tensor``,
+``VocabUtility``)."""
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,55 @@ def split_along_dim(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Te
     """This rank's contiguous piece of ``t`` along ``dim`` (``size`` equal pieces)."""
     n = divide(t.shape[dim], size, f"dimension {dim} of a {tuple(t.shape)} tensor over {size} tensor-parallel ranks")
     return t.narrow(dim, rank * n, n).contiguous()
+
+
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> List[torch.Tensor]:
+    """``num_partitions`` equal views of ``tensor`` along its last dimension (copies made contiguous with
+    ``contiguous_split_chunks``)."""
+    size = divide(tensor.shape[-1], num_partitions, f"last dimension of a {tuple(tensor.shape)} tensor")
+    chunks = torch.split(tensor, size, dim=-1)
+    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else chunks
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False, tp_group=None) -> torch.Tensor:
+    """This tensor-parallel rank's equal piece of ``tensor`` flattened: a view, or a copy with ``new_buffer``."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    group = get_tensor_model_parallel_group_if_none(tp_group)
+    size, rank = get_world_size(group), get_rank(group)
+    n = divide(tensor.numel(), size, f"{tensor.numel()} elements over {size} tensor-parallel ranks")
+    piece = tensor.view(-1)[rank * n:(rank + 1) * n]
+    return piece.clone() if new_buffer else piece
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """The inverse of ``split_tensor_into_1d_equal_chunks``: every tensor-parallel rank's piece, concatenated in
+    rank order (a new 1-D tensor)."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    group = get_tensor_model_parallel_group_if_none(tp_group)
+    size = get_world_size(group)
+    flat = tensor.contiguous().view(-1)
+    if size == 1:
+        return flat.clone()
+    out = torch.empty(flat.numel() * size, dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(out, flat, group=group)
+    return out
+
+
+class VocabUtility:
+    """``[first, last)`` vocabulary rows of a tensor-parallel rank (upstream's static helpers)."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> Sequence[int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Sequence[int]:
+        return vocab_range(global_vocab_size, rank, world_size)
 
 
 class IgnoresExtraState:

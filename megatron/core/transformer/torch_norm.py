@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.utils import IgnoresExtraState
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: F401 (the norm slot TE fuses; importable here too)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, set_param_attrs
 
 
@@ -94,10 +95,3 @@ class WrappedTorchNorm:
 
 
 LNImpl = WrappedTorchNorm
-
-
-class IdentityOp(torch.nn.Module):
-    """Stands in for a norm that a fused TE LayerNormLinear already applies."""
-
-    def forward(self, x, *args, **kwargs):
-        return x

@@ -315,6 +315,8 @@ class TransformerConfig:
                              f"of {', '.join(AttnBackend.__members__)}; got {self.attention_backend!r}")
         if self.pipeline_dtype is not None and not isinstance(self.pipeline_dtype, torch.dtype):
             raise ValueError(f"pipeline_dtype must be a torch.dtype or None, got {self.pipeline_dtype!r}")
+        if self.fp8 is False:  # upstream treats any falsy fp8 as off (its tests pass fp8=False)
+            self.fp8 = None
         if self.fp8 not in (None, "e4m3", "hybrid"):
             raise ValueError(f"fp8 must be None, 'e4m3' or 'hybrid' (--fp8-format), got {self.fp8!r}")
         if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):

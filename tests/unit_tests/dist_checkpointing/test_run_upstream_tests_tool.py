@@ -54,3 +54,32 @@ def test_timeout_kills_children_in_their_own_session(tmp_path):
 def test_finished_run_returns_output(tmp_path):
     done = tool.run_group([sys.executable, "-c", "print('hi')"], cwd=tmp_path, env=dict(os.environ), timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "hi"
+
+
+def test_needs_classifies_cuda_te_and_world_size():
+    assert tool.needs("AssertionError: Torch not compiled with CUDA enabled") == "cuda"
+    assert tool.needs("ModuleNotFoundError: No module named 'transformer_engine'") == "te"
+    assert tool.needs("RuntimeError: world_size (1) is not divisible by 8") == "ranks"
+    assert tool.needs("AttributeError: 'X' object has no attribute 'y'") == ""
+
+
+def test_junit_errors_apart_from_failures_and_the_table(tmp_path):
+    junit = tmp_path / "junit0.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.unit_tests.optimizer.test_a" name="t_ok"/>'
+        '<testcase classname="tests.unit_tests.optimizer.test_a" name="t_fail"><failure message="AssertionError: 1 != 2"/></testcase>'
+        '<testcase classname="tests.unit_tests.optimizer.test_a" name="t_cuda"><failure message="AssertionError: Torch not compiled with CUDA enabled"/></testcase>'
+        '<testcase classname="" name="tests.unit_tests.optimizer.test_b"><error message="collection failure">'
+        'E   ImportError: cannot import name \'ParamKey\'</error></testcase>'
+        '<testcase classname="tests.unit_tests.optimizer.test_a" name="t_skip"><skipped message="needs TE"/></testcase>'
+        '</testsuite></testsuites>')
+    res = tool.parse_junit(junit)
+    assert res["tests/unit_tests/optimizer/test_a.py::t_fail"] == ("failed", "AssertionError: 1 != 2")
+    assert res["tests/unit_tests/optimizer/test_b.py::(collection)"] == ("error", "ImportError: cannot import name 'ParamKey'")
+    counts = tool.per_file_counts(res)["tests/unit_tests/optimizer/test_a.py"]
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["needs_cuda"]) == (1, 2, 1, 1)
+    text = tool.table({"upstream": res, "fork": {}}, {"fork": {}})
+    assert "| optimizer/test_a.py | 1/2/0/1 (1 CUDA) | 0/0/0/0 |" in text
+    assert "| optimizer/test_b.py | 0/0/1/0 | 0/0/0/0 |" in text
+    assert text.splitlines()[-1] == "| **total** | **1/2/1/1 (1 CUDA)** | **0/0/0/0** |"

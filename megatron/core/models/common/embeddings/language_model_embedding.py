@@ -59,6 +59,15 @@ class LanguageModelEmbedding(MegatronModule):
             self.position_embeddings = PositionEmbedding(max_sequence_length, config.hidden_size, init_method=init,
                                                          config=config)
 
+    def zero_parameters(self) -> None:
+        """Upstream's helper: every embedding weight set to zero and marked ``shared`` (a copy of weights owned
+        elsewhere, as a pipeline stage's tied embedding is)."""
+        for name in ("word_embeddings", "position_embeddings"):
+            module = getattr(self, name, None)
+            if module is not None:
+                module.weight.data.zero_()
+                module.weight.shared = True
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor = None) -> torch.Tensor:
         emb = self.word_embeddings(input_ids)
         if self.add_position_embedding:
