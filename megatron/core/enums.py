@@ -1,9 +1,11 @@
-"""Upstream's ``megatron.core.enums``: ``ModelType`` (the same class as ``megatron.core.transformer.enums.ModelType``,
-so either import, and checkpoints whose pickled args name either module, work), ``Fp8Recipe`` and ``Fp4Recipe``
-(string enums: each member equals its ``--fp8-recipe`` / ``--fp4-recipe`` value)."""
+"""Upstream's ``megatron.core.enums``: ``ModelType`` (its home, as upstream's; ``megatron.core.transformer.enums``
+re-exports the same class, so either import, and checkpoints whose pickled args name either module, work),
+``Fp8Recipe`` and ``Fp4Recipe`` (string enums: each member equals its ``--fp8-recipe`` / ``--fp4-recipe`` value)."""
 import enum
 
-from megatron.core.transformer.enums import ModelType  # noqa: F401 (upstream's home of the name)
+
+class ModelType(enum.Enum):
+    encoder_or_decoder = 1
 
 
 class Fp8Recipe(str, enum.Enum):

@@ -46,9 +46,10 @@ def _enum_globals() -> List[Any]:
     from megatron.core.enums import Fp4Recipe, Fp8Recipe
     from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
 
-    # upstream pickles megatron.core.enums.ModelType (its own class there); here that name is the same class
+    # ModelType lives in megatron.core.enums, as upstream's (pickled under that name); this fork's older checkpoints
+    # name megatron.core.transformer.enums.ModelType: the same class
     return [AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType,
-            (ModelType, "megatron.core.enums.ModelType"), Fp8Recipe, Fp4Recipe, RerunDiagnostic, RerunMode,
+            (ModelType, "megatron.core.transformer.enums.ModelType"), Fp8Recipe, Fp4Recipe, RerunDiagnostic, RerunMode,
             RerunState]
 
 

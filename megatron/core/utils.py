@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel.sharded_tensors import (  # noqa: F401 (re-ex
     make_sharded_tensor_for_checkpoint,
     make_tp_sharded_tensor_for_checkpoint,
 )
+from megatron.core.tensor_parallel.utils import get_tensor_model_parallel_group_if_none  # noqa: F401 (upstream's path)
 
 _te_version: Optional[PkgVersion] = None
 _torch_version: Optional[PkgVersion] = None
@@ -57,20 +58,6 @@ def get_pg_rank(group=None) -> int:
     if not torch.distributed.is_initialized() or group is None:
         return 0
     return group.rank()
-
-
-def get_tensor_model_parallel_group_if_none(tp_group, is_expert: bool = False, check_initialized: bool = True):
-    """``tp_group`` when given; else the (expert) tensor-parallel group of ``parallel_state``. None without
-    torch.distributed; ``tp_group`` as passed while ``parallel_state`` holds no groups (upstream's rules)."""
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        return None
-    if tp_group is not None or not parallel_state.is_initialized():
-        return tp_group
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
-    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
 
 def get_pg_src_rank(group=None) -> int:

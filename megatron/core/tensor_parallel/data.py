@@ -10,13 +10,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_utils import default_device, get_rank, get_world_size
+from megatron.core.tensor_parallel.utils import get_tensor_model_parallel_group_if_none
 
 
 def broadcast_data(keys: List[Hashable], data: Dict, datatype: torch.dtype, tp_group=None) -> Dict:
     """``{key: data[key]}`` from the tensor-parallel group's first rank on every rank of ``tp_group`` (default:
     parallel_state's tensor-parallel group). Only the source rank's ``data`` is read."""
-    from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
     group = get_tensor_model_parallel_group_if_none(tp_group)
     device = default_device()
     source = get_rank(group) == 0

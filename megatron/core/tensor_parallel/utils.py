@@ -78,8 +78,6 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
 
 def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False, tp_group=None) -> torch.Tensor:
     """This tensor-parallel rank's equal piece of ``tensor`` flattened: a view, or a copy with ``new_buffer``."""
-    from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
     group = get_tensor_model_parallel_group_if_none(tp_group)
     size, rank = get_world_size(group), get_rank(group)
     n = divide(tensor.numel(), size, f"{tensor.numel()} elements over {size} tensor-parallel ranks")
@@ -90,8 +88,6 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = F
 def gather_split_1d_tensor(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
     """The inverse of ``split_tensor_into_1d_equal_chunks``: every tensor-parallel rank's piece, concatenated in
     rank order (a new 1-D tensor)."""
-    from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
     group = get_tensor_model_parallel_group_if_none(tp_group)
     size = get_world_size(group)
     flat = tensor.contiguous().view(-1)
@@ -132,3 +128,16 @@ class IgnoresExtraState:
         key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
         if key in missing_keys:
             missing_keys.remove(key)
+
+
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert: bool = False, check_initialized: bool = True):
+    """``tp_group`` when given; else the (expert) tensor-parallel group of ``parallel_state``. None without
+    torch.distributed; ``tp_group`` as passed while ``parallel_state`` holds no groups (upstream's rules; also
+    importable from ``megatron.core.utils``, upstream's home)."""
+    if not torch.distributed.is_initialized():
+        return None
+    if tp_group is not None or not parallel_state.is_initialized():
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)

@@ -1,9 +1,7 @@
 """Upstream's transformer enums (same names and values)."""
 import enum
 
-
-class ModelType(enum.Enum):
-    encoder_or_decoder = 1
+from megatron.core.enums import ModelType  # noqa: F401 (defined in upstream's home, megatron.core.enums)
 
 
 class LayerType(enum.Enum):
