@@ -4,7 +4,7 @@ barrier, the default device, raising one error on every rank, and logging a mess
 Each works without torch.distributed (one process: rank 0 of 1, barrier a no-op). Groups default to WORLD.
 """
 import logging
-from typing import Hashable, List, Optional, Set, Type
+from typing import Dict, Hashable, List, Optional, Set, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -74,3 +74,15 @@ def log_once(logger: logging.Logger, key: Hashable, level: int, message: str, ra
         _said_once.add(key)
         if not rank0 or get_rank() == 0:
             logger.log(level, message)
+
+
+def foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair (dtype conversion as ``copy_``), one ``torch._foreach_copy_`` per (device,
+    dtype, source dtype) group (the optimizers' and the gradient buckets' copies)."""
+    groups: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)

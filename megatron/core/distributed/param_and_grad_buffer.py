@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_utils import get_rank, get_world_size
+from megatron.core.dist_utils import foreach_copy as _foreach_copy, get_rank, get_world_size
 
 
 def _reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, group):
@@ -196,16 +196,6 @@ class Bucket:
         write_back = self._gather[1]
         full, self._gathered, self._gather, self._gather_work = self._gathered, None, None, None
         write_back(full)
-
-
-def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    groups: Dict[tuple, tuple] = {}
-    for d, s in zip(dst, src):
-        ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
-        ds.append(d)
-        ss.append(s)
-    for ds, ss in groups.values():
-        torch._foreach_copy_(ds, ss)
 
 
 def build_buckets(params: List[torch.nn.Parameter], group, expert_group, dp_size: int, bucket_size: Optional[int],

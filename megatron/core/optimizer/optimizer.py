@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.dist_utils import get_world_size, is_distributed
+from megatron.core.dist_utils import foreach_copy as _foreach_copy
 from megatron.core.dtensor_utils import as_layout_of as _as_layout_of
 from megatron.core.dtensor_utils import is_dtensor as _is_dtensor  # the one DTensor check
 
@@ -33,18 +34,6 @@ def _locals(tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor
             t = local if isinstance(local, torch.Tensor) else t.to_local()
         out.append(t)
     return out
-
-
-def _foreach_copy(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for every pair (dtype conversion as ``copy_``), one ``torch._foreach_copy_`` per (device,
-    dtype, source dtype) group."""
-    groups: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
-    for d, s in zip(dst, src):
-        ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
-        ds.append(d)
-        ss.append(s)
-    for ds, ss in groups.values():
-        torch._foreach_copy_(ds, ss)
 
 
 def _is_quantized_param(p: torch.Tensor) -> bool:
