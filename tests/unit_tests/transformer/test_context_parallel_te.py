@@ -36,7 +36,7 @@ def _check(got, want, atol=3e-2):
 
 def _body(rank, world_size, kind, store_path):
     torch.cuda.set_device(rank)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one host: NCCL's bootstrap on loopback (it skips lo by default)
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"  # one host: NCCL's bootstrap on loopback (it skips lo by default)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -69,7 +69,7 @@ def _spawn(world_size, kind):
     mp.start_processes(_body, args=(world_size, kind, store), nprocs=world_size, start_method="spawn")
 
 
-def test_te_path_on_one_gpu_equals_ring_and_sdpa():
+def test_te_path_on_one_gpu_equals_ring_and_sdpa(monkeypatch):
     """TE DotProductAttention with a CP group of one rank: the TE path's layout ([b, n, s, d] <-> sbhd) and
     numerics against unsplit SDPA; the local ring (one rank) against the same."""
     from megatron.core.transformer.context_parallel import ring_attention
@@ -77,7 +77,8 @@ def test_te_path_on_one_gpu_equals_ring_and_sdpa():
     fd, store = tempfile.mkstemp(prefix="cp_te_store_")
     os.close(fd)
     os.unlink(store)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # TE's p2p to itself opens a communicator: bootstrap on loopback
+    # TE's p2p to itself opens a communicator: bootstrap on loopback (a preset interface may not exist here)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
     dist.init_process_group("nccl", store=dist.FileStore(store, 1), rank=0, world_size=1)
     try:
         q, k, v, dout = _inputs()
