@@ -10,7 +10,6 @@ from argparse import Namespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.precision_aware import (
@@ -22,6 +21,7 @@ from megatron.core.optimizer.precision_aware import (
 )
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed._common import batches, build_gpt, position_ids, tiny_config
+from tests.unit_tests.optimizer.test_distrib_optimizer import _step as distrib_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
@@ -104,20 +104,9 @@ def _dist_opt(cfg, seed, bf16=False, main_grads="fp32", moments="fp32", aware=Tr
     return ddp, get_megatron_optimizer(ocfg, [ddp])
 
 
-def _step(ddp, opt, seed, rank=0, ws=1, batch=4):
-    opt.zero_grad()
-    ddp.zero_grad_buffer()
-    tok, lab = batches(1, batch, seed=seed)[0]
-    m = batch // ws
-    loss = ddp(tok[rank * m:(rank + 1) * m], position_ids(m), labels=lab[rank * m:(rank + 1) * m]).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    ok, norm, _ = opt.step()
-    assert ok and math.isfinite(norm)
-    t = loss.detach().reshape(1).clone()
-    if ws > 1:
-        dist.all_reduce(t)
-    return float(t) / ws
+def _step(ddp, opt, seed, rank=0, ws=1):
+    """One step on this rank's part of test_distrib_optimizer's fixed global batch (its helper); the global mean loss."""
+    return distrib_step(ddp, opt, seed, rank, ws)
 
 
 @pytest.mark.parametrize("moments,per_param", [("fp32", 8), ("bf16", 4), ("fp16", 4), ("fp8", 2)])
