@@ -11,6 +11,7 @@ from megatron.core.transformer.moe import MoELayer
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, get_capacity
 from megatron.core.transformer.utils import init_weights
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.transformer.moe.test_moe_layer import per_token_reference
 
 
 def _routing(t=10, e=4, k=2, seed=0):
@@ -93,13 +94,8 @@ def test_moe_layer_with_capacity_matches_per_token_reference(dispatcher, pad, po
         assert tokens_per_expert.tolist() == [capacity] * 4
     else:
         assert tokens_per_expert.tolist() == routing_map.sum(0).tolist() and int(tokens_per_expert.sum()) < 30
-    flat = x.reshape(-1, 16)
-    ref = torch.zeros_like(flat)
-    for t in range(flat.shape[0]):
-        for e in routing_map[t].nonzero().flatten().tolist():
-            y, b = layer.experts.local_experts[e](flat[t : t + 1])
-            ref[t] += probs[t, e] * (y + b)[0]
-    torch.testing.assert_close(out.reshape(-1, 16), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.reshape(-1, 16), per_token_reference(layer, x, probs, routing_map), rtol=1e-5,
+                               atol=1e-6)
     out.sum().backward()  # dropped / padded routes have no gradient problem
 
 

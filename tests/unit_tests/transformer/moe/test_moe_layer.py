@@ -6,6 +6,17 @@ from megatron.core.transformer.moe import MoELayer
 from megatron.core.transformer.utils import init_weights
 
 
+def per_token_reference(layer, x, probs, routing_map):
+    """The MoE output token by token: each routed expert's output (with its bias) weighted by the router's prob."""
+    flat = x.reshape(-1, x.shape[-1])
+    ref = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for e in routing_map[t].nonzero().flatten().tolist():
+            y, b = layer.experts.local_experts[e](flat[t : t + 1])
+            ref[t] += probs[t, e] * (y + b)[0]
+    return ref
+
+
 def _layer(seed=0, **kw):
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
                 ffn_hidden_size=24)
@@ -25,13 +36,8 @@ def test_moe_matches_per_token_reference(score_function, topk):
     out, bias = layer(x)
     assert bias is None and out.shape == x.shape and out.dtype == x.dtype
     probs, routing_map = layer.router(x)
-    flat = x.reshape(-1, 16)
-    ref = torch.zeros_like(flat)
-    for t in range(flat.shape[0]):
-        for e in routing_map[t].nonzero().flatten().tolist():
-            y, b = layer.experts.local_experts[e](flat[t : t + 1])
-            ref[t] += probs[t, e] * (y + b)[0]
-    torch.testing.assert_close(out.reshape(-1, 16), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.reshape(-1, 16), per_token_reference(layer, x, probs, routing_map), rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_expert_params_not_allreduce_router_is():
