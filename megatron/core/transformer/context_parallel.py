@@ -128,7 +128,10 @@ class _Ring:
         self.gather = comm_type in ("allgather", "all_gather")
 
     def shift(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Send ``tensors`` to the next rank of the ring, return the previous rank's (p2p)."""
+        """Send ``tensors`` to the next rank of the ring, return the previous rank's (p2p; a ring of one rank
+        keeps its own: no send to itself, which NCCL would answer with a second communicator)."""
+        if self.size == 1:
+            return list(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors]).contiguous()
         recv = torch.empty_like(flat)
         nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]

@@ -45,6 +45,8 @@ def _launch(side: str, phases: str, workdir: Path, layouts: str, world: int, pyt
            str(HERE / f"{side}_worker.py"), phases, str(workdir), layouts]
     done = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=600)
     if done.returncode:
+        if os.environ.get("OUT"):  # the device run brings back the whole log of a failed launch
+            Path(os.environ["OUT"], f"launch_{side}_{phases}_{layouts}.log").write_text(done.stdout + done.stderr)
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
         pytest.fail(f"{side} {phases} {layouts} exited {done.returncode}:\n{tail}")
 
