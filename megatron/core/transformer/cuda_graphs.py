@@ -108,16 +108,20 @@ class RegionSignature:
                                f"with {_fmt(specs)}: CUDA graphs replay fixed shapes")
 
     def sample_args(self) -> Tuple[torch.Tensor, ...]:
+        """The capture's inputs: the recorded constants, random values of the recorded specs for the others (from a
+        generator of their own: the training's random streams are left as they are)."""
         if self.specs is None:
             raise RuntimeError(f"{_FLAGS}: {self.name} never ran during the warm-up steps; nothing to capture")
         out = []
         for i, s in enumerate(self.specs):
             if i in self.constants:
                 out.append(self.constants[i].clone())
-            else:
-                t = torch.randn(s.shape, dtype=s.dtype, device=s.device) if s.dtype.is_floating_point else \
-                    torch.zeros(s.shape, dtype=s.dtype, device=s.device)
+            elif s.dtype.is_floating_point:
+                g = torch.Generator(device=s.device).manual_seed(1234 + i)
+                t = torch.randn(s.shape, dtype=s.dtype, device=s.device, generator=g)
                 out.append(t.requires_grad_(s.requires_grad))
+            else:
+                out.append(torch.zeros(s.shape, dtype=s.dtype, device=s.device))
         return tuple(out)
 
 
