@@ -101,6 +101,53 @@ def test_cpu_run_stops_with_a_clear_error():
     run_distributed(_cpu_body, 1)
 
 
+# ---- the training loop's schedule on CPU, with a stand-in capture ---------------------------------------------
+def _stand_in_capture():
+    """Run the helper without CUDA: ``make_graphed_callables`` replaced by a stand-in doing what torch's does around
+    the capture (a warm-up forward and ``autograd.grad`` on the sample inputs) and handing back the region modules,
+    which then run eagerly where the graphs would replay; returns the regions the stand-in was given."""
+    from megatron.core.transformer import cuda_graphs
+
+    given = []
+
+    def make_graphed_callables(callables, sample_args, num_warmup_iters=3, allow_unused_input=False, pool=None):
+        for c, args in zip(callables, sample_args):
+            outs = [o for o in torch.utils._pytree.tree_flatten(c(*args))[0] if o.requires_grad]
+            ins = [a for a in args if a.requires_grad] + [p for p in c.parameters() if p.requires_grad]
+            torch.autograd.grad(outs, ins, [torch.ones_like(o) for o in outs], allow_unused=allow_unused_input)
+            given.append((c, [tuple(a.shape) for a in args], num_warmup_iters))
+        return callables
+
+    torch.cuda.make_graphed_callables = make_graphed_callables
+    torch.cuda.synchronize = lambda *a, **k: None
+    cuda_graphs.require_cuda = lambda config: None
+    return given
+
+
+def _schedule_body(rank, world_size):
+    base = TINY + NO_DROPOUT + ["--train-iters", 5, "--position-embedding-type", "rope"]
+    for engine in ([], ["--use-distributed-optimizer"]):
+        eager = _run(base + engine)
+        given = _stand_in_capture()
+        graphed = _run(base + engine + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "mlp",
+                                        "--cuda-graph-warmup-steps", 2])
+        assert graphed.cuda_graph_regions == ["layer 1 attn", "layer 1 mlp", "layer 2 attn", "layer 2 mlp"]
+        assert len(given) == 4 and all(shapes[0] == (16, 2, 32) for _, shapes, _ in given)  # [s, b, h]
+        # the regions ran in place of the graphs from iteration 3 on (4 micro-batches a step): the same losses
+        assert graphed.losses == eager.losses, (graphed.losses, eager.losses)
+        chunk = graphed.model[0]
+        layers = [m for m in chunk.modules() if getattr(m, "cuda_graphs", None) is not None]
+        assert [s.replays for lg in (layer.cuda_graphs for layer in layers) for s in lg.states.values()] == [12] * 4
+        assert all(s.signature.calls == 2 * 4 for layer in layers for s in layer.cuda_graphs.states.values())
+
+
+def test_training_loop_records_then_captures_then_replays():
+    """Two eager warm-up iterations record every region's inputs (4 micro-batches each), the capture runs before the
+    third, and iterations 3-5 replay (here: the stand-in's region modules); DDP and the distributed optimizer; the
+    losses equal the run without graphs."""
+    run_distributed(_schedule_body, 1)
+
+
 # ---- GPU: pretrain_gpt.py with graphs --------------------------------------------------------------------------
 ITERS = 8
 GPU_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 64 "
