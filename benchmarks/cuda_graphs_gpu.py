@@ -194,6 +194,8 @@ def main(argv=None):
             regions = len(helper.graphed_regions()) if helper is not None else 0
             print(f"  {label} {impl}: {time.perf_counter() - t0:.1f} s (graphed regions: {regions})", flush=True)
             results.append((label, impl, wall, s, m, f"{regions}"))
+        if helper is not None:
+            helper.remove()
         del step, helper
         gc.collect()
         if cuda:

@@ -69,6 +69,8 @@ class TrainingResult:
     valid_losses: Dict[int, float] = field(default_factory=dict)
     cuda_graph_regions: List[str] = field(default_factory=list)
     """--cuda-graph-impl: the layer regions replayed as CUDA graphs (e.g. 'layer 1 attn'), empty without graphs."""
+    cuda_graph_replays: int = 0
+    """--cuda-graph-impl: graph replays in training forwards (regions x micro-batches x replayed iterations)."""
     exit_reason: Optional[str] = None
     """Why training stopped before --train-iters (SIGTERM, --exit-duration-in-mins, --exit-interval), else None."""
     interrupted: bool = False
@@ -603,6 +605,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 result.exit_reason, result.interrupted = reason, control.interrupted
                 break
     finally:  # an error (a non-finite loss, a failed save) still ends the profile and writes its trace
+        if cuda_graphs is not None:  # the graphs' memory is released; evaluation after training runs eagerly
+            result.cuda_graph_replays = cuda_graphs.replays()
+            cuda_graphs.remove()
         profiler.close()
         control.close()
     return iteration, saved_at

@@ -338,12 +338,13 @@ class CudaGraphHelper:
         return sum(s.replays for s in self.order)
 
     def remove(self) -> None:
-        """Back to eager layers (tests, benchmarks): the graphs are dropped."""
+        """Back to eager layers (the end of training, tests, benchmarks): the graphs and their memory are dropped."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         for layer in self.layers:
             layer.cuda_graphs = None
+        self.order.clear()
 
 
 def build_cuda_graph_helper(model_chunks, config) -> Optional[CudaGraphHelper]:
