@@ -38,9 +38,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.core.transformer.enums import CudaGraphModule
-
 from megatron.core.transformer.cuda_graph_config import graphs_enabled, require_cuda  # noqa: F401 (re-exported)
+from megatron.core.transformer.enums import CudaGraphModule
 
 _FLAGS = "--cuda-graph-impl / --cuda-graph-modules"
 
@@ -324,6 +323,8 @@ class CudaGraphHelper:
                                                      allow_unused_input=True)
         from megatron.core.extensions.transformer_engine import te_make_graphed_callables
 
+        if te_make_graphed_callables is None:
+            raise RuntimeError("this Transformer Engine has no make_graphed_callables")
         kw = dict(num_warmup_iters=warmup, allow_unused_input=True)
         c = self.config
         if c.fp8 is not None and c.transformer_impl == "transformer_engine":
