@@ -314,8 +314,6 @@ REFUSED_FLAGS = (
 # Given with these values they select what the fork does anyway; other values are refused (flag, kwargs, accepted
 # value, reason)
 ACCEPTED_VALUE_FLAGS = (
-    ("--cuda-graph-impl", dict(type=str, default="none", choices=["none", "local", "transformer_engine"]), "none",
-     "CUDA graphs are not implemented"),
     ("--moe-router-dtype", dict(type=str, default=None, choices=["fp32", "fp64"]), "fp32",
      "the router computes its logits, scores and top-k in float32 (what fp32 asks for); fp64 is not implemented"),
 )
@@ -348,6 +346,86 @@ def _validate_refused_args(args):
         given = getattr(args, flag[2:].replace("-", "_"))
         if given not in (None, kwargs.get("default"), value):
             _fail(f"{flag} {given} is not supported: {reason}; use {value} or remove the flag")
+
+
+def _cuda_graph_module_arg(value):
+    from megatron.core.transformer.cuda_graph_config import parse_cuda_graph_module
+
+    try:
+        return parse_cuda_graph_module(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_cuda_graph_args(parser):
+    """Per-layer CUDA graphs, upstream 0.19's flags (``megatron/core/transformer/cuda_graphs.py``)."""
+    from megatron.core.transformer.cuda_graph_config import CUDA_GRAPH_IMPLS
+
+    g = parser.add_argument_group(title="CUDA graphs")
+    g.add_argument("--cuda-graph-impl", type=str, default="none", choices=list(CUDA_GRAPH_IMPLS),
+                   help="none; local (torch's make_graphed_callables) or transformer_engine (TE's, FP8-aware): "
+                        "per-layer graphs captured after --cuda-graph-warmup-steps eager steps and replayed. "
+                        "full_iteration is refused (not built).")
+    g.add_argument("--cuda-graph-modules", nargs="+", type=_cuda_graph_module_arg, default=[],
+                   help="The parts of each layer graphed: attn, mlp (dense layers), moe_router (an MoE layer's norm "
+                        "and router); none given: the whole layer (dense models). Upstream's moe, moe_preprocess "
+                        "and mamba are refused; full (deprecated) means the whole layer.")
+    g.add_argument("--cuda-graph-scope", nargs="+", type=_cuda_graph_module_arg, default=None,
+                   dest="cuda_graph_scope_deprecated",
+                   help="Deprecated upstream: the same as --cuda-graph-modules.")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="Eager training steps before the graphs are captured (upstream's default 3).")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="Deprecated upstream: --cuda-graph-impl local.")
+    g.add_argument("--external-cuda-graph", action="store_true",
+                   help="Deprecated upstream: --cuda-graph-impl transformer_engine.")
+
+
+def _validate_cuda_graph_args(args):
+    """Upstream's deprecations (--enable-cuda-graph, --external-cuda-graph, --cuda-graph-scope), then what the
+    training loop does not compose with graphs yet; TransformerConfig checks the rest (``check_cuda_graph_config``)."""
+    if args.enable_cuda_graph or args.external_cuda_graph:
+        if args.cuda_graph_impl != "none":
+            _fail("do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl")
+        if args.enable_cuda_graph and args.external_cuda_graph:
+            _fail("--enable-cuda-graph and --external-cuda-graph cannot be enabled at the same time")
+        new = "local" if args.enable_cuda_graph else "transformer_engine"
+        print_rank_0(f"--{'enable' if args.enable_cuda_graph else 'external'}-cuda-graph is deprecated, use "
+                     f"--cuda-graph-impl={new} instead.")
+        args.cuda_graph_impl = new
+    args.enable_cuda_graph = args.external_cuda_graph = False
+    scope = getattr(args, "cuda_graph_scope_deprecated", None)
+    if scope is not None:
+        if args.cuda_graph_modules:
+            _fail("--cuda-graph-scope and --cuda-graph-modules cannot be used together")
+        print_rank_0("--cuda-graph-scope is deprecated, use --cuda-graph-modules instead.")
+        args.cuda_graph_modules = scope
+    if hasattr(args, "cuda_graph_scope_deprecated"):
+        del args.cuda_graph_scope_deprecated
+    from megatron.core.transformer.cuda_graph_config import normalize_cuda_graph_modules
+
+    try:
+        modules, deprecated = normalize_cuda_graph_modules(args.cuda_graph_modules)
+    except ValueError as e:
+        _fail(str(e))
+    if deprecated == "full_iteration":
+        if args.cuda_graph_impl not in ("none", "local", "full_iteration"):
+            _fail(f"--cuda-graph-modules full_iteration cannot be combined with --cuda-graph-impl "
+                  f"{args.cuda_graph_impl}")
+        args.cuda_graph_impl = "full_iteration"
+    elif deprecated:
+        _fail(f"--cuda-graph-modules {deprecated} (inference CUDA graphs) is not supported: this fork graphs "
+              "training only")
+    args.cuda_graph_modules = modules
+    if args.cuda_graph_impl == "none":
+        return
+    for flag, on, why in (
+            ("--use-megatron-fsdp", args.use_megatron_fsdp, "FSDP2 gathers each layer's weights into new memory "
+             "at every forward, which a graph (fixed addresses) cannot follow"),
+            ("--overlap-param-gather", args.overlap_param_gather, "its per-module forward pre-hooks (waiting for "
+             "the gathered weights) do not run inside a graph replay")):
+        if on:
+            _fail(f"{flag} with --cuda-graph-impl {args.cuda_graph_impl} is not supported: {why}")
 
 
 def _add_recompute_args(parser):
@@ -844,7 +922,7 @@ def get_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         _add_network_size_args, _add_mla_args, _add_moe_args, _add_recompute_args, _add_regularization_args,
         _add_training_args, _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args,
         _add_transformer_engine_args, _add_distributed_args, _add_validation_args, _add_data_args,
-        _add_tokenizer_args, _add_logging_args, _add_refused_args,
+        _add_tokenizer_args, _add_logging_args, _add_cuda_graph_args, _add_refused_args,
     ):
         add(parser)
     if extra_args_provider is not None:
@@ -1449,6 +1527,7 @@ def validate_args(args, defaults={}):
               "checkpoints without a tracker)")
     _validate_run_control_args(args)
     _validate_refused_args(args)
+    _validate_cuda_graph_args(args)
     _validate_mla_args(args)
     # --stream-ckpt-dequant without --load is accepted (it does nothing then).
     if not args.stream_ckpt_dequant_chunk_mb >= 0:
@@ -1560,6 +1639,9 @@ def core_transformer_config_from_args(args, config_class=None):
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=args.recompute_modules,
         distribute_saved_activations=args.distribute_saved_activations,
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_modules=list(args.cuda_graph_modules),
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
     )
     if args.swiglu:
         import torch.nn.functional as F

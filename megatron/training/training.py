@@ -67,6 +67,10 @@ class TrainingResult:
     skipped_iterations: int = 0
     """Iterations whose optimizer step was skipped (inf/nan gradients)."""
     valid_losses: Dict[int, float] = field(default_factory=dict)
+    cuda_graph_regions: List[str] = field(default_factory=list)
+    """--cuda-graph-impl: the layer regions replayed as CUDA graphs (e.g. 'layer 1 attn'), empty without graphs."""
+    cuda_graph_replays: int = 0
+    """--cuda-graph-impl: graph replays in training forwards (regions x micro-batches x replayed iterations)."""
     exit_reason: Optional[str] = None
     """Why training stopped before --train-iters (SIGTERM, --exit-duration-in-mins, --exit-interval), else None."""
     interrupted: bool = False
@@ -523,6 +527,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     skipped, nan_iters = 0, 0  # per log interval, as upstream
     saved_at = None
     flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
+    cuda_graphs = _build_cuda_graphs(model)  # --cuda-graph-impl: per-layer graphs after the warm-up steps
     profiler = TrainingProfiler(args, get_rank(), iteration, printer=print)  # --profile (profiling.py)
     control = RunControl(args, _TRAIN_START_TIME)  # --exit-signal-handler, --manual-gc, ...
     try:
@@ -530,6 +535,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             t_step = time.time()
             loss_scale = _loss_scale_value(optimizer)  # the scale this iteration's backward used
             profiler.before_step(iteration)
+            if cuda_graphs is not None:
+                cuda_graphs.before_step()  # captures when the eager warm-up steps are done
+                result.cuda_graph_regions = cuda_graphs.graphed_regions()
             loss, grad_norm, ok = train_step(forward_step_func, train_data_iterator, model, optimizer,
                                              opt_param_scheduler)
             profiler.after_step(iteration + 1)
@@ -597,9 +605,21 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 result.exit_reason, result.interrupted = reason, control.interrupted
                 break
     finally:  # an error (a non-finite loss, a failed save) still ends the profile and writes its trace
+        if cuda_graphs is not None:  # the graphs' memory is released; evaluation after training runs eagerly
+            result.cuda_graph_replays = cuda_graphs.replays()
+            cuda_graphs.remove()
         profiler.close()
         control.close()
     return iteration, saved_at
+
+
+def _build_cuda_graphs(model):
+    """``transformer.cuda_graphs.CudaGraphHelper`` of the model chunks with ``--cuda-graph-impl`` local /
+    transformer_engine, else None."""
+    from megatron.core.transformer.cuda_graphs import build_cuda_graph_helper
+    from megatron.core.utils import get_model_config
+
+    return build_cuda_graph_helper(model, get_model_config(model[0]))
 
 
 def _loss_scale_value(optimizer) -> float:

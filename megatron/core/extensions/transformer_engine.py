@@ -115,3 +115,11 @@ te_dswiglu = _optional("transformer_engine_torch", "dswiglu")
 # score_function, expert_bias, ...) -> (probs [T, E] in logits' dtype, routing_map [T, E] bool); autograd to logits.
 te_fused_topk_with_score_function = _optional("transformer_engine.pytorch.router", "fused_topk_with_score_function") \
     or _optional("transformer_engine.pytorch", "fused_topk_with_score_function")
+
+# ---- CUDA graphs (--cuda-graph-impl transformer_engine; used by megatron/core/transformer/cuda_graphs.py) ---------
+# make_graphed_callables(modules, sample_args, num_warmup_iters, allow_unused_input, ..., fp8_enabled, fp8_recipe,
+# fp8_group, fp8_weight_caching): torch's make_graphed_callables plus TE's FP8 state (amax/scale) kept right under
+# replay.
+te_make_graphed_callables = _optional("transformer_engine.pytorch", "make_graphed_callables") or _optional(
+    "transformer_engine.pytorch.graph", "make_graphed_callables"
+)

@@ -111,8 +111,9 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
     caller without parallel_state groups); the tracker is always recreated (``force_reset_rng`` is accepted).
     ``use_cudagraphable_rng`` (CUDA-graph-safe generators) is not built here and is refused."""
     if use_cudagraphable_rng:
-        raise ValueError("model_parallel_cuda_manual_seed: use_cudagraphable_rng=True (CUDA-graph-safe RNG tracker, "
-                         "--cuda-graph-impl) is not supported by this fork")
+        raise ValueError("model_parallel_cuda_manual_seed: use_cudagraphable_rng=True (CUDA-graph-safe RNG tracker "
+                         "states) is not supported by this fork: its CUDA graphs (--cuda-graph-impl) run without "
+                         "tensor parallelism and draw from CUDA's default generator, which torch's capture handles")
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
     if ep_rank is None:

@@ -37,8 +37,8 @@ class AttnBackend(enum.Enum):
     auto = 5
 
 
-# CUDA-graph scopes: names and values as upstream (checkpoints written by upstream may hold them); this fork captures
-# no CUDA graphs.
+# CUDA-graph scopes: names and values as upstream (checkpoints written by upstream may hold them); what this fork
+# graphs of them: transformer/cuda_graphs.py.
 class CudaGraphModule(enum.Enum):
     attn = 1
     mlp = 2

@@ -201,6 +201,24 @@ class TransformerConfig:
     """--qk-layernorm: a norm (``normalization``, over each head's ``kv_channels``) on the queries and the keys before
     rotary embedding (upstream's ``self_attention.q_layernorm`` / ``k_layernorm``)."""
 
+    # ---- CUDA graphs (upstream's fields and defaults; transformer/cuda_graphs.py) ---------------------------------
+    cuda_graph_impl: str = "none"
+    """--cuda-graph-impl: 'none'; 'local' (torch's make_graphed_callables) or 'transformer_engine' (TE's, FP8-aware):
+    per-layer graphs of ``cuda_graph_modules``, captured after ``cuda_graph_warmup_steps`` eager training steps and
+    replayed. Upstream's 'full_iteration' is refused (see ``cuda_graph_config.check_cuda_graph_config``)."""
+    cuda_graph_modules: Union[str, List] = "full"
+    """--cuda-graph-modules: the parts of each layer graphed (``CudaGraphModule``: attn, mlp, moe_router; upstream's
+    moe, moe_preprocess, mamba are refused); empty (upstream's default 'full', normalized to []) graphs the whole
+    layer."""
+    cuda_graph_scope: Optional[Union[str, List]] = None
+    """Deprecated upstream (renamed ``cuda_graph_modules``, --cuda-graph-scope); moved there by ``__post_init__``."""
+    cuda_graph_warmup_steps: int = 3
+    """--cuda-graph-warmup-steps: eager training steps before the capture (upstream's default)."""
+    enable_cuda_graph: bool = False  # deprecated upstream: cuda_graph_impl='local'
+    external_cuda_graph: bool = False  # deprecated upstream: cuda_graph_impl='transformer_engine'
+    cuda_graph_retain_backward_graph: bool = False  # upstream's; only False here
+    cuda_graph_use_single_mempool: bool = True  # upstream's, for full_iteration only (not built): no effect
+
     # ---- not supported: must stay at the default (clear error otherwise) --------------------------------------
     fp8_dot_product_attention: bool = False
 
@@ -414,6 +432,9 @@ class TransformerConfig:
             )
         if self.moe_router_bias_update_rate < 0:
             raise ValueError("moe_router_bias_update_rate (--moe-router-bias-update-rate) must be >= 0")
+        from megatron.core.transformer.cuda_graph_config import check_cuda_graph_config
+
+        check_cuda_graph_config(self)
 
     def _check_gpt_oss(self) -> None:
         """Sliding window, softmax type and the clamped GLU fields (upstream's values), named by their flags."""

@@ -216,6 +216,8 @@ class TransformerLayer(MegatronModule):
             out = F.dropout(out, p=self.hidden_dropout, training=self.training)
         return residual + out
 
+    cuda_graphs = None  # per-layer CUDA graphs (transformer/cuda_graphs.py's LayerGraphs) when --cuda-graph-impl
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -224,14 +226,50 @@ class TransformerLayer(MegatronModule):
         **kwargs,
     ):
         """``hidden_states`` ``[s, b, h]`` -> ``(hidden_states [s, b, h], context=None)`` as upstream."""
-        residual = hidden_states
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.has("layer"):  # the whole layer graphed (--cuda-graph-impl, no modules)
+            return graphs.run("layer", lambda: self._layer_eager(hidden_states, attention_mask, rotary_pos_emb),
+                              hidden_states, attention_mask, rotary_pos_emb), None
+        hidden_states = self._forward_attention(hidden_states, attention_mask, rotary_pos_emb)
+        return self._forward_mlp(hidden_states), None
+
+    def _layer_eager(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        return self._mlp_eager(self._attention_eager(hidden_states, attention_mask, rotary_pos_emb))
+
+    def _forward_attention(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        """The input norm, self-attention and residual add (upstream's name; ``--cuda-graph-modules attn``)."""
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.has("attn"):
+            return graphs.run("attn", lambda: self._attention_eager(hidden_states, attention_mask, rotary_pos_emb),
+                              hidden_states, attention_mask, rotary_pos_emb)
+        return self._attention_eager(hidden_states, attention_mask, rotary_pos_emb)
+
+    def _attention_eager(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
         out, bias = self._norm_then(self.input_layernorm, hidden_states, lambda x: self.self_attention(
             x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb))
-        hidden_states = self._residual_add(out, bias, residual)
-        residual = hidden_states
+        return self._residual_add(out, bias, hidden_states)
+
+    def _forward_mlp(self, hidden_states):
+        """The pre-MLP norm, MLP / MoE and residual add (upstream's name; ``--cuda-graph-modules mlp`` for a dense
+        layer, ``moe_router`` graphs an MoE layer's norm and router only)."""
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.has("mlp"):
+            return graphs.run("mlp", lambda: self._mlp_eager(hidden_states), hidden_states)
+        if graphs is not None and graphs.has("moe_router"):
+            routed = graphs.run("moe_router", lambda: self._route_moe(hidden_states), hidden_states)
+            out, bias = self.mlp.dispatch_and_combine(*routed)
+            return self._residual_add(out, bias, hidden_states)
+        return self._mlp_eager(hidden_states)
+
+    def _mlp_eager(self, hidden_states):
         out, bias = self._norm_then(self.pre_mlp_layernorm, hidden_states, self._mlp)
-        hidden_states = self._residual_add(out, bias, residual)
-        return hidden_states, None
+        return self._residual_add(out, bias, hidden_states)
+
+    def _route_moe(self, hidden_states):
+        """An MoE layer's pre-MLP norm, shared experts and router, as a tuple of tensors (``MoELayer.route``; the
+        ``moe_router`` graph's outputs)."""
+        routed = self.mlp.route(self.pre_mlp_layernorm(hidden_states))
+        return routed if routed[-1] is not None else routed[:-1]
 
     def _norm_then(self, norm, x, consumer):
         """``consumer(norm(x))``. With ``--recompute-modules layernorm`` the norm's output is discarded once the

@@ -77,10 +77,19 @@ class MoELayer(MegatronModule):
     def forward(self, hidden_states: torch.Tensor):
         """``hidden_states`` ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> ``(output shaped like
         hidden_states, None)``."""
+        return self.dispatch_and_combine(*self.route(hidden_states))
+
+    def route(self, hidden_states: torch.Tensor):
+        """The shared experts and the router (what ``--cuda-graph-modules moe_router`` graphs): -> ``(hidden_states``
+        (gathered over TP with sequence parallelism), ``probs [T, E], routing_map [T, E], shared_output`` or None)."""
         shared_output = self.shared_experts(hidden_states) if self.shared_experts is not None else None
         if self.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         probs, routing_map = self.router(hidden_states)  # [T, E] over ALL experts, this rank's tokens
+        return hidden_states, probs, routing_map, shared_output
+
+    def dispatch_and_combine(self, hidden_states, probs, routing_map, shared_output=None):
+        """Token dispatch, the experts, the combine (and the shared experts' output added): ``(output, None)``."""
         tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.token_permutation(
             hidden_states, probs, routing_map)
         expert_out, _ = self.experts(tokens, tokens_per_expert, permuted_probs)
