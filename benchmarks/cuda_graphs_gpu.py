@@ -71,10 +71,11 @@ def _build(m, cfg):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.cuda_graphs import build_cuda_graph_helper
+    from megatron.core.transformer.cuda_graphs import build_cuda_graph_helper, use_capture_stream
 
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
+    use_capture_stream(cfg.cuda_graph_impl)  # as pretrain: before the model and its DDP hooks exist
     with dev:
         gpt = GPTModel(cfg, vocab_size=m["vocab"], max_sequence_length=m["seq"],
                        share_embeddings_and_output_weights=True)

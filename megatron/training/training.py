@@ -155,6 +155,9 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
 
 def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_or_decoder):
     args = get_args()
+    from megatron.core.transformer.cuda_graphs import use_capture_stream
+
+    use_capture_stream(args.cuda_graph_impl)  # before the model and its data-parallel hooks exist
     model = get_model(model_provider_func, model_type)
     from megatron.core.optimizer import get_megatron_optimizer
 

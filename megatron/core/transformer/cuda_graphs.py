@@ -348,6 +348,19 @@ class CudaGraphHelper:
         self.order.clear()
 
 
+def use_capture_stream(impl) -> None:
+    """Run this process on a side stream from here on (call before the model is built and wrapped; upstream does the
+    same). A capture may not make the legacy default stream wait on it, and autograd runs a parameter's gradient
+    accumulation on the stream its AccumulateGrad node was made on: nodes made on the default stream in the eager
+    warm-up (and kept by the data-parallel hooks) would fail the backward capture
+    (``cudaErrorStreamCaptureImplicit``)."""
+    if impl in (None, "none") or not torch.cuda.is_available():
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_stream(stream)
+
+
 def build_cuda_graph_helper(model_chunks, config) -> Optional[CudaGraphHelper]:
     """The helper when ``config.cuda_graph_impl`` is local / transformer_engine, else None."""
     if not graphs_enabled(config):

@@ -359,10 +359,17 @@ def _have_te():
 def _train(cfg, steps, micro_batches=1, graphs=True, seed=0, spec_te=False, fp8_probe=None):
     """``steps`` optimizer steps (SGD with momentum) of a tiny GPTModel on fixed random batches; the CUDA graphs
     helper drives the capture as the training loop does. Returns (losses, helper)."""
+    torch.manual_seed(seed)
+    stream = torch.cuda.Stream()  # as use_capture_stream: nothing of the run on the legacy default stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        return _train_on_stream(cfg, steps, micro_batches, graphs, spec_te, fp8_probe)
+
+
+def _train_on_stream(cfg, steps, micro_batches, graphs, spec_te, fp8_probe):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.cuda_graphs import CudaGraphHelper
 
-    torch.manual_seed(seed)
     with torch.device("cuda"):
         model = GPTModel(cfg, vocab_size=128, max_sequence_length=32, position_embedding_type="rope").cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -416,13 +423,15 @@ GPU_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="
     ("local", "local", ["attn", "moe_router"], 2, True),  # the router graphed, dispatch and experts eager
     ("transformer_engine", "te", ["attn", "moe_router"], 2, True),
 ], ids=lambda v: v if isinstance(v, str) else None)
-def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, monkeypatch):
+def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, monkeypatch, request):
     """The first replayed step runs on the eager run's weights (every earlier step was eager): its loss equals the
     eager run's within 1e-6 relative (the same kernels; MoE: 1e-5, the token combine adds in any order); the later
     steps within 1e-5 (1e-4 MoE), rounding differences carried by the updates."""
     if (spec == "te" or impl == "transformer_engine") and not _have_te():
         pytest.skip("needs Transformer Engine")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    precision = torch.get_float32_matmul_precision()  # torch 2.11's cuBLAS module has no allow_tf32 to patch
+    torch.set_float32_matmul_precision("highest")
+    request.addfinalizer(lambda: torch.set_float32_matmul_precision(precision))
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     extra = dict(transformer_impl="transformer_engine" if spec == "te" else "local", **(GPU_MOE if moe else {}))
