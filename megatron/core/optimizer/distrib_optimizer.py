@@ -81,6 +81,7 @@ from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, has_re
                                                      slice_state, split_fp32)
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
+    _count_zeros,
     _foreach_copy,
     _is_dtensor,
     _is_quantized_param,
@@ -371,7 +372,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def count_zeros(self) -> int:
-        return int(self._dp_sum(sum(int((g == 0).sum()) for g in self._grads())))
+        return int(self._dp_sum(_count_zeros(self._grads())))
 
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
