@@ -266,13 +266,14 @@ class DistributedOptimizer(MegatronOptimizer):
         sum over expert-DP / DP, as ``DistributedDataParallel`` (each expert's gradient already sums the tokens of
         its whole EP group)."""
         shards = []
+        nonfinite = []  # --check-for-nan-in-grad: device flags, read on the host once below
         for k, space in enumerate(self.spaces):
             if space.bucket is not None:  # reduced by DistributedDataParallel (finish_grad_sync)
                 shards.append(space.bucket.owned_grad_shard().to(self.main_grad_dtype))
                 continue
             if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
                 shards.append(None)
-                self._own_grads_to_main(k)
+                self._own_grads_to_main(k, nonfinite)
                 continue
             flat = torch.zeros(space.shard_numel * space.size, dtype=self.reduce_dtype, device=self.device)
             dst, src = [], []
@@ -289,14 +290,16 @@ class DistributedOptimizer(MegatronOptimizer):
             _reduce_scatter(shard, flat, space.group, space.rank)
             if self.dp_size > 1:
                 shard.div_(self.dp_size)
-            if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
-                raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+            if self.check_for_nan_in_grad:
+                nonfinite.append(~torch.isfinite(shard).all())
             shards.append(shard.to(self.main_grad_dtype))  # fresh every step: the main grads are views of it (no copy when fp32)
         for s, main in zip(self.slices, self.main_params):
             if shards[s.space] is not None:
                 main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start]
+        if nonfinite and bool(torch.stack(nonfinite).any()):
+            raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
 
-    def _own_grads_to_main(self, k: int) -> None:
+    def _own_grads_to_main(self, k: int, nonfinite: List[torch.Tensor]) -> None:
         """Space ``k`` over one rank (one GPU, or experts without expert-DP): each main grad is its parameter's
         gradient in fp32, divided by the DP size for experts as the reduce-scatter path. An fp32 gradient on one
         data-parallel rank is used as it is (a view); the others are views of one fp32 buffer of this step, filled
@@ -327,11 +330,11 @@ class DistributedOptimizer(MegatronOptimizer):
             _foreach_copy(dst, [g for _, g in todo])
             if self.dp_size > 1:
                 flat.div_(self.dp_size)
-        if self.check_for_nan_in_grad:
-            for s, main in zip(self.slices, self.main_params):
-                if s.space == k and not torch.isfinite(main.grad).all():
-                    raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients "
-                                       "(--check-for-nan-in-grad)")
+        if self.check_for_nan_in_grad:  # (``nonfinite``: the caller's flags, read once for all spaces)
+            grads = [main.grad for s, main in zip(self.slices, self.main_params)
+                     if s.space == k and main.grad.numel() > 0]
+            if grads:
+                nonfinite.append(~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
 
     def _dp_sum(self, value: float, dtype=torch.float64) -> float:
         t = torch.tensor([value], dtype=dtype)

@@ -126,6 +126,7 @@ CASES = {
     "distopt_fp16": (["--fp16", "--use-distributed-optimizer", "--loss-scale", 128, "--moe-token-dispatcher-type",
                       "allgather"], PER_LAYER_ALLGATHER, {**PER_STEP, **PER_STEP_FP16}),
     "megatron_fsdp": (["--use-megatron-fsdp", "--use-distributed-optimizer"], PER_LAYER, PER_STEP),
+    "ep2": (["--expert-model-parallel-size", 2, "--use-distributed-optimizer"], PER_LAYER, PER_STEP),
 }
 
 
@@ -160,3 +161,50 @@ def test_counter_counts_our_reads_of_device_tensors_only():
         sizes.tolist()  # the test's own
     assert c.sites == collections.Counter({("int", "megatron/core/transformer/moe/moe_utils.py:sort_chunks_by_idxs"): 2})
     assert torch.equal(out, x[[1, 2, 0]])
+
+
+# ---- --check-for-nan-in-grad: one read for all buckets / index spaces -------------------------------------------
+def _nan_check_body(rank, ws):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from tests.unit_tests.distributed._common import batches, build_gpt, position_ids, tiny_config
+
+    cfg = tiny_config(moe=False, add_bias_linear=False)
+    tok, lab = batches(1, 2, seed=1)[0]
+    cases = [(False, True), (True, True)] + ([(False, False), (True, False)] if ws > 1 else [])
+    for overlap, distopt in cases:
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap, check_for_nan_in_grad=True,
+            bucket_size=1000 if overlap else None), build_gpt(cfg, 5))
+        if overlap and ws > 1:
+            assert len(ddp.buckets) > 2  # several buckets, one read
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=distopt), [ddp])
+        for bad in (None, float("nan"), float("inf")):
+            opt.zero_grad()
+            ddp.zero_grad_buffer()
+            loss = ddp(tok, position_ids(2), labels=lab).float().mean()
+            if bad is not None and rank == 0:
+                loss = loss * bad
+            loss.backward()
+            with SyncCounter() as counter:
+                try:
+                    ddp.finish_grad_sync()
+                    opt._copy_model_grads_to_main()
+                    raised = None
+                except RuntimeError as e:
+                    raised = str(e)
+            case = (overlap, distopt, bad)
+            if bad is None:
+                assert raised is None, (case, raised)
+                assert sum(counter.sites.values()) == 1, (case, counter.sites)
+            else:
+                assert raised is not None and "NaN/Inf in the reduced gradients (--check-for-nan-in-grad)" in raised
+                assert raised.startswith("DistributedOptimizer" if distopt else "DistributedDataParallel"), raised
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_check_for_nan_in_grad_reads_once_and_still_raises(ws):
+    """DDP (with and without --overlap-grad-reduce buckets) and the distributed optimizer (reduce-scattered and
+    one-rank index spaces): finite gradients pass with one host read for all buckets / spaces; NaN or Inf on one rank
+    raises on every rank with the usual message."""
+    run_distributed(_nan_check_body, ws)
