@@ -78,7 +78,7 @@ from megatron.core.fp8_utils import (
 from megatron.core.distributed.param_layout import BucketLayout, BufferLayout, buffer_layouts
 from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, has_remainder, log_state_conversion,
                                                      main_grad_dtype, remainders_enabled, set_slice_state,
-                                                     slice_state, split_fp32)
+                                                     merge_fp32, slice_state, split_fp32)
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     _count_zeros,
@@ -703,9 +703,15 @@ class DistributedOptimizer(MegatronOptimizer):
         self.init_state()
         read = readers[kind]([part["param_state"] for part in parts])
         differ = []  # dp_reshardable: slices whose loaded main is not their weight (read before a remainder's load
-        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):  # writes the weight slice)
+        rebuilt = []  # writes the weight slice); slices whose saved main was a 16-bit remainder (see below)
+        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             for k, dest in self._slice_state(main).items():
                 value = read(i, k)
+                if k == "fp32_param":
+                    master = _master_from_saved_remainder(s, value)
+                    if master is not None:
+                        value = master
+                        rebuilt.append(self.param_to_name.get(s.model_param, "?"))
                 if k == "fp32_param" and kind == DP_RESHARDABLE and _main_differs(s, value):
                     differ.append(self.param_to_name.get(s.model_param, "?"))
                 if value is not dest:
@@ -713,6 +719,12 @@ class DistributedOptimizer(MegatronOptimizer):
             st = self.optimizer.state.get(main)
             if st and "step" in st:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
+        count = int(self._dp_sum(len(rebuilt)))
+        if count and self.dp_rank == 0:
+            warnings.warn(f"distributed optimizer checkpoint: the saved fp32 main params ('param') of {count} bf16 "
+                          f"parameter slices (this rank's first: {rebuilt[:3]}) are 16-bit remainders, as upstream "
+                          "writes them with store_param_remainders (its default with --use-precision-aware-optimizer "
+                          "and --bf16); rebuilt from them and the loaded bf16 weights (load the model first)")
         if kind == DP_RESHARDABLE:
             self._warn_if_mains_differ_from_weights(differ)
         self._copy_main_params_to_model()
@@ -804,6 +816,26 @@ class DistributedOptimizer(MegatronOptimizer):
             return tensors[name][start + s.start : start + s.stop]
 
         return read
+
+
+@torch.no_grad()
+def _master_from_saved_remainder(s: _Slice, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 master of a bf16 weight slice where the checkpoint holds, as upstream writes them with
+    ``store_param_remainders`` (TE FusedAdam returns its int16 state as the "unscaled" master), the low 16 bits
+    under ``param`` (int16, or their values as floats) instead of the master: rebuilt from them and the slice's
+    loaded weight (:func:`precision_aware.merge_fp32`). None for a real master: not all integers in int16's range,
+    or the weight itself (a master is its weight rounded)."""
+    weight = s.model_param.detach().reshape(-1)[s.start : s.stop]
+    if weight.dtype != torch.bfloat16 or _is_quantized_param(s.model_param) or value.numel() == 0:
+        return None
+    v = value.detach().reshape(-1).to(weight.device)
+    if v.dtype != torch.int16:
+        if not v.is_floating_point() or not _main_differs(s, v):
+            return None
+        if not (torch.equal(v, v.round()) and bool(((v >= -32768) & (v <= 32767)).all())):
+            return None
+        v = v.to(torch.int16)
+    return merge_fp32(weight, v)
 
 
 @torch.no_grad()

@@ -161,6 +161,9 @@ def _save_body(rank, ws, root, remainders, kind):
         for st in osd["param_state"].values():
             assert sorted(st) == ["exp_avg", "exp_avg_sq", "param"]
             assert st["param"].key.startswith("optimizer.state.param.") and st["param"].data.dtype == torch.float32
+    elif kind == "fully_sharded_model_space":  # this fork's older layout: its key for the fp32 main
+        for st in osd["param_state"].values():
+            assert sorted(st) == ["exp_avg", "exp_avg_sq", "fp32_param"] and st["fp32_param"].dtype == torch.float32
     dist_checkpointing.save({"model": sd, "optimizer": osd}, os.path.join(root, "ckpt"))
     torch.save(_masters(opt), os.path.join(root, f"masters{rank}.pt"))
 
@@ -200,7 +203,8 @@ def _load_one(rank, ws, root, remainders, kind):
     torch.save((loss, _masters(opt)), os.path.join(root, f"after_{remainders}_{rank}.pt"))
 
 
-@pytest.mark.parametrize("saved_with,kind", [(True, "dp_reshardable"), (False, "fully_reshardable")])
+@pytest.mark.parametrize("saved_with,kind", [(True, "dp_reshardable"), (False, "fully_reshardable"),
+                                             (True, "fully_sharded_model_space")])
 def test_checkpoints_interchange_with_and_without_remainders(tmp_path, saved_with, kind):
     """Saved with (or without) remainders on 2 ranks: fp32 masters under upstream's keys (``param``), loaded
     bitwise into a run with and one without remainders; the next step is the same in both."""
@@ -214,3 +218,35 @@ def test_checkpoints_interchange_with_and_without_remainders(tmp_path, saved_wit
         assert a[0] == b[0]
         for k in a[1]:
             assert torch.equal(_bits(a[1][k]), _bits(b[1][k])), k
+
+
+def test_upstream_checkpoint_with_remainders_under_param_is_rebuilt():
+    """Upstream with store_param_remainders saves TE FusedAdam's int16 remainder where the fp32 main belongs
+    (``param``; as int16 or as float values): loaded after the model's bf16 weights, the masters are rebuilt from
+    both, bitwise, into a run with and one without remainders, with one warning; real masters load as they are."""
+    import warnings
+
+    ddp, opt = _build(1, True)
+    for step in range(2):
+        _step(ddp, opt, step, 0, 1)
+    want = _masters(opt)
+    real = opt.state_dict()
+    upstream_like = opt.state_dict()
+    for i, m in enumerate(opt.main_params):
+        rem = opt.optimizer.state[m]["master_param"]
+        upstream_like["param_state"][i]["fp32_param"] = rem.float() if i % 2 else rem.clone()
+    weights = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    for remainders in (True, False):
+        for sd, rebuilt in ((upstream_like, True), (real, False)):
+            ddp2, opt2 = _build(7, remainders)
+            ddp2.module.load_state_dict(weights)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt2.load_state_dict(sd)
+            lines = [str(w.message) for w in caught if "16-bit remainders" in str(w.message)]
+            assert len(lines) == (1 if rebuilt else 0), lines
+            if rebuilt:
+                assert f"of {len(opt2.main_params)} bf16 parameter slices" in lines[0]
+            got = _masters(opt2)
+            for k in want:
+                assert torch.equal(_bits(got[k]), _bits(want[k])), (remainders, rebuilt, k)
