@@ -5,7 +5,9 @@ of one flat index space of ``N`` elements, padded to ``ceil(N / D) * D`` (``D``:
 ``r`` owns the contiguous range ``[r * S, (r + 1) * S)``, ``S = padded / D``: for every parameter that range
 intersects, it keeps an fp32 main copy of that flat slice, and the torch optimizer (AdamW / SGD) steps only those
 slices, so the main params and the optimizer state on a rank are ``1/D`` of the whole (the last rank less the
-padding).
+padding). With the precision-aware optimizer and ``--bf16`` (``store_param_remainders``, upstream's default) a bf16
+weight's main is the weight's own slice, stepped in place, its fp32 master's low 16 bits kept as optimizer state
+(``precision_aware.py``); checkpoints hold the rebuilt fp32 master either way.
 
 Quantized weights (TE FP8 tensors, ``--fp8-param-gather``; delayed, tensorwise or blockwise scaling) live in a
 second index space laid out the same way: after the step each rank quantizes its own slices of the fp32 main params
@@ -77,8 +79,8 @@ from megatron.core.fp8_utils import (
 )
 from megatron.core.distributed.param_layout import BucketLayout, BufferLayout, buffer_layouts
 from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, has_remainder, log_state_conversion,
-                                                     main_grad_dtype, remainders_enabled, set_slice_state,
-                                                     merge_fp32, slice_state, split_fp32)
+                                                     main_grad_dtype, merge_fp32, remainders_enabled,
+                                                     set_slice_state, slice_state, split_fp32)
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     _count_zeros,
