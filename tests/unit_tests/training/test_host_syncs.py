@@ -4,10 +4,11 @@ that sees every call our code makes of the tensor operations that make the host 
 ``torch.equal`` / ``allclose``, ``.numpy()``), except on host tensors (made by ``.cpu()``, or by a factory such as
 ``torch.tensor`` without a ``device``, and what is computed from host tensors only). Calls made inside torch (e.g.
 its CPU AdamW reading CPU step counts) are not ours and are not counted. One iteration in the steady state (the
-third of four) is counted on 2 gloo ranks for DDP, the distributed optimizer (bf16 and fp16) and Megatron-FSDP: the
-count is the small fixed number below, one read per MoE layer and micro-batch (the experts' row groups; the all-to-all
-sizes) plus a few per step, so a read added per layer, per micro-batch or per parameter fails here with its site.
-A GPU check of the same step under ``torch.cuda.set_sync_debug_mode("error")`` is ``test_host_syncs_gpu.py``."""
+third of four) is counted on 2 gloo ranks for DDP, the distributed optimizer (bf16 with grouped experts, fp16 with
+the allgather dispatcher), Megatron-FSDP and expert parallelism 2: the count is the small fixed number below, one
+read per MoE layer and micro-batch (the experts' row groups; the all-to-all sizes) plus a few per step, so a read
+added per layer, per micro-batch or per parameter fails here with its site. GPU checks with torch's own sync
+detection (``torch.cuda.set_sync_debug_mode``): ``test_host_syncs_gpu.py``."""
 import collections
 import os
 import sys
