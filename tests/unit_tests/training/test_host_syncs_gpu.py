@@ -3,7 +3,6 @@ forward and backward synchronise once (the dispatcher's read of the tokens per e
 and the main-to-model copy of the distributed optimizer (torch's fused AdamW; the precision-aware optimizer with bf16
 moments and 16-bit remainders) never do. The CPU count of a whole training step is ``test_host_syncs.py``."""
 import contextlib
-import dataclasses
 import warnings
 
 import pytest
