@@ -5,10 +5,11 @@ the distributed optimizer over one rank), beside what upstream 0.19.2 keeps for 
 
 For each configuration (moments, main grads) a bf16 GPT (``--transformer-impl local``) takes one optimizer step and
 the table prints, per parameter: the Adam moments' bytes (with their per-tensor scales), the main grads' bytes, the
-fp32 main params' bytes, their sum, and upstream's sum for the same flags (TE FusedAdam: moments in the given dtypes,
-main grads fp32 / bf16, fp32 mains stored as 16-bit remainders beside the bf16 weights: its default
-``store_param_remainders`` with the flag; this fork keeps whole fp32 mains: 2 B more per parameter there). With ``--device cuda`` also
-the peak allocated GiB of the step. Counted bytes, not timings: the same on any machine.
+fp32 main params' bytes (whole fp32 copies, or with the flag the int16 remainders beside the bf16 weights:
+``store_param_remainders``, upstream's default), their sum, and upstream's sum for the same flags by its formula (TE
+FusedAdam: moments in the given dtypes, main grads fp32 / bf16, fp32 mains as 16-bit remainders under the flag, whole
+without it). With ``--device cuda`` also the peak allocated GiB of the step. Counted bytes, not timings: the same on any
+machine.
 """
 import argparse
 
@@ -22,7 +23,7 @@ def _measure(moments: str, main_grads: str, a) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer.precision_aware import DTYPE_NAMES, state_bytes
+    from megatron.core.optimizer.precision_aware import DTYPE_NAMES, main_param_bytes, state_bytes
     from megatron.core.transformer import TransformerConfig
 
     torch.manual_seed(1)
@@ -47,7 +48,7 @@ def _measure(moments: str, main_grads: str, a) -> dict:
     assert opt.step()[0]
     n = sum(p.numel() for p in model.parameters())
     grads = sum(m.grad.numel() * m.grad.element_size() for m in opt.main_params if m.grad is not None)
-    mains = sum(m.numel() * m.element_size() for m in opt.main_params)
+    mains = main_param_bytes(opt.optimizer, opt.main_params)
     out = dict(moments=state_bytes(opt.optimizer) / n, grads=grads / n, mains=mains / n)
     out["total"] = out["moments"] + out["grads"] + out["mains"]
     # upstream: fp32 mains as 16-bit remainders under its precision-aware optimizer (TE >= 2.1), else whole

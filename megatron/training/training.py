@@ -385,6 +385,15 @@ def _per_token_mean(sum_and_tokens: torch.Tensor) -> torch.Tensor:
     return sum_and_tokens[0] / sum_and_tokens[1].clamp(min=1.0)
 
 
+def _aux_loss_scale(factor: float, loss_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``factor`` x the fp16 loss scale as a 0-dim float32 tensor where the loss scale lives (on the device with
+    fp16: no host read of it per step); float64 product rounded once, the value ``torch.tensor(factor *
+    float(loss_scale))`` gives."""
+    if loss_scale is None:
+        return torch.tensor(factor)
+    return (loss_scale.detach().reshape(-1)[0].double() * factor).float()
+
+
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config=None):
     """One iteration: gradient accumulation over ``args.num_microbatches``, grad sync, optimizer step,
     scheduler step, expert-bias update. Returns (lm loss averaged over micro-batches and DP, grad norm,
@@ -406,13 +415,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
         # as upstream: the aux-loss gradient scaled like the main loss's (the fp16 loss scale included, which the
         # optimizer divides out of every gradient), per micro-batch unless per-token
-        aux_scale = (1.0 if per_token else 1.0 / n) * (float(loss_scale) if loss_scale is not None else 1.0)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_scale))
+        MoEAuxLossAutoScaler.set_loss_scale(_aux_loss_scale(1.0 if per_token else 1.0 / n, loss_scale))
     if args.mtp_num_layers:  # the MTP loss's gradient scaled as the main loss's (upstream's MTPLossAutoScaler)
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-        MTPLossAutoScaler.set_loss_scale(torch.tensor((1.0 if per_token else 1.0 / n) * (
-            float(loss_scale) if loss_scale is not None else 1.0)))
+        MTPLossAutoScaler.set_loss_scale(_aux_loss_scale(1.0 if per_token else 1.0 / n, loss_scale))
     reported, token_sums = [], []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # the schedule also finalizes the grads
         from megatron.training.pipeline_training import pipeline_forward_backward

@@ -29,7 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device, get_world_size
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import has_meta_tensors, materialize_meta_module
-from megatron.core.distributed.param_and_grad_buffer import Bucket, build_buckets
+from megatron.core.distributed.param_and_grad_buffer import Bucket, build_buckets, check_reduced_grads
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -247,6 +247,7 @@ class DistributedDataParallel(MegatronModule):
                 self.start_grad_sync()
                 for bucket in self.buckets:
                     bucket.finish_grad_reduce()
+                check_reduced_grads(self.buckets)
                 if self._golden is None:
                     self._golden = [dict(b.ready) for b in self.buckets]
                 rest = [p for p in self.module.parameters() if p.requires_grad and p not in self._bucket_of]
@@ -267,6 +268,7 @@ class DistributedDataParallel(MegatronModule):
         for p in params:
             dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else p.grad.dtype
             buckets.setdefault((not getattr(p, "allreduce", True), dtype, p.grad.device), []).append(p)
+        nonfinite = []
         for (is_expert, dtype, _), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in ps])
             group = self.expert_process_group if is_expert else self.process_group
@@ -282,8 +284,10 @@ class DistributedDataParallel(MegatronModule):
                 else:
                     p.grad.copy_(reduced)
                 offset += n
-            if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(flat).all():
-                raise RuntimeError("DistributedDataParallel: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+            if self.ddp_config.check_for_nan_in_grad:
+                nonfinite.append(~torch.isfinite(flat).all())
+        if nonfinite and bool(torch.stack(nonfinite).any()):  # one host read for all of them
+            raise RuntimeError("DistributedDataParallel: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:

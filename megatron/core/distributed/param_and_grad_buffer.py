@@ -35,6 +35,15 @@ import torch.distributed as dist
 from megatron.core.dist_utils import foreach_copy as _foreach_copy, get_rank, get_world_size
 
 
+def check_reduced_grads(buckets) -> None:
+    """RuntimeError if a bucket's reduced gradient has a NaN/Inf (``--check-for-nan-in-grad``): the buckets' device
+    flags read on the host once (not once per bucket)."""
+    flagged = [b for b in buckets if getattr(b, "nonfinite", None) is not None]
+    if flagged and bool(torch.stack([b.nonfinite for b in flagged]).any()):
+        bad = next(b for b in flagged if bool(b.nonfinite))
+        raise RuntimeError(bad.nan_message())
+
+
 def _reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, group):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, flat, group=group, async_op=True)
@@ -91,6 +100,7 @@ class Bucket:
         self._work = None
         self.launched = False
         self.finished = False
+        self.nonfinite: Optional[torch.Tensor] = None
 
     def launch_grad_reduce(self) -> None:
         """Copy the gradients into a fresh flat tensor and start its reduction (asynchronous)."""
@@ -142,9 +152,8 @@ class Bucket:
             reduced = flat
         if not self.average and self.dp_size > 1:
             reduced.div_(self.dp_size)
-        if self.check_for_nan and not torch.isfinite(reduced).all():
-            raise RuntimeError(f"{'DistributedOptimizer' if self.reduce_scatter else 'DistributedDataParallel'}: "
-                               "NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+        # --check-for-nan-in-grad: a flag on the device, read for all buckets at once (check_reduced_grads)
+        self.nonfinite = (~torch.isfinite(reduced).all()) if self.check_for_nan else None
         if not self.reduce_scatter:
             for p in self.params:
                 o = self.offsets[p]
@@ -157,6 +166,10 @@ class Bucket:
                     p.grad.copy_(value)
             self.flat = None
         self.finished = True
+
+    def nan_message(self) -> str:
+        return (f"{'DistributedOptimizer' if self.reduce_scatter else 'DistributedDataParallel'}: "
+                "NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
 
     def owned_grad_shard(self) -> torch.Tensor:
         """This rank's reduced range of the flat gradient (after ``finish_grad_reduce``, reduce-scatter buckets)."""

@@ -112,11 +112,12 @@ def get_megatron_optimizer(
             g["weight_decay"] = config.weight_decay * g["wd_mult"]
             g["lr"] = config.lr * g["lr_mult"]
         if config.optimizer == "adam" and config.use_precision_aware_optimizer:
-            from megatron.core.optimizer.precision_aware import PrecisionAwareAdamW
+            from megatron.core.optimizer.precision_aware import PrecisionAwareAdamW, remainders_enabled
 
             return PrecisionAwareAdamW(param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                        eps=config.adam_eps, weight_decay=config.weight_decay,
-                                       exp_avg_dtype=config.exp_avg_dtype, exp_avg_sq_dtype=config.exp_avg_sq_dtype)
+                                       exp_avg_dtype=config.exp_avg_dtype, exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+                                       store_param_remainders=remainders_enabled(config))
         if config.optimizer == "adam":
             # On CUDA: torch's fused AdamW (one multi-tensor kernel per step, step counts kept on the device; works on
             # FSDP2 DTensor shards). Its per-step host cost is a small fraction of foreach AdamW's, which launches

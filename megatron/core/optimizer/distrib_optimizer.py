@@ -5,7 +5,9 @@ of one flat index space of ``N`` elements, padded to ``ceil(N / D) * D`` (``D``:
 ``r`` owns the contiguous range ``[r * S, (r + 1) * S)``, ``S = padded / D``: for every parameter that range
 intersects, it keeps an fp32 main copy of that flat slice, and the torch optimizer (AdamW / SGD) steps only those
 slices, so the main params and the optimizer state on a rank are ``1/D`` of the whole (the last rank less the
-padding).
+padding). With the precision-aware optimizer and ``--bf16`` (``store_param_remainders``, upstream's default) a bf16
+weight's main is the weight's own slice, stepped in place, its fp32 master's low 16 bits kept as optimizer state
+(``precision_aware.py``); checkpoints hold the rebuilt fp32 master either way.
 
 Quantized weights (TE FP8 tensors, ``--fp8-param-gather``; delayed, tensorwise or blockwise scaling) live in a
 second index space laid out the same way: after the step each rank quantizes its own slices of the fp32 main params
@@ -76,10 +78,12 @@ from megatron.core.fp8_utils import (
     rowwise_bytes,
 )
 from megatron.core.distributed.param_layout import BucketLayout, BufferLayout, buffer_layouts
-from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, log_state_conversion, main_grad_dtype,
-                                                     set_slice_state, slice_state)
+from megatron.core.optimizer.precision_aware import (PrecisionAwareAdamW, has_remainder, log_state_conversion,
+                                                     main_grad_dtype, merge_fp32, remainders_enabled,
+                                                     set_slice_state, slice_state, split_fp32)
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
+    _count_zeros,
     _foreach_copy,
     _is_dtensor,
     _is_quantized_param,
@@ -186,6 +190,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.param_dtype = next(iter(plain_dtypes)) if len(plain_dtypes) == 1 else torch.float32
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.main_grad_dtype = main_grad_dtype(config, self.reduce_dtype)  # precision_aware.py: bf16 or fp32
+        self.param_remainders = remainders_enabled(config)  # bf16 weights' fp32 mains as 16-bit remainders
         self.device = self.all_params[0].device if self.all_params else torch.device("cpu")
 
         # flat layouts (plain parameters; quantized weights in a space of their own, gathered as bytes; expert
@@ -232,9 +237,15 @@ class DistributedOptimizer(MegatronOptimizer):
                     continue
                 s = _Slice(p, a - o, b - o, a - lo, space_of[p])
                 self.slices.append(s)
-                main = torch.nn.Parameter(_flat_values(p)[s.start : s.stop].float().clone())
-                if self.main_grad_dtype != torch.float32:  # --main-grads-dtype bf16: the reduced bf16 gradient
+                if self.param_remainders and p.dtype == torch.bfloat16 and not _is_quantized_param(p):
+                    # store_param_remainders: the optimizer steps the weight's own slice (a view) and keeps the low
+                    # 16 bits of its fp32 master beside it (precision_aware.py)
+                    main = torch.nn.Parameter(p.detach().view(-1)[s.start : s.stop])
                     main.grad_dtype = self.main_grad_dtype
+                else:
+                    main = torch.nn.Parameter(_flat_values(p)[s.start : s.stop].float().clone())
+                    if self.main_grad_dtype != torch.float32:  # --main-grads-dtype bf16: the reduced bf16 gradient
+                        main.grad_dtype = self.main_grad_dtype
                 mains.append(main)
             main_params.extend(mains)
             shard_groups.append({**g, "params": mains})
@@ -257,13 +268,14 @@ class DistributedOptimizer(MegatronOptimizer):
         sum over expert-DP / DP, as ``DistributedDataParallel`` (each expert's gradient already sums the tokens of
         its whole EP group)."""
         shards = []
+        nonfinite = []  # --check-for-nan-in-grad: device flags, read on the host once below
         for k, space in enumerate(self.spaces):
             if space.bucket is not None:  # reduced by DistributedDataParallel (finish_grad_sync)
                 shards.append(space.bucket.owned_grad_shard().to(self.main_grad_dtype))
                 continue
             if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
                 shards.append(None)
-                self._own_grads_to_main(k)
+                self._own_grads_to_main(k, nonfinite)
                 continue
             flat = torch.zeros(space.shard_numel * space.size, dtype=self.reduce_dtype, device=self.device)
             dst, src = [], []
@@ -280,14 +292,16 @@ class DistributedOptimizer(MegatronOptimizer):
             _reduce_scatter(shard, flat, space.group, space.rank)
             if self.dp_size > 1:
                 shard.div_(self.dp_size)
-            if self.check_for_nan_in_grad and not torch.isfinite(shard).all():
-                raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
+            if self.check_for_nan_in_grad:
+                nonfinite.append(~torch.isfinite(shard).all())
             shards.append(shard.to(self.main_grad_dtype))  # fresh every step: the main grads are views of it (no copy when fp32)
         for s, main in zip(self.slices, self.main_params):
             if shards[s.space] is not None:
                 main.grad = shards[s.space][s.shard_offset : s.shard_offset + s.stop - s.start]
+        if nonfinite and bool(torch.stack(nonfinite).any()):
+            raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients (--check-for-nan-in-grad)")
 
-    def _own_grads_to_main(self, k: int) -> None:
+    def _own_grads_to_main(self, k: int, nonfinite: List[torch.Tensor]) -> None:
         """Space ``k`` over one rank (one GPU, or experts without expert-DP): each main grad is its parameter's
         gradient in fp32, divided by the DP size for experts as the reduce-scatter path. An fp32 gradient on one
         data-parallel rank is used as it is (a view); the others are views of one fp32 buffer of this step, filled
@@ -318,11 +332,11 @@ class DistributedOptimizer(MegatronOptimizer):
             _foreach_copy(dst, [g for _, g in todo])
             if self.dp_size > 1:
                 flat.div_(self.dp_size)
-        if self.check_for_nan_in_grad:
-            for s, main in zip(self.slices, self.main_params):
-                if s.space == k and not torch.isfinite(main.grad).all():
-                    raise RuntimeError("DistributedOptimizer: NaN/Inf in the reduced gradients "
-                                       "(--check-for-nan-in-grad)")
+        if self.check_for_nan_in_grad:  # (``nonfinite``: the caller's flags, read once for all spaces)
+            grads = [main.grad for s, main in zip(self.slices, self.main_params)
+                     if s.space == k and main.grad.numel() > 0]
+            if grads:
+                nonfinite.append(~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
 
     def _dp_sum(self, value: float, dtype=torch.float64) -> float:
         t = torch.tensor([value], dtype=dtype)
@@ -340,7 +354,11 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def get_params_norm(self) -> float:
         """Global L2 norm of the fp32 main params (the owned slices, summed over the DP group)."""
-        return self._global_norm([main.detach() for main in self.main_params])
+        return self._global_norm([self._fp32_main(main) for main in self.main_params])
+
+    def _fp32_main(self, main: torch.Tensor) -> torch.Tensor:
+        """The fp32 main of a slice: ``main``, or rebuilt from the weight slice and its remainder (a copy)."""
+        return self.optimizer.master(main) if has_remainder(self.optimizer, main) else main.detach()
 
     def _global_norm(self, tensors) -> float:
         entries = [(s.model_param, t) for s, t in zip(self.slices, tensors)]
@@ -359,7 +377,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def count_zeros(self) -> int:
-        return int(self._dp_sum(sum(int((g == 0).sum()) for g in self._grads())))
+        return int(self._dp_sum(_count_zeros(self._grads())))
 
     @torch.no_grad()
     def _copy_main_params_to_model(self) -> None:
@@ -369,8 +387,8 @@ class DistributedOptimizer(MegatronOptimizer):
         rebuilt (``finish_param_gather``). A space over one rank has nothing to gather (``_own_mains_to_model``)."""
         for k, space in enumerate(self.spaces):
             owned = [(s, main) for s, main in zip(self.slices, self.main_params) if s.space == k]
-            if space.size == 1:
-                self._own_mains_to_model(space, owned)
+            if space.size == 1:  # (a main with a remainder is its weight's slice: nothing to copy)
+                self._own_mains_to_model(space, [(s, m) for s, m in owned if not has_remainder(self.optimizer, m)])
                 continue
             if space.quantized:
                 mine = {id(s.model_param): (s, main) for s, main in owned}
@@ -420,6 +438,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def reload_model_params(self) -> None:
         self._finish_param_gathers()
         for s, main in zip(self.slices, self.main_params):
+            if has_remainder(self.optimizer, main):  # the weight slice itself: its master is its value (remainder 0)
+                self.optimizer.set_master(main, main.detach().float())
+                continue
             main.copy_(_flat_values(s.model_param)[s.start : s.stop])
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
@@ -683,27 +704,38 @@ class DistributedOptimizer(MegatronOptimizer):
         step = self._load_param_groups([g for part in parts for g in part["optimizer"]["param_groups"]])
         self.init_state()
         read = readers[kind]([part["param_state"] for part in parts])
-        for i, main in enumerate(self.main_params):
+        differ = []  # dp_reshardable: slices whose loaded main is not their weight (read before a remainder's load
+        rebuilt = []  # writes the weight slice); slices whose saved main was a 16-bit remainder (see below)
+        for i, (s, main) in enumerate(zip(self.slices, self.main_params)):
             for k, dest in self._slice_state(main).items():
                 value = read(i, k)
+                if k == "fp32_param":
+                    master = _master_from_saved_remainder(s, value)
+                    if master is not None:
+                        value = master
+                        rebuilt.append(self.param_to_name.get(s.model_param, "?"))
+                if k == "fp32_param" and kind == DP_RESHARDABLE and _main_differs(s, value):
+                    differ.append(self.param_to_name.get(s.model_param, "?"))
                 if value is not dest:
                     set_slice_state(self.optimizer, main, k, dest, value)
             st = self.optimizer.state.get(main)
             if st and "step" in st:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=st["step"].device)  # fused: GPU
+        count = int(self._dp_sum(len(rebuilt)))
+        if count and self.dp_rank == 0:
+            warnings.warn(f"distributed optimizer checkpoint: the saved fp32 main params ('param') of {count} bf16 "
+                          f"parameter slices (this rank's first: {rebuilt[:3]}) are 16-bit remainders, as upstream "
+                          "writes them with store_param_remainders (its default with --use-precision-aware-optimizer "
+                          "and --bf16); rebuilt from them and the loaded bf16 weights (load the model first)")
         if kind == DP_RESHARDABLE:
-            self._warn_if_mains_differ_from_weights()
+            self._warn_if_mains_differ_from_weights(differ)
         self._copy_main_params_to_model()
 
-    @torch.no_grad()
-    def _warn_if_mains_differ_from_weights(self) -> None:
+    def _warn_if_mains_differ_from_weights(self, differ: List[str]) -> None:
         """``dp_reshardable`` is keyed by offsets only: a bucket layout that differed from upstream's in the order of
         equal-sized parameters would load without an error. The weights (loaded by name, before the optimizer) are
-        the fp32 mains cast to their dtype; a warning names the parameters whose loaded main is not (quantized
-        weights are not compared). Collective over the DP group."""
-        differ = [self.param_to_name.get(s.model_param, "?") for s, main in zip(self.slices, self.main_params)
-                  if not _is_quantized_param(s.model_param) and not torch.equal(
-                      main.detach().to(s.model_param.dtype), s.model_param.detach().reshape(-1)[s.start : s.stop])]
+        the fp32 mains cast to their dtype; a warning names the parameters whose loaded main is not (``differ``,
+        :func:`_main_differs`; quantized weights are not compared). Collective over the DP group."""
         count = int(self._dp_sum(len(differ)))
         if count and self.dp_rank == 0:
             warnings.warn(f"distributed optimizer checkpoint (dp_reshardable): the loaded fp32 main params of "
@@ -786,6 +818,39 @@ class DistributedOptimizer(MegatronOptimizer):
             return tensors[name][start + s.start : start + s.stop]
 
         return read
+
+
+@torch.no_grad()
+def _master_from_saved_remainder(s: _Slice, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 master of a bf16 weight slice where the checkpoint holds, as upstream writes them with
+    ``store_param_remainders`` (TE FusedAdam returns its int16 state as the "unscaled" master), the low 16 bits
+    under ``param`` (int16, or their values as floats) instead of the master: rebuilt from them and the slice's
+    loaded weight (:func:`precision_aware.merge_fp32`). None for a real master: not all integers in int16's range,
+    or the weight itself (a master is its weight rounded)."""
+    weight = s.model_param.detach().reshape(-1)[s.start : s.stop]
+    if weight.dtype != torch.bfloat16 or _is_quantized_param(s.model_param) or value.numel() == 0:
+        return None
+    v = value.detach().reshape(-1).to(weight.device)
+    if v.dtype != torch.int16:
+        if not v.is_floating_point() or not _main_differs(s, v):
+            return None
+        if not (torch.equal(v, v.round()) and bool(((v >= -32768) & (v <= 32767)).all())):
+            return None
+        v = v.to(torch.int16)
+    return merge_fp32(weight, v)
+
+
+@torch.no_grad()
+def _main_differs(s: _Slice, value: torch.Tensor) -> bool:
+    """Whether a loaded fp32 main ``value`` is not the slice's weight cast to its dtype (cast to nearest even, or
+    rounded as a remainder's weight: ties away from zero); quantized weights are not compared."""
+    if _is_quantized_param(s.model_param):
+        return False
+    weight = s.model_param.detach().reshape(-1)[s.start : s.stop]
+    value = value.reshape(-1).to(weight.device)
+    if torch.equal(value.to(weight.dtype), weight):
+        return False
+    return not (weight.dtype == torch.bfloat16 and torch.equal(split_fp32(value.float())[0], weight))
 
 
 def _overlap_buckets(model_chunks, ddp_config) -> list:

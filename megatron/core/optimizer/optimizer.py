@@ -218,6 +218,17 @@ def grad_norm_of_kinds(grads: Dict[str, List[torch.Tensor]], shard_group=None) -
     return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
+def _count_zeros(tensors: List[torch.Tensor]) -> int:
+    """Zero elements of ``tensors``: counted on their devices, read on the host once (not once per tensor)."""
+    if not tensors:
+        return 0
+    per_device: Dict[torch.device, torch.Tensor] = {}
+    for t in tensors:
+        n = (t == 0).sum()
+        per_device[t.device] = per_device[t.device] + n if t.device in per_device else n
+    return sum(int(v.item()) for v in per_device.values())  # one read per device (one device: one read)
+
+
 class _CopyPlan:
     """What :meth:`MegatronOptimizer._copy_model_grads_to_main` and ``_copy_main_params_to_model`` need per
     parameter, computed once: ``pairs`` ``(index, model param, main param)`` where they differ; ``quantized`` the
@@ -574,8 +585,8 @@ class MegatronOptimizer:
         hybrid sharding counted once), plain (replicated) grads are counted locally."""
         grads = self._grads()
         sharded = [g for g in grads if _is_dtensor(g)]
-        plain = sum(int((g == 0).sum().item()) for g in grads if not _is_dtensor(g))
-        local = sum(int((_local(g) == 0).sum().item()) for g in sharded)
+        plain = _count_zeros([g for g in grads if not _is_dtensor(g)])
+        local = _count_zeros([_local(g) for g in sharded])
         if sharded and is_distributed():
             t = torch.tensor([local], dtype=torch.int64, device=_local(sharded[0]).device)
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -590,12 +601,17 @@ class MegatronOptimizer:
         """fp16: multiply the main grads by ``1/loss scale``; whether any rank of the data-parallel or the
         model-parallel (tensor x pipeline) group has an inf/nan main grad (all-reduced, so every rank takes the same decision)."""
         inv = self.grad_scaler.inv_scale
-        found = torch.zeros(1, dtype=torch.float32)
+        groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
         for g in self._grads():
             local = _local(g)
-            local.mul_(inv.to(local.device))
-            if not torch.isfinite(local).all():
-                found.fill_(1.0)
+            groups.setdefault((local.device, local.dtype), []).append(local)
+        found = torch.zeros(1, dtype=torch.float32)
+        # one fused multiply-and-check per device and dtype (torch's AMP kernel: the same products as ``mul_``),
+        # the inf/nan flag kept on the device: one host read below instead of one per gradient
+        for (device, _), grads in groups.items():
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
+            found = torch.maximum(found.to(device), flag)
         if is_distributed():
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             found = found.to(parallel_state.collective_device(group))

@@ -22,8 +22,10 @@ class OptimizerConfig:
     (``precision_aware.py``; upstream: Transformer Engine's FusedAdam). Needs the distributed optimizer (or
     Megatron-FSDP, which shards the optimizer too) and adam, as upstream."""
     store_param_remainders: bool = True
-    """Upstream's FusedAdam option (fp32 main params stored as 16-bit remainders beside bf16 weights); accepted, and
-    this fork keeps whole fp32 main params either way."""
+    """With the precision-aware optimizer, ``bf16`` and the distributed optimizer: keep a bf16 weight's fp32 main
+    param as its low 16 bits (int16) beside the weight, which holds the high 16 (2 B per parameter instead of 4;
+    ``precision_aware.py``, TE FusedAdam's rule). Upstream's default, and like upstream no command-line flag.
+    Checkpoints hold the fp32 main params either way."""
     main_grads_dtype: torch.dtype = torch.float32
     """Main grads' dtype with the precision-aware optimizer: fp32, or bf16 (the reduced bf16 gradient is stepped from
     directly, read as fp32 inside the step)."""

@@ -78,7 +78,8 @@ def optimizer_state(model, opt) -> dict:
             # the precision-aware optimizer's moments as fp32 values (upstream's get_unscaled_state)
             moment = getattr(opt.optimizer, "get_unscaled_state", lambda p, k: st[k])
             pieces[names[s.model_param]][1].append((s.start, s.stop, dict(
-                fp32_param=main.detach().clone(), exp_avg=moment(main, "exp_avg").clone(),
+                fp32_param=opt._fp32_main(main).clone(),  # (a bf16 weight slice with a 16-bit remainder: rebuilt)
+                exp_avg=moment(main, "exp_avg").clone(),
                 exp_avg_sq=moment(main, "exp_avg_sq").clone(), step=float(st["step"]))))
         return rc.whole_state(pieces, experts={n for p, n in names.items() if not getattr(p, "allreduce", True)})
     mains = opt.main_params if opt.main_params is not None else opt.model_params

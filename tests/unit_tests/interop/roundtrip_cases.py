@@ -424,7 +424,9 @@ OPTIM_STEPS = 2
 # on Transformer Engine's FusedAdam, CUDA only, so these cases run on one GPU and only where
 # ROUNDTRIP_PRECISION_AWARE is set (test_precision_aware_optimizer_interchanges_with_upstream_on_gpu), instead of
 # the layout's other cases. Upstream's store_param_remainders is turned off on its side: with it (its default under
-# bf16) upstream saves the 16-bit remainders of its fp32 mains, as float values, where the mains belong ("param").
+# bf16) upstream saves the 16-bit remainders of its fp32 mains, as float values, where the mains belong ("param")
+# (our load recognises and rebuilds those: distrib_optimizer._master_from_saved_remainder, not run against upstream's
+# files yet). Ours keeps its default (remainders on) and saves the rebuilt fp32 masters.
 PRECISION_AWARE_CASES = {"gpu_te": (("dense", "bf16pa", "fully_reshardable"), ("dense", "bf16pa", "dp_reshardable"))}
 
 

@@ -370,8 +370,11 @@ def _pretrain_body(rank, ws, root):
     opt = saved.optimizer
     assert isinstance(opt.optimizer, PrecisionAwareAdamW)
     assert {m.grad.dtype for m in opt.main_params if m.grad is not None} == {torch.bfloat16}
+    # --bf16: the fp32 mains kept as 16-bit remainders (store_param_remainders, upstream's default, no flag)
+    assert opt.param_remainders and {m.dtype for m in opt.main_params} == {torch.bfloat16}
     want = {(s.model_param, s.start): {k: opt.optimizer.get_unscaled_state(m, k).clone()
-                                       for k in ("exp_avg", "exp_avg_sq")} for s, m in zip(opt.slices, opt.main_params)}
+                                       for k in ("exp_avg", "exp_avg_sq", "master_param")}
+            for s, m in zip(opt.slices, opt.main_params)}
     want = {(opt.param_to_name[p], start): v for (p, start), v in want.items()}
     records = []
     handler = logging.Handler()
@@ -391,7 +394,7 @@ def _pretrain_body(rank, ws, root):
     assert type(lopt.optimizer) is torch.optim.AdamW
     for s, m in zip(lopt.slices, lopt.main_params):
         for k, v in want[(lopt.param_to_name[s.model_param], s.start)].items():
-            got = lopt.optimizer.state[m][k]
+            got = m.detach() if k == "master_param" else lopt.optimizer.state[m][k]  # the fp32 mains: rebuilt
             assert got.dtype == torch.float32 and torch.equal(got, v), (k, (got - v).abs().max())
 
 

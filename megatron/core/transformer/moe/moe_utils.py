@@ -157,7 +157,14 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
-        """Scale of the aux-loss gradient (e.g. 1 / num_microbatches, or the fp16 loss scale)."""
+        """Scale of the aux-loss gradient (e.g. 1 / num_microbatches, or the fp16 loss scale). A scale on a CUDA
+        device (fp16: the training loop keeps it there, no host read) is copied into the one set before where it
+        can be: a backward captured in a CUDA graph (``--cuda-graph-modules moe_router``) reads that memory."""
+        cur = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if (isinstance(cur, torch.Tensor) and scale.is_cuda and cur.device == scale.device and cur.shape == scale.shape
+                and cur.dtype == scale.dtype):
+            cur.copy_(scale)
+            return
         MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 

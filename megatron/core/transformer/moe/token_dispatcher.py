@@ -78,7 +78,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             n = torch.tensor([hidden_states.shape[0]], dtype=torch.int64, device=hidden_states.device)
             gathered = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
             dist.all_gather(gathered, n, group=group)
-            self.sizes = [int(t.item()) for t in gathered]
+            self.sizes = torch.cat(gathered).tolist()  # one read for all ranks' sizes
             with torch.no_grad():
                 self.routing_map = gather_along_first_dim(group, self.routing_map.to(torch.uint8), self.sizes).bool()
         return gather_along_first_dim(group, hidden_states, self.sizes), gather_along_first_dim(group, probs, self.sizes)
@@ -87,12 +87,12 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.gathered_shape = hidden_states.shape
         local_map = self.routing_map[:, lo:hi]
-        tokens_per_expert = local_map.sum(dim=0).long().cpu()
+        counts = local_map.sum(dim=0).tolist()  # the dispatch's one device-to-host read: the experts' row groups
         self.fused = use_fused_permutation(self.config, hidden_states)
         permuted, self.local_probs, self.row_map = permute(hidden_states, local_map, probs[:, lo:hi],
-                                                           int(tokens_per_expert.sum()), self.fused)
+                                                           sum(counts), self.fused)
         self.merging_probs = probs[:, lo:hi] if self.fused else self.local_probs  # fused: TE weights as it sums
-        return permuted, tokens_per_expert, self.local_probs
+        return permuted, torch.tensor(counts, dtype=torch.int64), self.local_probs
 
     def combine_preprocess(self, hidden_states):
         return unpermute(hidden_states, self.row_map, self.gathered_shape, self.merging_probs, self.fused)
@@ -108,18 +108,23 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         ep, local = self.ep_size, self.num_local_experts
         with torch.no_grad():
             counts = routing_map.sum(dim=0).long()  # [E]: this rank's tokens per (global) expert
-            if ep > 1:
-                self.input_splits = counts.reshape(ep, local).sum(dim=1).tolist()
+            if ep > 1:  # every EP rank's counts, read on the host at once: [source rank][global expert]
                 gathered = [torch.empty_like(counts) for _ in range(ep)]
                 dist.all_gather(gathered, counts, group=self.ep_group)
-                lo = self.local_expert_indices[0]
-                per_local = torch.stack(gathered)[:, lo : lo + local].cpu()  # [ep source rank, local expert]
-                self.output_splits = per_local.sum(dim=1).tolist()
+                table = torch.stack(gathered).tolist()
             else:
-                per_local = counts.reshape(1, local).cpu()
-            self.per_rank_per_local = per_local
-            self.tokens_per_expert = per_local.sum(dim=0)
-            routed = sum(self.input_splits) if ep > 1 else int(per_local.sum())  # this rank's (token, expert) rows
+                table = [counts.tolist()]
+        # the one device-to-host read of the dispatch (the all-to-all sizes and the experts' row groups need the
+        # counts on the host); the rest is arithmetic on Python ints
+        lo = self.local_expert_indices[0]
+        per_local = [row[lo : lo + local] for row in table]  # [ep source rank][local expert]
+        mine = table[lo // local] if ep > 1 else table[0]  # this rank's row (EP rank r holds experts r*L .. )
+        if ep > 1:
+            self.input_splits = [sum(mine[r * local : (r + 1) * local]) for r in range(ep)]
+            self.output_splits = [sum(row) for row in per_local]
+        self.per_rank_per_local = per_local
+        self.tokens_per_expert = [sum(col) for col in zip(*per_local)]
+        routed = sum(mine)  # this rank's (token, expert) rows
         self.fused = use_fused_permutation(self.config, hidden_states)
         # fused: TE's unpermute weights by the router's probs [T, E] as it sums (the permuted probs are not needed)
         # top-k routing over all experts: exactly k routes per token (the torch ops then sum without atomics); not
@@ -137,17 +142,20 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         return hidden_states, probs
 
     def dispatch_postprocess(self, hidden_states, probs):
-        if self.ep_size > 1 and self.num_local_experts > 1:  # (source rank, expert) -> (expert, source rank)
-            order = torch.arange(self.per_rank_per_local.numel()).reshape(self.ep_size, -1).t().reshape(-1)
-            hidden_states = sort_chunks_by_idxs(hidden_states, self.per_rank_per_local.reshape(-1).tolist(), order)
+        ep, local = self.ep_size, self.num_local_experts
+        if ep > 1 and local > 1:  # (source rank, expert) -> (expert, source rank)
+            sizes = [n for row in self.per_rank_per_local for n in row]
+            hidden_states = sort_chunks_by_idxs(hidden_states, sizes, [r * local + e for e in range(local)
+                                                                       for r in range(ep)])
         # the probs stay on this rank: they weight the outputs after they come back
-        return hidden_states, self.tokens_per_expert.clone(), None
+        return hidden_states, torch.tensor(self.tokens_per_expert, dtype=torch.int64), None
 
     def combine_preprocess(self, hidden_states):
-        if self.ep_size > 1 and self.num_local_experts > 1:  # (expert, source rank) -> (source rank, expert)
-            order = torch.arange(self.per_rank_per_local.numel()).reshape(-1, self.ep_size).t().reshape(-1)
-            hidden_states = sort_chunks_by_idxs(hidden_states, self.per_rank_per_local.t().reshape(-1).tolist(),
-                                                order)
+        ep, local = self.ep_size, self.num_local_experts
+        if ep > 1 and local > 1:  # (expert, source rank) -> (source rank, expert)
+            sizes = [self.per_rank_per_local[r][e] for e in range(local) for r in range(ep)]
+            hidden_states = sort_chunks_by_idxs(hidden_states, sizes, [e * ep + r for r in range(ep)
+                                                                       for e in range(local)])
         return hidden_states
 
     def token_combine(self, hidden_states):
