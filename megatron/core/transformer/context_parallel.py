@@ -97,7 +97,6 @@ def check_context_parallel_config(config) -> None:
         (getattr(config, "window_size", None) is not None, "sliding-window attention (--window-size)", ""),
         (getattr(config, "softmax_type", "vanilla") != "vanilla",
          f"attention sinks (--softmax-type {getattr(config, 'softmax_type', None)})", ""),
-        (config.num_moe_experts is not None, "MoE layers (--num-experts)", ""),
         (getattr(config, "multi_latent_attention", False), "multi-latent attention", ""),
         (getattr(config, "mtp_num_layers", None) is not None, "multi-token prediction (--mtp-num-layers)", ""),
     )
