@@ -97,8 +97,6 @@ def check_context_parallel_config(config) -> None:
         (getattr(config, "window_size", None) is not None, "sliding-window attention (--window-size)", ""),
         (getattr(config, "softmax_type", "vanilla") != "vanilla",
          f"attention sinks (--softmax-type {getattr(config, 'softmax_type', None)})", ""),
-        (getattr(config, "multi_latent_attention", False), "multi-latent attention", ""),
-        (getattr(config, "mtp_num_layers", None) is not None, "multi-token prediction (--mtp-num-layers)", ""),
     )
     for bad, what, hint in refused:
         if bad:
@@ -148,25 +146,29 @@ class _Ring:
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the keys/values of the whole CP group (see the module
-    docstring). ``q, k, v``: ``[b, n, s_local, d]`` in the load-balanced layout."""
+    docstring). ``q, k``: ``[b, n, s_local, d]``, ``v``: ``[b, n, s_local, dv]`` (``dv`` may differ from ``d``:
+    multi-latent attention) in the load-balanced layout. Key and value blocks travel together (concatenated on
+    the last axis)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, comm_type, seq_length, scale):
         ring = _Ring(group, comm_type)
+        dk = k.shape[-1]
         q_pos = cp_rank_positions(seq_length, ring.size, ring.rank, q.device)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        blocks = (ring.all_gather(torch.stack([k, v])) if ring.gather else None)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1)
+        blocks = ring.all_gather(kv) if ring.gather else None
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             if ring.gather:
                 kv = blocks[src]
             elif step > 0:
                 kv, = ring.shift([kv])
-            scores = _block_scores(q, kv[0], q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), scale)
+            scores = _block_scores(q, kv[..., :dk], q_pos, cp_rank_positions(seq_length, ring.size, src, q.device),
+                                   scale)
             block_lse = torch.logsumexp(scores, dim=-1)
-            block_out = torch.matmul(torch.exp(scores - _finite(block_lse)[..., None]), kv[1].float())
+            block_out = torch.matmul(torch.exp(scores - _finite(block_lse)[..., None]), kv[..., dk:].float())
             new_lse = torch.logaddexp(lse, block_lse)
             safe = _finite(new_lse)[..., None]
             out = out * torch.exp(lse[..., None] - safe) + block_out * torch.exp(block_lse[..., None] - safe)
@@ -180,11 +182,12 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale, seq_length = _Ring(ctx.group, ctx.comm_type), ctx.scale, ctx.seq_length
+        dk = k.shape[-1]
         q_pos = cp_rank_positions(seq_length, ring.size, ring.rank, q.device)
         do = grad_out.float()
         delta = (do * out.float()).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1)
         blocks = ring.all_gather(kv) if ring.gather else None
         dkv_all = torch.zeros((ring.size,) + kv.shape, dtype=torch.float32, device=q.device) if ring.gather else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block (p2p)
@@ -194,26 +197,28 @@ class RingAttention(torch.autograd.Function):
                 kv = blocks[src]
             elif step > 0:
                 kv, dkv = ring.shift([kv, dkv])
-            scores = _block_scores(q, kv[0], q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), scale)
+            kb, vb = kv[..., :dk].float(), kv[..., dk:].float()
+            scores = _block_scores(q, kb, q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), scale)
             p = torch.exp(scores - _finite(lse)[..., None])
             dv = torch.matmul(p.transpose(-2, -1), do)
-            ds = p * (torch.matmul(do, kv[1].float().transpose(-2, -1)) - delta)
-            dq += torch.matmul(ds, kv[0].float()) * scale
-            dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+            ds = p * (torch.matmul(do, vb.transpose(-2, -1)) - delta)
+            dq += torch.matmul(ds, kb) * scale
+            dk_block = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
             if ring.gather:
-                dkv_all[src] += torch.stack([dk, dv])
+                dkv_all[src] += torch.cat([dk_block, dv], dim=-1)
             else:
-                dkv = dkv + torch.stack([dk, dv])
+                dkv = dkv + torch.cat([dk_block, dv], dim=-1)
         if ring.gather:  # each rank's key/value gradients summed over the ranks whose queries used them
             dist.all_reduce(dkv_all, group=ring.group)
             dkv = dkv_all[ring.rank]
         else:  # the block (and its gradients) of rank r - 1 (size - 1 steps ago: ours) returns home
             dkv, = ring.shift([dkv])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None)
 
 
 def ring_attention(q, k, v, group, comm_type: str = "p2p", scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention ``[b, n, s_local, d]`` of this CP rank's queries over the whole sequence (the torch path)."""
+    """Causal attention ``[b, n, s_local, dv]`` of this CP rank's queries over the whole sequence (the torch
+    path); ``scale`` defaults to ``1 / sqrt(d)``."""
     size = dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(q, k, v, group, comm_type, q.shape[-2] * size, scale)
@@ -223,18 +228,20 @@ def ring_attention(q, k, v, group, comm_type: str = "p2p", scale: Optional[float
 _TE_ATTENTION = {}
 
 
-def _te_attention(config, num_heads: int, head_dim: int, comm_type: str):
-    """One TE ``DotProductAttention`` (no parameters, outside the module tree: no state-dict keys) per shape and
-    communication type, with this rank's CP group set."""
+def _te_attention(config, num_heads: int, head_dim: int, v_head_dim: int, comm_type: str, scale: Optional[float]):
+    """One TE ``DotProductAttention`` (no parameters, outside the module tree: no state-dict keys) per shape, softmax
+    scale and communication type, with this rank's CP group set (``kv_channels`` ``(d, dv)`` where the value head
+    size differs: multi-latent attention)."""
     from megatron.core import parallel_state
     from megatron.core.extensions.transformer_engine import TEDotProductAttention, require_te
 
     require_te("context parallelism with --transformer-impl transformer_engine")
     kind = "all_gather" if comm_type == "allgather" else comm_type
-    key = (num_heads, head_dim, kind, id(parallel_state.get_context_parallel_group()))
+    key = (num_heads, head_dim, v_head_dim, scale, kind, id(parallel_state.get_context_parallel_group()))
     if key not in _TE_ATTENTION:
-        attn = TEDotProductAttention(num_heads, head_dim, attention_dropout=0.0, qkv_format="sbhd",
-                                     attn_mask_type="causal")
+        channels = head_dim if v_head_dim == head_dim else (head_dim, v_head_dim)
+        attn = TEDotProductAttention(num_heads, channels, attention_dropout=0.0, qkv_format="sbhd",
+                                     attn_mask_type="causal", softmax_scale=scale)
         attn.set_context_parallel_group(parallel_state.get_context_parallel_group(),
                                         parallel_state.get_context_parallel_global_ranks(),
                                         torch.cuda.Stream(), cp_comm_type=kind)
@@ -246,8 +253,10 @@ def use_te_attention(config, q: torch.Tensor) -> bool:
     return config.transformer_impl == "transformer_engine" and q.is_cuda
 
 
-def context_parallel_attention(q, k, v, attention_mask, config, layer_number: int = 1) -> torch.Tensor:
-    """Causal core attention ``[b, n, s_local, d]`` under context parallelism (the ``SelfAttention`` hook)."""
+def context_parallel_attention(q, k, v, attention_mask, config, layer_number: int = 1,
+                               scale: Optional[float] = None) -> torch.Tensor:
+    """Causal core attention ``[b, n, s_local, dv]`` under context parallelism (the ``SelfAttention`` and
+    ``MLASelfAttention`` hook); ``scale``: the softmax scale (default ``1 / sqrt(d)``)."""
     from megatron.core import parallel_state
 
     if attention_mask is not None:
@@ -256,7 +265,8 @@ def context_parallel_attention(q, k, v, attention_mask, config, layer_number: in
     comm_type = layer_cp_comm_type(config, layer_number)
     if use_te_attention(config, q):
         b, n, s, d = q.shape
-        attn = _te_attention(config, n, d, comm_type)
+        dv = v.shape[-1]
+        attn = _te_attention(config, n, d, dv, comm_type, scale)
         q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k, v))  # [s, b, n, d]
-        return attn(q, k, v).view(s, b, n, d).permute(1, 2, 0, 3)
-    return ring_attention(q, k, v, parallel_state.get_context_parallel_group(), comm_type)
+        return attn(q, k, v).view(s, b, n, dv).permute(1, 2, 0, 3)
+    return ring_attention(q, k, v, parallel_state.get_context_parallel_group(), comm_type, scale)
