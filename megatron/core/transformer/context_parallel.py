@@ -21,7 +21,7 @@ Not handled (refused by name in ``check_context_parallel_config``): attention dr
 (``--reset-attention-mask``), sliding windows and attention sinks, ``a2a+p2p`` (needs the hierarchical groups of
 ``--hierarchical-context-parallel-sizes``, not built), MoE layers.
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,9 +94,9 @@ def check_context_parallel_config(config) -> None:
     refused = (
         (config.attention_dropout > 0, f"--attention-dropout {config.attention_dropout}",
          " (the ring attention has no dropout: use --attention-dropout 0)"),
-        (getattr(config, "window_size", None) is not None, "sliding-window attention (--window-size)", ""),
-        (getattr(config, "softmax_type", "vanilla") != "vanilla",
-         f"attention sinks (--softmax-type {getattr(config, 'softmax_type', None)})", ""),
+        ((getattr(config, "window_size", None) is not None or getattr(config, "softmax_type", "vanilla") != "vanilla")
+         and "a2a" in kinds, "--cp-comm-type a2a with sliding windows (--window-size) or attention sinks "
+         "(--softmax-type)", " (they run in the torch ring attention: use p2p or allgather)"),
     )
     for bad, what, hint in refused:
         if bad:
@@ -104,10 +104,24 @@ def check_context_parallel_config(config) -> None:
 
 
 # ---- ring attention (local path) --------------------------------------------------------------------------------
-def _block_scores(q, k, q_pos, k_pos, scale):
-    """fp32 causal scores ``[b, n, sq, sk]`` of queries at ``q_pos`` against keys at ``k_pos`` (-inf: masked)."""
+def _block_masked(q_pos, k_pos, window=None):
+    """Bool ``[sq, sk]``, True where the query at ``q_pos`` may NOT attend the key at ``k_pos``: causal, or the sliding
+    window ``(left, right)`` (-1: unbounded side; ``core_attention.sliding_window_mask``'s rule) from the global
+    positions."""
+    rel = k_pos[None, :] - q_pos[:, None]
+    left, right = window if window is not None else (-1, 0)
+    masked = torch.zeros(rel.shape, dtype=torch.bool, device=rel.device)
+    if left >= 0:
+        masked |= rel < -left
+    if right >= 0:
+        masked |= rel > right
+    return masked
+
+
+def _block_scores(q, k, masked, scale):
+    """fp32 scores ``[b, n, sq, sk]`` of ``q`` against ``k``, -inf where ``masked``."""
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores.masked_fill(masked, float("-inf"))
 
 
 def _finite(x):
@@ -145,13 +159,15 @@ class _Ring:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the keys/values of the whole CP group (see the module
-    docstring). ``q, k``: ``[b, n, s_local, d]``, ``v``: ``[b, n, s_local, dv]`` (``dv`` may differ from ``d``:
-    multi-latent attention) in the load-balanced layout. Key and value blocks travel together (concatenated on
-    the last axis)."""
+    """Causal (or sliding-window) attention of this rank's queries over the keys/values of the whole CP group (see
+    the module docstring). ``q, k``: ``[b, n, s_local, d]``, ``v``: ``[b, n, s_local, dv]`` (``dv`` may differ from
+    ``d``: multi-latent attention) in the load-balanced layout; ``sink``: None or per-head sink logits ``[n]`` (one
+    more term ``exp(sink_h)`` in each query's softmax denominator, with no value). Key and value blocks travel
+    together (concatenated on the last axis); a block no query of this rank may see (outside every window) is
+    passed on without being computed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, comm_type, seq_length, scale):
+    def forward(ctx, q, k, v, sink, group, comm_type, seq_length, scale, window):
         ring = _Ring(group, comm_type)
         dk = k.shape[-1]
         q_pos = cp_rank_positions(seq_length, ring.size, ring.rank, q.device)
@@ -165,22 +181,28 @@ class RingAttention(torch.autograd.Function):
                 kv = blocks[src]
             elif step > 0:
                 kv, = ring.shift([kv])
-            scores = _block_scores(q, kv[..., :dk], q_pos, cp_rank_positions(seq_length, ring.size, src, q.device),
-                                   scale)
+            masked = _block_masked(q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), window)
+            if bool(masked.all()):
+                continue
+            scores = _block_scores(q, kv[..., :dk], masked, scale)
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.matmul(torch.exp(scores - _finite(block_lse)[..., None]), kv[..., dk:].float())
             new_lse = torch.logaddexp(lse, block_lse)
             safe = _finite(new_lse)[..., None]
             out = out * torch.exp(lse[..., None] - safe) + block_out * torch.exp(block_lse[..., None] - safe)
             lse = new_lse
+        if sink is not None:  # the sink's term in the denominator: every weight shrinks by exp(lse - lse')
+            new_lse = torch.logaddexp(lse, sink.float().view(1, -1, 1).expand_as(lse))
+            out = out * torch.exp(lse - new_lse)[..., None]
+            lse = new_lse
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.comm_type, ctx.seq_length, ctx.scale = group, comm_type, seq_length, scale
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.group, ctx.comm_type, ctx.seq_length, ctx.scale, ctx.window = group, comm_type, seq_length, scale, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         ring, scale, seq_length = _Ring(ctx.group, ctx.comm_type), ctx.scale, ctx.seq_length
         dk = k.shape[-1]
         q_pos = cp_rank_positions(seq_length, ring.size, ring.rank, q.device)
@@ -197,9 +219,11 @@ class RingAttention(torch.autograd.Function):
                 kv = blocks[src]
             elif step > 0:
                 kv, dkv = ring.shift([kv, dkv])
+            masked = _block_masked(q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), ctx.window)
+            if bool(masked.all()):
+                continue
             kb, vb = kv[..., :dk].float(), kv[..., dk:].float()
-            scores = _block_scores(q, kb, q_pos, cp_rank_positions(seq_length, ring.size, src, q.device), scale)
-            p = torch.exp(scores - _finite(lse)[..., None])
+            p = torch.exp(_block_scores(q, kb, masked, scale) - _finite(lse)[..., None])
             dv = torch.matmul(p.transpose(-2, -1), do)
             ds = p * (torch.matmul(do, vb.transpose(-2, -1)) - delta)
             dq += torch.matmul(ds, kb) * scale
@@ -213,15 +237,23 @@ class RingAttention(torch.autograd.Function):
             dkv = dkv_all[ring.rank]
         else:  # the block (and its gradients) of rank r - 1 (size - 1 steps ago: ours) returns home
             dkv, = ring.shift([dkv])
-        return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:  # a key of value 0: d sink_h = -sum p_sink * delta
+            p_sink = torch.exp(sink.float().view(1, -1, 1) - lse)
+            dsink = -(p_sink * delta.squeeze(-1)).sum(dim=(0, 2)).to(sink.dtype)
+        return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), dsink, None, None, None, None,
+                None)
 
 
-def ring_attention(q, k, v, group, comm_type: str = "p2p", scale: Optional[float] = None) -> torch.Tensor:
+def ring_attention(q, k, v, group, comm_type: str = "p2p", scale: Optional[float] = None,
+                   window: Optional[Tuple[int, int]] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention ``[b, n, s_local, dv]`` of this CP rank's queries over the whole sequence (the torch
-    path); ``scale`` defaults to ``1 / sqrt(d)``."""
+    path); ``scale`` defaults to ``1 / sqrt(d)``; ``window``: a sliding window ``(left, right)`` instead of plain
+    causal; ``sink``: per-head sink logits ``[n]`` (attention sinks)."""
     size = dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, group, comm_type, q.shape[-2] * size, scale)
+    window = None if window is None else tuple(int(w) for w in window)
+    return RingAttention.apply(q, k, v, sink, group, comm_type, q.shape[-2] * size, scale, window)
 
 
 # ---- Transformer Engine path ------------------------------------------------------------------------------------
@@ -249,24 +281,32 @@ def _te_attention(config, num_heads: int, head_dim: int, v_head_dim: int, comm_t
     return _TE_ATTENTION[key]
 
 
-def use_te_attention(config, q: torch.Tensor) -> bool:
-    return config.transformer_impl == "transformer_engine" and q.is_cuda
+def use_te_attention(config, q: torch.Tensor, window=None, sink=None) -> bool:
+    """TE's CP attention: with ``--transformer-impl transformer_engine`` on CUDA, for plain causal attention (a
+    sliding window or sinks take the torch ring, which runs on CUDA too: TE's CP restricts both to some
+    communication types)."""
+    return config.transformer_impl == "transformer_engine" and q.is_cuda and window is None and sink is None
 
 
-def context_parallel_attention(q, k, v, attention_mask, config, layer_number: int = 1,
-                               scale: Optional[float] = None) -> torch.Tensor:
-    """Causal core attention ``[b, n, s_local, dv]`` under context parallelism (the ``SelfAttention`` and
-    ``MLASelfAttention`` hook); ``scale``: the softmax scale (default ``1 / sqrt(d)``)."""
+def context_parallel_attention(q, k, v, attention_mask, config, layer_number: int = 1, scale: Optional[float] = None,
+                               window: Optional[Tuple[int, int]] = None,
+                               sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal core attention ``[b, n, s_local, dv]`` under context parallelism (the ``CoreAttention`` and
+    ``MLASelfAttention`` hook); ``scale``: the softmax scale (default ``1 / sqrt(d)``); ``window``: this layer's
+    sliding window ``(left, right)``; ``sink``: per-head sink logits ``[n]``."""
     from megatron.core import parallel_state
 
     if attention_mask is not None:
         raise ValueError("an explicit attention mask (--reset-attention-mask) is not supported with "
                          f"--context-parallel-size {config.context_parallel_size}: context parallelism is causal only")
     comm_type = layer_cp_comm_type(config, layer_number)
-    if use_te_attention(config, q):
+    if use_te_attention(config, q, window, sink):
         b, n, s, d = q.shape
         dv = v.shape[-1]
         attn = _te_attention(config, n, d, dv, comm_type, scale)
         q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k, v))  # [s, b, n, d]
         return attn(q, k, v).view(s, b, n, dv).permute(1, 2, 0, 3)
-    return ring_attention(q, k, v, parallel_state.get_context_parallel_group(), comm_type, scale)
+    if comm_type == "a2a":
+        raise ValueError("--cp-comm-type a2a runs in Transformer Engine's attention, which is not used for sliding "
+                         "windows or attention sinks here: use p2p or allgather")
+    return ring_attention(q, k, v, parallel_state.get_context_parallel_group(), comm_type, scale, window, sink)

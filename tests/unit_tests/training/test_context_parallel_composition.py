@@ -2,7 +2,8 @@
 model (multi-latent attention with YaRN, MoE with a sigmoid router, the load-balancing aux loss, the z-loss and
 expert bias, shared experts, multi-token prediction) trains at --context-parallel-size 2 with the same losses (lm,
 ``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also as CP2 x TP2 x EP2 (4 ranks, sequence
-parallel, all-to-all dispatch), and a CP=2 checkpoint resumes at CP=1 on the uninterrupted curve."""
+parallel, all-to-all dispatch), and a CP=2 checkpoint resumes at CP=1 on the uninterrupted curve. (gpt-oss-shaped:
+``test_context_parallel_gpt_oss.py``.)"""
 import numpy as np
 
 from tests.unit_tests.dist_utils import run_distributed
@@ -95,3 +96,4 @@ def _cp2_tp2_ep2_body(rank, world_size):
 
 def test_deepseek_shaped_cp2_tp2_ep2_equals_cp1():
     run_distributed(_cp2_tp2_ep2_body, 4, timeout=600)
+

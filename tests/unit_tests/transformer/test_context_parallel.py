@@ -85,6 +85,9 @@ def test_refusals_name_the_flag():
     with pytest.raises(ValueError, match="--context-parallel-size"):
         TransformerConfig(**{**base, "context_parallel_size": 0})
     TransformerConfig(**base, num_moe_experts=2, moe_ffn_hidden_size=16, mtp_num_layers=1)  # compose with CP
+    TransformerConfig(**base, window_size=(4, 0), softmax_type="learnable")
+    with pytest.raises(ValueError, match="--cp-comm-type a2a with sliding windows"):
+        TransformerConfig(**base, window_size=(4, 0), cp_comm_type="a2a", transformer_impl="transformer_engine")
 
 
 def _groups_body(rank, world_size):
@@ -138,3 +141,41 @@ def _roll_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_mtp_roll_across_cp_chunks_equals_the_whole_sequence_roll(world_size):
     run_distributed(_roll_body, world_size)
+
+
+def _window_sink_body(rank, world_size):
+    """gpt-oss's attention: a causal sliding window (from global positions: whole key blocks fall outside it on some
+    ranks and are skipped) and learnable sinks, forward and backward (the sink's gradient: this rank's queries'
+    share, summed over the ranks) equal to the unsplit core attention's."""
+    from megatron.core.transformer.core_attention import attention, sliding_window_mask
+
+    torch.manual_seed(2)
+    b, n, s, d = 2, 3, 16, 8
+    q, k, v, dout = (torch.randn(b, n, s, d) for _ in range(4))
+    for window, with_sink, comm_type in (((3, 0), True, "p2p"), ((3, 0), False, "allgather"), (None, True, "p2p"),
+                                         ((5, 0), True, "allgather")):
+        sink = torch.randn(n, requires_grad=True) if with_sink else None
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = sliding_window_mask(s, s, window, q.device) if window is not None else None
+        ref = attention(*ref_in, mask, sink)
+        ref.backward(dout)
+        want_dsink = None if sink is None else sink.grad.clone()
+        if sink is not None:
+            sink.grad = None
+        local = [split_for_cp_rank(t, 2, world_size, rank).clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, dist.group.WORLD, comm_type, window=window, sink=sink)
+        out.backward(split_for_cp_rank(dout, 2, world_size, rank))
+        what = f"window={window} sink={with_sink} {comm_type}"
+        torch.testing.assert_close(out, split_for_cp_rank(ref, 2, world_size, rank), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{what}: {m}")
+        for mine, full in zip(local, ref_in):
+            torch.testing.assert_close(mine.grad, split_for_cp_rank(full.grad, 2, world_size, rank), rtol=1e-5,
+                                       atol=1e-5, msg=lambda m: f"{what}: {m}")
+        if sink is not None:
+            dist.all_reduce(sink.grad)
+            torch.testing.assert_close(sink.grad, want_dsink, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_attention_with_sliding_window_and_sinks_equals_unsplit_attention(world_size):
+    run_distributed(_window_sink_body, world_size)
