@@ -6,20 +6,30 @@ same amount of causal attention work. ``cp_rank_positions`` gives a rank's globa
 ``split_for_cp_rank`` takes a rank's chunks of any tensor along its sequence axis (tokens, labels, loss masks,
 position ids, rotary frequencies).
 
-Attention with CP (``context_parallel_attention``, hooked into ``SelfAttention.core_attention``):
+Attention with CP (``context_parallel_attention``, hooked into ``CoreAttention`` and ``MLASelfAttention``):
 - the local path (CPU or ``--transformer-impl local``): ring attention in torch. Each rank keeps its queries and
   visits every rank's key/value block, ``--cp-comm-type p2p`` passing the blocks around the ring (send to rank
-  ``r + 1``, receive from ``r - 1``) and ``allgather`` gathering them at once. Per block, causal scores from the
-  global positions, a softmax with its log-sum-exp, merged online into the running output. Backward recomputes each
-  block's probabilities from the saved log-sum-exp; the key/value gradients travel the ring back to their owners
-  (``allgather``: summed over the group). Saved for backward: this rank's q, k, v, output and log-sum-exp, so the
-  activations per rank fall as ``1 / cp``. Equal to unsplit causal attention within fp32 rounding.
+  ``r + 1``, receive from ``r - 1``) and ``allgather`` gathering them at once. Per block, scores masked from the
+  global positions (causal, or the layer's sliding window ``(left, right)``; a block outside every window of this
+  rank's queries is skipped), a softmax with its log-sum-exp, merged online into the running output; attention
+  sinks add their term ``exp(sink_h)`` to the log-sum-exp at the end (a key with no value). The value head size may
+  differ from the query/key one and the softmax scale is the caller's (multi-latent attention). Backward recomputes
+  each block's probabilities from the saved log-sum-exp; the key/value gradients travel the ring back to their owners
+  (``allgather``: summed over the group); the sink's gradient is this rank's queries' share. Saved for backward:
+  this rank's q, k, v, output and log-sum-exp, so the activations per rank fall as ``1 / cp``. Equal to unsplit
+  attention within fp32 rounding.
 - Transformer Engine on CUDA (``--transformer-impl transformer_engine``): TE's ``DotProductAttention`` with its CP
-  communication (``set_context_parallel_group``; ``p2p``, ``a2a``, ``all_gather``), which expects the same layout.
+  communication (``set_context_parallel_group``; ``p2p``, ``a2a``, ``all_gather``), which expects the same layout;
+  ``kv_channels`` ``(d, dv)`` and the softmax scale for MLA. Layers with a sliding window or sinks take the torch
+  ring on CUDA too (TE's CP supports them only for some communication types).
+
+Composition (the other modules' parts): MoE and expert parallelism (``moe/router.py``: load-balancing counts over
+the CP group, each rank's aux loss its share), MLA's rotary angles of each chunk's global positions
+(``multi_latent_attention.py``), multi-token prediction's rolls across chunks (``multi_token_prediction.roll_tensor``).
 
 Not handled (refused by name in ``check_context_parallel_config``): attention dropout, explicit attention masks
-(``--reset-attention-mask``), sliding windows and attention sinks, ``a2a+p2p`` (needs the hierarchical groups of
-``--hierarchical-context-parallel-sizes``, not built), MoE layers.
+(``--reset-attention-mask``), ``a2a+p2p`` (needs the hierarchical groups of ``--hierarchical-context-parallel-sizes``,
+not built), ``a2a`` with sliding windows or sinks (they run in the torch ring).
 """
 from typing import List, Optional, Tuple
 
