@@ -1,9 +1,9 @@
 """Context parallelism composed with what long-context jobs train, on CPU gloo ranks: one tiny DeepSeek-V3-shaped
 model (multi-latent attention with YaRN, MoE with a sigmoid router, the load-balancing aux loss, the z-loss and
 expert bias, shared experts, multi-token prediction) trains at --context-parallel-size 2 with the same losses (lm,
-``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also as CP2 x TP2 x EP2 (4 ranks, sequence
-parallel, all-to-all dispatch), and a CP=2 checkpoint resumes at CP=1 on the uninterrupted curve. (gpt-oss-shaped:
-``test_context_parallel_gpt_oss.py``.)"""
+``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also with --calculate-per-token-loss and as
+CP2 x TP2 x EP2 (4 ranks, sequence parallel, all-to-all dispatch); a CP=2 checkpoint resumes at CP=1 on the
+uninterrupted curve. (gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
 import numpy as np
 
 from tests.unit_tests.dist_utils import run_distributed
@@ -68,6 +68,9 @@ def _cp2_body(rank, world_size, ckpt):
     resumed = _run_recording(args + ["--load", ckpt])
     assert resumed[2][4] == 1 and sorted(resumed[0].losses) == [4]
     _check_equal(resumed, ref, (4,))
+    # --calculate-per-token-loss: the aux losses x this rank's tokens x CP, the MTP ratio from the CP group's tokens
+    per_token = DEEPSEEK + ["--train-iters", 2, "--calculate-per-token-loss"]
+    _check_equal(_run_recording(per_token + CP2), _run_recording(per_token), (1, 2))
 
 
 def test_deepseek_shaped_cp2_equals_cp1_and_resumes_at_cp1(tmp_path):
