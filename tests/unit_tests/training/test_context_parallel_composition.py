@@ -2,7 +2,7 @@
 model (multi-latent attention with YaRN, MoE with a sigmoid router, the load-balancing aux loss, the z-loss and
 expert bias, shared experts, multi-token prediction) trains at --context-parallel-size 2 with the same losses (lm,
 ``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also with --calculate-per-token-loss and as
-CP2 x TP2 x EP2 (4 ranks, sequence parallel, all-to-all dispatch); a CP=2 checkpoint resumes at CP=1 on the
+CP2 x TP2 x EP2 (4 ranks, sequence parallel, all-to-all dispatch) and CP2 x PP2; a CP=2 checkpoint resumes at CP=1 on the
 uninterrupted curve. (gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
 import numpy as np
 
@@ -38,7 +38,7 @@ def _run_recording(args):
     return _run(args, on_iteration_end=record), bias, cp
 
 
-def _check_equal(got, want, iterations):
+def _check_equal(got, want, iterations, num_biases=2):
     """Losses, MoE/MTP losses and expert biases of ``got`` equal ``want``'s at ``iterations`` (fp32 rounding)."""
     (res, bias, _), (ref, ref_bias, _) = got, want
     losses = [res.losses[i] for i in iterations]
@@ -49,7 +49,7 @@ def _check_equal(got, want, iterations):
         for name in ref.moe_losses[i]:  # mtp_1 loss, z_loss, (seq_)load_balancing_loss
             np.testing.assert_allclose(res.moe_losses[i][name], ref.moe_losses[i][name], rtol=1e-5, atol=0,
                                        err_msg=f"{name} of iteration {i}")
-        assert len(bias[i]) == len(ref_bias[i]) == 2
+        assert len(bias[i]) == len(ref_bias[i]) == num_biases
         for b, r in zip(bias[i], ref_bias[i]):
             # sign steps of 0.01: equal, unless a count tie was broken by rounding (then one step differs)
             assert float((b - r).abs().max()) < 1e-6, (i, b, r)
@@ -95,8 +95,15 @@ def _cp2_tp2_ep2_body(rank, world_size):
     assert dist.get_process_group_ranks(ps.get_expert_model_parallel_group()) == \
         dist.get_process_group_ranks(ps.get_context_parallel_group())
     _check_equal(got, ref, (1, 2, 3))
+    # PP2 x DP2 against CP2 x PP2: the pipeline schedule scales the aux-loss gradient by the CP size too (the MTP
+    # depth and the MoE layer on the last stage, the dense layer on the first)
+    pp = DEEPSEEK + ["--train-iters", 3, "--pipeline-model-parallel-size", 2]
+    ref = _run_recording(pp)
+    got = _run_recording(pp + CP2)
+    assert got[2][1] == 2 and ps.get_pipeline_model_parallel_world_size() == 2
+    _check_equal(got, ref, (1, 2, 3), num_biases=2 if ps.is_pipeline_last_stage() else 0)
 
 
-def test_deepseek_shaped_cp2_tp2_ep2_equals_cp1():
+def test_deepseek_shaped_cp2_tp2_ep2_and_cp2_pp2_equal_cp1():
     run_distributed(_cp2_tp2_ep2_body, 4, timeout=600)
 
