@@ -110,7 +110,8 @@ def clear_mtp_losses() -> None:
 def reduce_mtp_losses(mtp_num_layers: int, num_microbatches: int) -> Dict[str, float]:
     """``{'mtp_<k> loss': value}`` of this iteration as upstream's ``MTPLossLoggingHelper`` logs it: each depth's
     per-micro-batch means summed and divided by the micro-batches, added over context-parallel ranks (each records
-    its share of the sequence's mean) and averaged over data-parallel ranks (added over pipeline stages here, so every rank has them; only the last stage records). Collective; clears the record."""
+    its share of the sequence's mean) and averaged over data-parallel ranks (added over pipeline stages here, so
+    every rank has them; only the last stage records). Collective; clears the record."""
     from megatron.core import parallel_state
     from megatron.core.dist_utils import default_device, get_world_size
 

@@ -2,8 +2,8 @@
 model (multi-latent attention with YaRN, MoE with a sigmoid router, the load-balancing aux loss, the z-loss and
 expert bias, shared experts, multi-token prediction) trains at --context-parallel-size 2 with the same losses (lm,
 ``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also with --calculate-per-token-loss and as
-CP2 x TP2 x EP2 (4 ranks, sequence parallel, all-to-all dispatch) and CP2 x PP2; a CP=2 checkpoint resumes at CP=1 on the
-uninterrupted curve. (gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
+CP2 x TP2 x EP2 (4 ranks, sequence parallel, all-to-all dispatch) and CP2 x PP2; a CP=2 checkpoint resumes at
+CP=1 on the uninterrupted curve. (gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
 import numpy as np
 
 from tests.unit_tests.dist_utils import run_distributed

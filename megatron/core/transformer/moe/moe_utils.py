@@ -107,8 +107,9 @@ def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatc
     """``({name: value}, {name: [value per layer]})`` for ``names`` (the same on every rank; what this rank did not
     record counts 0) of this iteration, as upstream's MoE metrics tracker reports them: each layer's value summed
     over micro-batches and divided by their number, added over pipeline stages and context-parallel ranks (each
-    records its share of the sequence's loss) and averaged over data-parallel ranks; the scalar is the sum over layers divided by ``num_moe_layers``. ``num_layers``: the model's layers
-    (``layer_number`` 1 .. num_layers; per layer: 0 for dense ones). Clears the recorded values."""
+    records its share of the sequence's loss) and averaged over data-parallel ranks; the scalar is the sum over
+    layers divided by ``num_moe_layers``. ``num_layers``: the model's layers (``layer_number`` 1 .. num_layers; per
+    layer: 0 for dense ones). Clears the recorded values."""
     names = list(names)
     recorded = [v for n in names for v in _MOE_LOSSES.get(n, {}).values()]
     device = recorded[0].device if recorded else default_device()
