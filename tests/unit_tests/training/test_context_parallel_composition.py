@@ -1,9 +1,9 @@
 """Context parallelism composed with what long-context jobs train, on CPU gloo ranks: one tiny DeepSeek-V3-shaped
 model (multi-latent attention with YaRN, MoE with a sigmoid router, the load-balancing aux loss, the z-loss and
 expert bias, shared experts, multi-token prediction) trains at --context-parallel-size 2 with the same losses (lm,
-``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also with --calculate-per-token-loss and as
-CP2 x TP2 x EP2 (4 ranks, sequence parallel, all-to-all dispatch) and CP2 x PP2; a CP=2 checkpoint resumes at
-CP=1 on the uninterrupted curve. (gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
+``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also with --calculate-per-token-loss; a CP=2
+checkpoint resumes at CP=1 on the uninterrupted curve. (With TP, EP, PP and Megatron-FSDP on 4 ranks:
+``test_context_parallel_composition_4rank.py``; gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
 import numpy as np
 
 from tests.unit_tests.dist_utils import run_distributed
@@ -75,35 +75,4 @@ def _cp2_body(rank, world_size, ckpt):
 
 def test_deepseek_shaped_cp2_equals_cp1_and_resumes_at_cp1(tmp_path):
     run_distributed(_cp2_body, 2, str(tmp_path / "ckpt"), timeout=600)
-
-
-def _cp2_tp2_ep2_body(rank, world_size):
-    from megatron.core import parallel_state as ps
-
-    # TP2 x EP2 x DP2 (sequence parallel) against CP2 x TP2 x EP2: the expert-parallel groups take the CP ranks
-    # (upstream's layout: the expert layout has no CP axis), so the experts receive tokens of both halves of each
-    # sequence through the all-to-all
-    args = DEEPSEEK + ["--train-iters", 3, "--expert-model-parallel-size", 2, "--moe-token-dispatcher-type",
-                       "alltoall", "--tensor-model-parallel-size", 2, "--sequence-parallel"]
-    ref = _run_recording(args)
-    got = _run_recording(args + CP2)
-    assert got[2][1] == 2 and ps.get_tensor_model_parallel_world_size() == 2
-    assert ps.get_expert_model_parallel_world_size() == 2
-    assert ps.get_expert_model_parallel_group() is not None
-    import torch.distributed as dist
-
-    assert dist.get_process_group_ranks(ps.get_expert_model_parallel_group()) == \
-        dist.get_process_group_ranks(ps.get_context_parallel_group())
-    _check_equal(got, ref, (1, 2, 3))
-    # PP2 x DP2 against CP2 x PP2: the pipeline schedule scales the aux-loss gradient by the CP size too (the MTP
-    # depth and the MoE layer on the last stage, the dense layer on the first)
-    pp = DEEPSEEK + ["--train-iters", 3, "--pipeline-model-parallel-size", 2]
-    ref = _run_recording(pp)
-    got = _run_recording(pp + CP2)
-    assert got[2][1] == 2 and ps.get_pipeline_model_parallel_world_size() == 2
-    _check_equal(got, ref, (1, 2, 3), num_biases=2 if ps.is_pipeline_last_stage() else 0)
-
-
-def test_deepseek_shaped_cp2_tp2_ep2_and_cp2_pp2_equal_cp1():
-    run_distributed(_cp2_tp2_ep2_body, 4, timeout=600)
 
