@@ -20,8 +20,11 @@ Attention with CP (``context_parallel_attention``, hooked into ``CoreAttention``
   attention within fp32 rounding.
 - Transformer Engine on CUDA (``--transformer-impl transformer_engine``): TE's ``DotProductAttention`` with its CP
   communication (``set_context_parallel_group``; ``p2p``, ``a2a``, ``all_gather``), which expects the same layout;
-  ``kv_channels`` ``(d, dv)`` and the softmax scale for MLA. Layers with a sliding window or sinks take the torch
-  ring on CUDA too (TE's CP supports them only for some communication types).
+  ``kv_channels`` ``(d, dv)`` and the softmax scale for MLA (over ``p2p``: TE's CP takes other value head sizes there
+  only). Layers with a sliding window or sinks, and MLA over ``allgather``, take the torch ring on CUDA too (TE's CP
+  supports windows over all_gather / a2a and sinks over a2a only; passing them to TE is not built). The ring
+  materialises each block's fp32 scores ``[b, n, s / cp, s / cp]``: for long sequences on GPUs that is the cost of
+  these layers.
 
 Composition (the other modules' parts): MoE and expert parallelism (``moe/router.py``: load-balancing counts over
 the CP group, each rank's aux loss its share), MLA's rotary angles of each chunk's global positions
@@ -29,7 +32,7 @@ the CP group, each rank's aux loss its share), MLA's rotary angles of each chunk
 
 Not handled (refused by name in ``check_context_parallel_config``): attention dropout, explicit attention masks
 (``--reset-attention-mask``), ``a2a+p2p`` (needs the hierarchical groups of ``--hierarchical-context-parallel-sizes``,
-not built), ``a2a`` with sliding windows or sinks (they run in the torch ring).
+not built), ``a2a`` with sliding windows, sinks or multi-latent attention (they run in the torch ring).
 """
 from typing import List, Optional, Tuple
 
@@ -107,6 +110,9 @@ def check_context_parallel_config(config) -> None:
         ((getattr(config, "window_size", None) is not None or getattr(config, "softmax_type", "vanilla") != "vanilla")
          and "a2a" in kinds, "--cp-comm-type a2a with sliding windows (--window-size) or attention sinks "
          "(--softmax-type)", " (they run in the torch ring attention: use p2p or allgather)"),
+        (getattr(config, "multi_latent_attention", False) and "a2a" in kinds,
+         "--cp-comm-type a2a with multi-latent attention", " (TE's CP takes MLA's head sizes over p2p; allgather "
+         "runs in the torch ring)"),
     )
     for bad, what, hint in refused:
         if bad:
@@ -291,11 +297,16 @@ def _te_attention(config, num_heads: int, head_dim: int, v_head_dim: int, comm_t
     return _TE_ATTENTION[key]
 
 
-def use_te_attention(config, q: torch.Tensor, window=None, sink=None) -> bool:
-    """TE's CP attention: with ``--transformer-impl transformer_engine`` on CUDA, for plain causal attention (a
-    sliding window or sinks take the torch ring, which runs on CUDA too: TE's CP restricts both to some
-    communication types)."""
-    return config.transformer_impl == "transformer_engine" and q.is_cuda and window is None and sink is None
+def use_te_attention(config, q: torch.Tensor, window=None, sink=None, v_head_dim: Optional[int] = None,
+                     comm_type: str = "p2p") -> bool:
+    """TE's CP attention: with ``--transformer-impl transformer_engine`` on CUDA, for causal attention without a
+    sliding window or sinks, and with a value head size other than the query/key one (MLA) only over ``p2p``, as
+    TE's CP supports them (windows: all_gather and a2a only; sinks: a2a only; MLA: p2p only). The other cases take
+    the torch ring, which runs on CUDA too (``a2a``, which the ring does not do, is refused for them by
+    ``check_context_parallel_config``)."""
+    if config.transformer_impl != "transformer_engine" or not q.is_cuda or window is not None or sink is not None:
+        return False
+    return v_head_dim in (None, q.shape[-1]) or comm_type == "p2p"
 
 
 def context_parallel_attention(q, k, v, attention_mask, config, layer_number: int = 1, scale: Optional[float] = None,
@@ -310,13 +321,13 @@ def context_parallel_attention(q, k, v, attention_mask, config, layer_number: in
         raise ValueError("an explicit attention mask (--reset-attention-mask) is not supported with "
                          f"--context-parallel-size {config.context_parallel_size}: context parallelism is causal only")
     comm_type = layer_cp_comm_type(config, layer_number)
-    if use_te_attention(config, q, window, sink):
+    if use_te_attention(config, q, window, sink, v.shape[-1], comm_type):
         b, n, s, d = q.shape
         dv = v.shape[-1]
         attn = _te_attention(config, n, d, dv, comm_type, scale)
         q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k, v))  # [s, b, n, d]
         return attn(q, k, v).view(s, b, n, dv).permute(1, 2, 0, 3)
     if comm_type == "a2a":
-        raise ValueError("--cp-comm-type a2a runs in Transformer Engine's attention, which is not used for sliding "
-                         "windows or attention sinks here: use p2p or allgather")
+        raise ValueError("--cp-comm-type a2a runs in Transformer Engine's attention, which is not used here for "
+                         "sliding windows, attention sinks or multi-latent attention: use p2p or allgather")
     return ring_attention(q, k, v, parallel_state.get_context_parallel_group(), comm_type, scale, window, sink)

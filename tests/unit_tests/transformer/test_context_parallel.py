@@ -88,6 +88,12 @@ def test_refusals_name_the_flag():
     TransformerConfig(**base, window_size=(4, 0), softmax_type="learnable")
     with pytest.raises(ValueError, match="--cp-comm-type a2a with sliding windows"):
         TransformerConfig(**base, window_size=(4, 0), cp_comm_type="a2a", transformer_impl="transformer_engine")
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    MLATransformerConfig(**base, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=2, v_head_dim=4)
+    with pytest.raises(ValueError, match="--cp-comm-type a2a with multi-latent attention"):
+        MLATransformerConfig(**base, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=2,
+                             v_head_dim=4, cp_comm_type="a2a", transformer_impl="transformer_engine")
 
 
 def _groups_body(rank, world_size):

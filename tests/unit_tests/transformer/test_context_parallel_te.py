@@ -99,8 +99,9 @@ def test_te_context_parallel_on_two_gpus_equals_unsplit_attention(kind):
 
 
 def _composed_body(rank, world_size, case, store_path):
-    """``case`` 'mla': TE's CP with kv_channels (d, dv) and MLA's softmax scale; 'window_sink': a sliding window and
-    sinks with the TE implementation selected (they take the torch ring on CUDA)."""
+    """``case`` 'mla': TE's CP (p2p) with kv_channels (d, dv) and MLA's softmax scale; 'mla_allgather': MLA's shapes
+    over allgather (TE's CP takes them over p2p only: the torch ring on CUDA); 'window_sink': a sliding window and
+    sinks with the TE implementation selected (the torch ring on CUDA)."""
     torch.cuda.set_device(rank)
     os.environ["NCCL_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
@@ -111,16 +112,18 @@ def _composed_body(rank, world_size, case, store_path):
 
     try:
         parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+        kind = "allgather" if case == "mla_allgather" else "p2p"
         cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, attention_dropout=0.0,
-                                context_parallel_size=world_size, transformer_impl="transformer_engine")
+                                context_parallel_size=world_size, transformer_impl="transformer_engine",
+                                cp_comm_type=kind)
         g = torch.Generator(device="cuda").manual_seed(3)
         b, n, s = 2, 4, 256
-        if case == "mla":
+        if case.startswith("mla"):
             d, dv, scale = 96, 64, 0.11
             q, k = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
             v, dout = (torch.randn(b, n, s, dv, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
             want = _attend(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, scale=scale), q, k, v, dout)
-            assert use_te_attention(cfg, q)
+            assert use_te_attention(cfg, q, v_head_dim=dv, comm_type=kind) == (kind == "p2p")
             fn = lambda *t: context_parallel_attention(*t, None, cfg, scale=scale)  # noqa: E731
         else:
             window, sink = (64, 0), torch.randn(n, device="cuda", generator=g)
@@ -139,7 +142,7 @@ def _composed_body(rank, world_size, case, store_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("case", ["mla", "window_sink"])
+@pytest.mark.parametrize("case", ["mla", "mla_allgather", "window_sink"])
 def test_composed_attention_on_two_gpus_equals_unsplit_attention(case):
     fd, store = tempfile.mkstemp(prefix="cp_te_store_")
     os.close(fd)
