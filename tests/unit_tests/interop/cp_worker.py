@@ -1,11 +1,12 @@
-"""``router_cp_worker.py SIDE WORKDIR`` (2 processes under ``torch.distributed.run``; SIDE ``upstream`` with the real
+"""``cp_worker.py SIDE WORKDIR`` (2 processes under ``torch.distributed.run``; SIDE ``upstream`` with the real
 upstream megatron-core 0.19.2 first on ``PYTHONPATH``, or ``fork``): a MoE router (sigmoid scores, top-2 of 4
 experts, expert bias, z-loss) at --context-parallel-size 2, each rank routing its load-balanced chunks of a fixed
 [s, b, h] input, with the load-balancing loss ``aux_loss`` or ``seq_aux_loss`` (and a case without router losses).
 The loss ``sum(probs * G)`` is back-propagated with the aux-loss scale upstream's schedule sets under CP (the CP
 size per micro-batch), the router weight's gradient averaged over the data x context ranks as DDP does. Written to
-``WORKDIR/router_cp_<side>_<rank>.json``: per case the probs, the routing map, the input's gradient (this rank's)
-and the averaged weight gradient."""
+``WORKDIR/cp_<side>_<rank>.json``: per case the probs, the routing map, the input's gradient (this rank's) and the
+averaged weight gradient; and under ``roll`` multi-token prediction's ``roll_tensor`` of this rank's chunks of fixed
+token ids and of a loss mask with ``cp_group`` (the rolled tensors and their sums)."""
 import json
 import os
 import sys
@@ -69,7 +70,19 @@ def run(side: str, workdir: str) -> None:
         dist.all_reduce(wgrad)  # DDP over data x context ranks (DP 1 x CP 2): the average
         out[name] = {"probs": probs.detach().tolist(), "routing_map": routing_map.int().tolist(),
                      "x_grad": x.grad.tolist(), "weight_grad": (wgrad / CP).tolist()}
-    with open(os.path.join(workdir, f"router_cp_{side}_{dist.get_rank()}.json"), "w") as f:
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    ids = torch.randint(1, 100, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.3).float()
+    cp_group = ps.get_context_parallel_group()
+    out["roll"] = {}
+    for key, full in (("ids", ids), ("mask", mask)):
+        rolled, total = roll_tensor(_cp_chunks(full.t(), rank).t().contiguous(), shifts=-1, dims=-1, cp_group=cp_group)
+        rolled2, _ = roll_tensor(rolled, shifts=-1, dims=-1, cp_group=cp_group)  # a second depth
+        out["roll"][key] = rolled.tolist()
+        out["roll"][key + "_twice"] = rolled2.tolist()
+        out["roll"][key + "_sum"] = float(total)
+    with open(os.path.join(workdir, f"cp_{side}_{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
     ps.destroy_model_parallel()
 
