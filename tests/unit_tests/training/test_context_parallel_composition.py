@@ -3,7 +3,8 @@ model (multi-latent attention with YaRN, MoE with a sigmoid router, the load-bal
 expert bias, shared experts, multi-token prediction) trains at --context-parallel-size 2 with the same losses (lm,
 ``mtp_1``, load-balancing, z-loss) and expert biases as at CP=1, also with --calculate-per-token-loss; a CP=2
 checkpoint resumes at CP=1 on the uninterrupted curve. (With TP, EP, PP and Megatron-FSDP on 4 ranks:
-``test_context_parallel_composition_4rank.py``, ``_pp_fsdp.py``; gpt-oss-shaped: ``test_context_parallel_gpt_oss.py``.)"""
+``test_context_parallel_composition_4rank.py`` and ``_pp_fsdp.py``; gpt-oss-shaped:
+``test_context_parallel_gpt_oss.py``.)"""
 import numpy as np
 
 from tests.unit_tests.dist_utils import run_distributed
