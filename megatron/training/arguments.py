@@ -1299,8 +1299,6 @@ def _validate_context_parallel_args(args):
         (args.use_megatron_fsdp and args.num_distributed_optimizer_instances > 1,
          "--use-megatron-fsdp with --num-distributed-optimizer-instances > 1 (hybrid sharding)"),
         (args.reset_attention_mask, "--reset-attention-mask (context-parallel attention is causal only)"),
-        (args.num_experts is not None, "--num-experts (MoE layers)"),
-        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),
     )
     for bad, what in refused:
         if bad:

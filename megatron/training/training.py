@@ -414,8 +414,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         # as upstream: the aux-loss gradient scaled like the main loss's (the fp16 loss scale included, which the
-        # optimizer divides out of every gradient), per micro-batch unless per-token
-        MoEAuxLossAutoScaler.set_loss_scale(_aux_loss_scale(1.0 if per_token else 1.0 / n, loss_scale))
+        # optimizer divides out of every gradient), per micro-batch unless per-token; with context parallelism x the
+        # CP size (each CP rank's aux loss is its share of the sequence's; grads are averaged over data x context)
+        cp = parallel_state.get_context_parallel_world_size()
+        MoEAuxLossAutoScaler.set_loss_scale(_aux_loss_scale(1.0 if per_token else cp / n, loss_scale))
     if args.mtp_num_layers:  # the MTP loss's gradient scaled as the main loss's (upstream's MTPLossAutoScaler)
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -450,7 +452,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if args.moe_router_enable_expert_bias:
         from megatron.core.transformer.moe.expert_bias import update_expert_bias
 
-        update_expert_bias(model, parallel_state.get_data_parallel_group())
+        update_expert_bias(model, parallel_state.get_data_parallel_group(with_context_parallel=True))
     if per_token:  # the lm loss of the global batch: its loss sum over its tokens
         loss = _per_token_mean(tokens)
     else:

@@ -61,7 +61,8 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
 
 # ---- one micro-batch --------------------------------------------------------------------------------------
 def _set_moe_loss_scale(config, num_microbatches: int) -> None:
-    """The MoE auxiliary losses' and the MTP loss's gradient scale: the main loss's, as upstream."""
+    """The MoE auxiliary losses' and the MTP loss's gradient scale: the main loss's (the MoE one times the CP size),
+    as upstream."""
     moe, mtp = getattr(config, "num_moe_experts", None) is not None, bool(getattr(config, "mtp_num_layers", None))
     if not (moe or mtp):
         return
@@ -72,9 +73,11 @@ def _set_moe_loss_scale(config, num_microbatches: int) -> None:
     if config.grad_scale_func is not None:
         scale = config.grad_scale_func(scale).reshape(1).float().cpu()
     scale = scale if config.calculate_per_token_loss else scale / num_microbatches
-    for scaler, on in ((MoEAuxLossAutoScaler, moe), (MTPLossAutoScaler, mtp)):
-        if on:
-            scaler.set_loss_scale(scale)
+    if mtp:
+        MTPLossAutoScaler.set_loss_scale(scale)
+    if moe:  # x the CP size, as upstream: a CP rank's aux loss is its share of the sequence's
+        cp = 1 if config.calculate_per_token_loss else parallel_state.get_context_parallel_world_size()
+        MoEAuxLossAutoScaler.set_loss_scale(scale * cp)
 
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, input_tensor, forward_data_store,

@@ -160,14 +160,15 @@ class CoreAttention(MegatronModule):
         """``softmax(q k^T / sqrt(d)) v`` with dropout; ``attention_mask`` as ``SelfAttention.forward``'s. ``sink``
         (default ``self.sink(q)``) is an argument so that a recompute of this call (``--recompute-modules
         core_attn``) sees the parameter as an input."""
-        if self.config.context_parallel_size > 1:  # the sequence split over the CP group (no window / sink there)
-            return context_parallel_attention(q, k, v, attention_mask, self.config, self.layer_number)
+        sink = self.sink(q) if sink is None and self.config.softmax_type != "vanilla" else sink
+        if self.config.context_parallel_size > 1:  # the sequence split over the CP group, window and sink included
+            return context_parallel_attention(q, k, v, attention_mask, self.config, self.layer_number,
+                                              window=self.window_size, sink=sink)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
         # upstream's core attention)
         rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
 
         mask = self.mask(attention_mask, q.shape[2], k.shape[2], q.device)
-        sink = self.sink(q) if sink is None and self.config.softmax_type != "vanilla" else sink
         with rng if rng is not None else contextlib.nullcontext(), sdpa_backend(self.config.attention_backend):
             return attention(q, k, v, mask, sink, dropout_p)

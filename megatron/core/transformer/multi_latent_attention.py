@@ -20,6 +20,10 @@ its TE spec replicates them, ``TELinear`` 'duplicated': the same global tensors 
 other's). With sequence parallelism the latents are scattered back over the sequence before their norms. The shared
 RoPE key's gradient is summed over the tensor-parallel ranks (each has only its heads' share), so the down
 projections' gradients equal those of one rank.
+
+Context parallelism: each CP rank rotates its chunks' queries and keys by their global positions (the angles of the
+whole sequence, this rank's rows; YaRN included) and attends through the CP group's attention
+(``context_parallel.py``: the ring takes the value head size and the softmax scale of MLA).
 """
 import contextlib
 import math
@@ -37,6 +41,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import model_parallel_rng_context, should_recompute
 from megatron.core.tensor_parallel.utils import divide, tp_group_info
 from megatron.core.transformer.attention import build_linear, sdpa_backend
+from megatron.core.transformer.context_parallel import context_parallel_attention, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.core.transformer.torch_norm import IdentityOp, WrappedTorchNorm, build_norm
@@ -167,8 +172,11 @@ class MLASelfAttention(MegatronModule):
         kv = kv.view(s, b, self.num_heads, cfg.qk_head_dim + cfg.v_head_dim)
         q_nope, q_pos = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         k_nope, value = torch.split(kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
-        rotary = self.rotary_pos_emb(s, device=q.device)
+        cp = cfg.context_parallel_size  # the angles of the whole sequence, then this CP rank's chunks' positions
+        rotary = self.rotary_pos_emb(s * cp, device=q.device)
         freqs, mscale = rotary if isinstance(rotary, tuple) else (rotary, 1.0)
+        if cp > 1:
+            freqs = get_pos_emb_on_this_cp_rank(freqs, 0)
         q_pos = apply_rotary_pos_emb(q_pos, freqs, cfg, mscale=mscale, mla_rotary_interleaved=True)
         k_pos = apply_rotary_pos_emb(k_pos.unsqueeze(-2), freqs, cfg, mscale=mscale, mla_rotary_interleaved=True)
         query = torch.cat((q_nope, q_pos), dim=-1)
@@ -192,7 +200,11 @@ class MLASelfAttention(MegatronModule):
         return self.linear_proj(ctx)
 
     def core_attention(self, q, k, v, attention_mask=None):
-        """``softmax(q k^T * softmax_scale) v`` with dropout, ``[b, n, s, d]`` (v's head size may differ)."""
+        """``softmax(q k^T * softmax_scale) v`` with dropout, ``[b, n, s, d]`` (v's head size may differ); with
+        context parallelism the CP group's attention (``context_parallel.py``) with the same scale."""
+        if self.config.context_parallel_size > 1:
+            return context_parallel_attention(q, k, v, attention_mask, self.config, self.layer_number,
+                                              scale=self.softmax_scale)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         rng = model_parallel_rng_context(self.config) if dropout_p > 0 and not self.config.sequence_parallel else None
         with rng if rng is not None else contextlib.nullcontext(), sdpa_backend(self.config.attention_backend):

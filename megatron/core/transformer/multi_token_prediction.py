@@ -15,6 +15,10 @@ Upstream's module names and checkpoint keys: ``mtp.layers.<i>.{enorm,hnorm,eh_pr
 depth's transformer layer (attribute ``mtp_model_layer``, stored as ``mtp.layers.<i>.transformer_layer.``). With
 pipeline parallelism the MTP block sits on the last stage, which then keeps a copy of the word embeddings (tied to
 the first stage's, as the tied output weight is).
+
+Context parallelism: the rolls of the token ids, position ids, labels and loss mask are those of the whole
+sequence across the CP ranks' chunks (:func:`roll_tensor` with ``cp_group``), and the loss of each depth is
+normalised by the CP group's token count (:func:`process_mtp_loss`), so the MTP losses equal CP=1's.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
@@ -28,14 +32,45 @@ from megatron.core.transformer.torch_norm import build_norm
 from megatron.core.transformer.utils import apply_prefix_mapping, init_method_normal
 
 
-def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1):
+def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group=None):
     """``(rolled, rolled.sum())``: ``tensor`` shifted left by one along ``dims`` with the shifted-in last position
-    set to 0 (upstream's ``roll_tensor`` without context parallelism)."""
+    set to 0 (upstream's ``roll_tensor``). ``cp_group`` (context parallelism, upstream's keyword): ``tensor`` is this
+    CP rank's two chunks of the sequence (``context_parallel.split_for_cp_rank``) and the roll is the one of the
+    whole sequence: each chunk's last position takes the first of the next chunk (another rank's, or this rank's
+    other chunk), the sequence's last position (rank 0's second chunk) 0; the sum is this rank's."""
+    if tensor is None:
+        return None, None
     if shifts != -1:
         raise ValueError(f"roll_tensor: only shifts=-1 is supported, got {shifts}")
-    rolled = torch.roll(tensor, shifts=shifts, dims=dims)
-    rolled.select(dims, -1).zero_()
-    return rolled, rolled.sum()
+    size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if size == 1:
+        rolled = torch.roll(tensor, shifts=shifts, dims=dims)
+        rolled.select(dims, -1).zero_()
+        return rolled, rolled.sum()
+    rank = dist.get_rank(cp_group)
+    halves = tensor.chunk(2, dim=dims)  # chunks rank and 2 cp - 1 - rank of the sequence
+    firsts = torch.stack([h.select(dims, 0) for h in halves]).contiguous()
+    gathered = [torch.empty_like(firsts) for _ in range(size)]
+    dist.all_gather(gathered, firsts, group=cp_group)
+    # chunk rank + 1 is rank + 1's first (the last rank: its own second); chunk 2 cp - rank is rank - 1's second
+    after_first = gathered[rank + 1][0] if rank + 1 < size else firsts[1]
+    after_second = gathered[rank - 1][1] if rank > 0 else torch.zeros_like(firsts[1])
+    rolled = []
+    for half, after in zip(halves, (after_first, after_second)):
+        r = torch.roll(half, shifts=-1, dims=dims)
+        r.select(dims, -1).copy_(after)
+        rolled.append(r)
+    out = torch.cat(rolled, dim=dims)
+    return out, out.sum()
+
+
+def mtp_cp_group(config):
+    """The context-parallel group the MTP rolls and token counts span (None without context parallelism)."""
+    if getattr(config, "context_parallel_size", 1) <= 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
 
 
 # ---- the MTP loss: gradient without changing the returned loss; values for the log ---------------------------
@@ -74,8 +109,9 @@ def clear_mtp_losses() -> None:
 
 def reduce_mtp_losses(mtp_num_layers: int, num_microbatches: int) -> Dict[str, float]:
     """``{'mtp_<k> loss': value}`` of this iteration as upstream's ``MTPLossLoggingHelper`` logs it: each depth's
-    per-micro-batch means summed and divided by the micro-batches, averaged over data-parallel ranks (added over
-    pipeline stages here, so every rank has them; only the last stage records). Collective; clears the record."""
+    per-micro-batch means summed and divided by the micro-batches, added over context-parallel ranks (each records
+    its share of the sequence's mean) and averaged over data-parallel ranks (added over pipeline stages here, so
+    every rank has them; only the last stage records). Collective; clears the record."""
     from megatron.core import parallel_state
     from megatron.core.dist_utils import default_device, get_world_size
 
@@ -90,32 +126,44 @@ def reduce_mtp_losses(mtp_num_layers: int, num_microbatches: int) -> Dict[str, f
         if pp is not None and get_world_size(pp) > 1:
             dist.all_reduce(values, group=pp)
         dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if dp is not None and get_world_size(dp) > 1:
+        if dp is not None and get_world_size(dp) > 1:  # a CP rank records its share: summed over CP
             dist.all_reduce(values, group=dp)
-            values = values / get_world_size(dp)
+            values = values / parallel_state.get_data_parallel_world_size()
     values = values.cpu() / max(num_microbatches, 1)
     return {f"mtp_{k + 1} loss": float(v) for k, v in enumerate(values)}
 
 
 def process_mtp_loss(hidden_states: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
                      output_layer, output_weight: Optional[torch.Tensor], compute_language_model_loss, config,
-                     is_training: bool = True) -> torch.Tensor:
+                     is_training: bool = True, cp_group=None) -> torch.Tensor:
     """Upstream's ``process_mtp_loss``: ``hidden_states`` is the decoder's output followed by each depth's
     (``[(1 + D) * s, b, h]``); returns the decoder's part with every depth's scaled MTP loss attached
     (``MTPLossAutoScaler``). Depth ``k``'s loss: cross entropy against ``labels`` rolled left ``k`` times, under
     ``loss_mask`` rolled likewise (default all ones), summed and divided by the remaining tokens; times
     ``mtp_loss_scaling_factor / mtp_num_layers`` (per-token loss mode: times original / remaining tokens,
-    unnormalised, as upstream)."""
+    unnormalised, as upstream). ``cp_group`` (context parallelism): the rolls are the whole sequence's
+    (:func:`roll_tensor`) and the token counts the CP group's; a rank's loss is its loss sum over the group's
+    tokens, times the CP size as the main loss (gradients are averaged over data x context ranks), so the MTP
+    loss and its gradients equal CP=1's exactly (upstream divides each rank's sum by its own count)."""
     chunks = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
     hidden_states = chunks[0]
     mtp_labels = labels.clone()
     loss_mask = torch.ones_like(mtp_labels) if loss_mask is None else loss_mask
-    original_tokens = loss_mask.sum()
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+
+    def group_sum(t):
+        if cp > 1:
+            t = t.detach().clone()
+            dist.all_reduce(t, group=cp_group)
+        return t
+
+    original_tokens = group_sum(loss_mask.sum())
     scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
     for depth in range(config.mtp_num_layers):
         logits, _ = output_layer(chunks[depth + 1], weight=output_weight)
-        mtp_labels, _ = roll_tensor(mtp_labels)
-        loss_mask, num_tokens = roll_tensor(loss_mask)
+        mtp_labels, _ = roll_tensor(mtp_labels, cp_group=cp_group)
+        loss_mask, num_tokens = roll_tensor(loss_mask, cp_group=cp_group)
+        num_tokens = group_sum(num_tokens)
         loss = compute_language_model_loss(mtp_labels, logits) * loss_mask
         safe_tokens = num_tokens.clamp(min=1)
         if is_training:
@@ -123,7 +171,7 @@ def process_mtp_loss(hidden_states: torch.Tensor, labels: torch.Tensor, loss_mas
         if config.calculate_per_token_loss:
             scaled = scale * loss * (original_tokens / safe_tokens)
         else:
-            scaled = scale * loss / safe_tokens
+            scaled = scale * cp * loss / safe_tokens
         hidden_states = MTPLossAutoScaler.apply(hidden_states, scaled)
     return hidden_states
 
@@ -208,9 +256,10 @@ class MultiTokenPredictionLayer(MegatronModule):
             scatter_to_sequence_parallel_region,
         )
 
-        input_ids, _ = roll_tensor(input_ids)
+        cp_group = mtp_cp_group(self.config)
+        input_ids, _ = roll_tensor(input_ids, cp_group=cp_group)
         if position_ids is not None:
-            position_ids, _ = roll_tensor(position_ids)
+            position_ids, _ = roll_tensor(position_ids, cp_group=cp_group)
         decoder_input = embedding(input_ids, position_ids)  # [s(/tp), b, h]
         x = torch.cat((self.enorm(decoder_input), self.hnorm(hidden_states)), dim=-1)
         x, _ = self.eh_proj(x)  # [s, b, h / tp]

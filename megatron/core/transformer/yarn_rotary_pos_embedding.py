@@ -55,9 +55,10 @@ def _yarn_get_concentration_factor(scaling_factor: float, mscale, mscale_all_dim
 
 
 class YarnRotaryEmbedding(torch.nn.Module):
-    """Upstream's constructor arguments (the ones this fork uses; interleaved rotary, sequence-length interpolation
-    and context parallelism are not supported). ``forward(max_seq_len, device=None, offset=0)`` returns
-    ``(angles [max_seq_len, 1, 1, dim] float32, mscale)``, as upstream's."""
+    """Upstream's constructor arguments (the ones this fork uses; interleaved rotary and sequence-length
+    interpolation are not supported). ``forward(max_seq_len, device=None, offset=0)`` returns
+    ``(angles [max_seq_len, 1, 1, dim] float32, mscale)``, as upstream's; with context parallelism the caller asks
+    for the whole sequence and takes its chunks' rows (``MLASelfAttention``)."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
                  scaling_factor: float = 1.0, original_max_position_embeddings: int = 4096, beta_fast: float = 32.0,

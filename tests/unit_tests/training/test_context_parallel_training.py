@@ -109,6 +109,10 @@ def test_context_parallel_flags_are_checked():
 
     args = check(CP2)
     assert args.data_parallel_size == 1 and args.cp_comm_type == "p2p"
+    # composes with MoE x EP, MLA, MTP, windows and sinks (test_context_parallel_composition.py / _gpt_oss.py)
+    args = check(CP2 + ["--num-experts", 4, "--expert-model-parallel-size", 2, "--multi-latent-attention",
+                        "--mtp-num-layers", 1, "--window-size", "(4,0)", "--softmax-type", "learnable"], world_size=4)
+    assert (args.data_parallel_size, args.expert_model_parallel_size, args.mtp_num_layers) == (2, 2, 1)
     with pytest.raises(SystemExit, match="--hierarchical-context-parallel-sizes"):
         check(CP2 + ["--hierarchical-context-parallel-sizes", 2, 1])
     with pytest.raises(SystemExit, match=r"--seq-length \(20\) must be a multiple of 2 x --context-parallel-size"):

@@ -1,6 +1,9 @@
 """Context parallelism through Transformer Engine's DotProductAttention (``@pytest.mark.gpu``): on one GPU the TE
 path (a CP group of one rank) equals the local ring attention and unsplit causal SDPA, forward and backward (bf16);
-on 2 GPUs (NCCL) TE's CP (p2p, all_gather, a2a) on the load-balanced split equals unsplit attention."""
+on 2 GPUs (NCCL) TE's CP (p2p, all_gather, a2a) on the load-balanced split equals unsplit attention. Multi-latent
+attention's shapes (a value head size other than the query/key one, its own softmax scale) through TE's CP, and
+sliding windows with sinks under ``--transformer-impl transformer_engine`` (the torch ring on CUDA, NCCL p2p), equal
+unsplit attention too."""
 import os
 import tempfile
 
@@ -93,3 +96,64 @@ def test_te_path_on_one_gpu_equals_ring_and_sdpa(monkeypatch):
 @pytest.mark.parametrize("kind", ["p2p", "allgather", "a2a"])
 def test_te_context_parallel_on_two_gpus_equals_unsplit_attention(kind):
     _spawn(2, kind)
+
+
+def _composed_body(rank, world_size, case, store_path):
+    """``case`` 'mla': TE's CP (p2p) with kv_channels (d, dv) and MLA's softmax scale; 'mla_allgather': MLA's shapes
+    over allgather (TE's CP takes them over p2p only: the torch ring on CUDA); 'window_sink': a sliding window and
+    sinks with the TE implementation selected (the torch ring on CUDA)."""
+    torch.cuda.set_device(rank)
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.context_parallel import context_parallel_attention, use_te_attention
+    from megatron.core.transformer.core_attention import attention, sliding_window_mask
+
+    try:
+        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+        kind = "allgather" if case == "mla_allgather" else "p2p"
+        cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, attention_dropout=0.0,
+                                context_parallel_size=world_size, transformer_impl="transformer_engine",
+                                cp_comm_type=kind)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        b, n, s = 2, 4, 256
+        if case.startswith("mla"):
+            d, dv, scale = 96, 64, 0.11
+            q, k = (torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+            v, dout = (torch.randn(b, n, s, dv, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+            want = _attend(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, scale=scale), q, k, v, dout)
+            assert use_te_attention(cfg, q, v_head_dim=dv, comm_type=kind) == (kind == "p2p")
+            fn = lambda *t: context_parallel_attention(*t, None, cfg, scale=scale)  # noqa: E731
+        else:
+            window, sink = (64, 0), torch.randn(n, device="cuda", generator=g)
+            q, k, v, dout = _inputs(seed=3, s=s)
+            mask = sliding_window_mask(s, s, window, q.device)
+            want = _attend(lambda *t: attention(*t, mask, sink.to(t[0].dtype)), q, k, v, dout)
+            assert not use_te_attention(cfg, q, window, sink)
+            fn = lambda *t: context_parallel_attention(*t, None, cfg, window=window, sink=sink)  # noqa: E731
+        mine = [split_for_cp_rank(t, 2, world_size, rank) for t in (q, k, v, dout)]
+        got = _attend(fn, *mine)
+        assert got[0].shape[-1] == v.shape[-1]
+        _check(got, [split_for_cp_rank(w, 2, world_size, rank) for w in want])
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("case", ["mla", "mla_allgather", "window_sink"])
+def test_composed_attention_on_two_gpus_equals_unsplit_attention(case):
+    fd, store = tempfile.mkstemp(prefix="cp_te_store_")
+    os.close(fd)
+    os.unlink(store)
+    mp.start_processes(_composed_body, args=(2, case, store), nprocs=2, start_method="spawn")
+
+
+def test_mla_shapes_through_te_on_one_gpu(monkeypatch):
+    """TE's DotProductAttention with a CP group of one rank and MLA's shapes (kv_channels (d, dv), softmax scale)."""
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    fd, store = tempfile.mkstemp(prefix="cp_te_store_")
+    os.close(fd)
+    os.unlink(store)
+    mp.start_processes(_composed_body, args=(1, "mla", store), nprocs=1, start_method="spawn")

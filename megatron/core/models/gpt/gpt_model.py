@@ -340,11 +340,13 @@ class GPTModel(MegatronModule):
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights and (self.pre_process or self.mtp_process) else None)
         if self.mtp_process:
-            from megatron.core.transformer.multi_token_prediction import process_mtp_loss, roll_tensor
+            from megatron.core.transformer.multi_token_prediction import mtp_cp_group, process_mtp_loss, roll_tensor
 
-            mtp_labels = labels if labels is not None else roll_tensor(input_ids)[0]
+            cp_group = mtp_cp_group(self.config)
+            mtp_labels = labels if labels is not None else roll_tensor(input_ids, cp_group=cp_group)[0]
             hidden = process_mtp_loss(hidden, mtp_labels, loss_mask, self.output_layer, weight,
-                                      self.compute_language_model_loss, self.config, is_training=self.training)
+                                      self.compute_language_model_loss, self.config, is_training=self.training,
+                                      cp_group=cp_group)
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v / tp] (the full sequence)
         if labels is not None:
             return self.compute_language_model_loss(labels, logits)

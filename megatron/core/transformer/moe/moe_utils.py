@@ -26,21 +26,46 @@ def switch_load_balancing_loss_func(
     scores: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int, num_experts: int, coeff: float
 ) -> torch.Tensor:
     """Switch-transformer aux loss: ``coeff * E * sum_e f_e * P_e`` with ``f_e`` the fraction of routed
-    assignments that went to expert ``e`` and ``P_e`` its mean score over tokens."""
+    assignments that went to expert ``e`` and ``P_e`` its mean score over tokens. ``num_tokens``: the tokens that
+    ``tokens_per_expert`` counts; ``scores`` may hold only some of them (a context-parallel rank's share, with the
+    counts summed over the CP group): ``P_e`` is then this share's part of the mean (scores summed over
+    ``num_tokens``), and the ranks' losses add up to the loss of the whole sequence, as upstream's."""
     f = tokens_per_expert.float() / (num_tokens * topk)
-    p = scores.float().mean(dim=0)
+    p = scores.float().sum(dim=0) / num_tokens
     return coeff * num_experts * torch.sum(f * p)
 
 
 def sequence_load_balancing_loss_func(
-    scores: torch.Tensor, routing_map: torch.Tensor, seq_length: int, topk: int, num_experts: int, coeff: float
+    scores: torch.Tensor, routing_map: torch.Tensor, seq_length: int, topk: int, num_experts: int, coeff: float,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """``seq_aux_loss`` (DeepSeek-V2): the switch loss of each sequence's own tokens, averaged over the sequences.
-    ``scores`` / ``routing_map`` ``[s * b, E]`` in ``[s, b]`` token order."""
+    ``scores`` / ``routing_map`` ``[s * b, E]`` in ``[s, b]`` token order. ``group`` (context parallelism: the ranks
+    holding the other ``s``-token pieces of the same sequences): the per-sequence counts are summed over it and
+    this rank's loss is its share (the ranks' losses add up to the whole sequences' loss)."""
     s_scores = scores.float().reshape(seq_length, -1, num_experts)  # [s, b, E]
-    f = routing_map.reshape(seq_length, -1, num_experts).sum(dim=0).float() / (seq_length * topk)  # [b, E]
-    p = s_scores.mean(dim=0)  # [b, E]
+    counts = routing_map.reshape(seq_length, -1, num_experts).sum(dim=0).float()  # [b, E]
+    size = group_size(group)
+    if size > 1:
+        dist.all_reduce(counts, group=group)
+    total = seq_length * size
+    f = counts / (total * topk)
+    p = s_scores.sum(dim=0) / total  # [b, E]
     return coeff * num_experts * (f * p).sum(dim=-1).mean()
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """The size of ``group``; 1 for None (no group: this rank alone)."""
+    return 1 if group is None else get_world_size(group)
+
+
+def sequence_group() -> Optional[dist.ProcessGroup]:
+    """The ranks holding the other tokens of this rank's sequences, over which the routers' load-balancing
+    statistics are reduced: the context-parallel group (None without context parallelism). Upstream reduces over
+    tensor x context parallel ranks (its routers see sequence-parallel pieces); here every TP rank routes the whole
+    CP-local sequence (``MoELayer`` gathers it), so the CP group alone."""
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return group if group_size(group) > 1 else None
 
 
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
@@ -81,9 +106,10 @@ def clear_moe_losses() -> None:
 def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatches: int):
     """``({name: value}, {name: [value per layer]})`` for ``names`` (the same on every rank; what this rank did not
     record counts 0) of this iteration, as upstream's MoE metrics tracker reports them: each layer's value summed
-    over micro-batches and divided by their number, added over pipeline stages and averaged over data-parallel
-    ranks; the scalar is the sum over layers divided by ``num_moe_layers``. ``num_layers``: the model's layers
-    (``layer_number`` 1 .. num_layers; per layer: 0 for dense ones). Clears the recorded values."""
+    over micro-batches and divided by their number, added over pipeline stages and context-parallel ranks (each
+    records its share of the sequence's loss) and averaged over data-parallel ranks; the scalar is the sum over
+    layers divided by ``num_moe_layers``. ``num_layers``: the model's layers (``layer_number`` 1 .. num_layers; per
+    layer: 0 for dense ones). Clears the recorded values."""
     names = list(names)
     recorded = [v for n in names for v in _MOE_LOSSES.get(n, {}).values()]
     device = recorded[0].device if recorded else default_device()
@@ -97,9 +123,9 @@ def reduce_moe_losses(names, num_layers: int, num_moe_layers: int, num_microbatc
         if pp is not None and get_world_size(pp) > 1:
             dist.all_reduce(table, group=pp)
         dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if dp is not None and get_world_size(dp) > 1:
+        if dp is not None and get_world_size(dp) > 1:  # a CP rank's value is its share: summed over CP
             dist.all_reduce(table, group=dp)
-            table = table / get_world_size(dp)
+            table = table / parallel_state.get_data_parallel_world_size()
     table = table.cpu() / max(num_microbatches, 1)
     scalars = {n: float(row.sum()) / max(num_moe_layers, 1) for n, row in zip(names, table)}
     return scalars, {n: row.tolist() for n, row in zip(names, table)}

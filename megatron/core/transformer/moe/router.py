@@ -9,6 +9,12 @@ Auxiliary losses (training with grad only) reach the router through ``MoEAuxLoss
 load-balancing loss (``--moe-aux-loss-coeff``) attached to the probs, the z-loss (``--moe-z-loss-coeff``) to the
 logits. Their values without the coefficient go to the log (``load_balancing_loss``, ``z_loss``; moe_utils).
 
+Context parallelism (upstream's semantics): a CP rank routes its share of each sequence; the expert counts of the
+load-balancing losses are summed over the CP group (``moe_utils.sequence_group``) and each rank's loss (and z-loss)
+is its share of the whole sequence's, so the ranks' losses add up to the CP=1 loss. The training loop multiplies the
+aux-loss gradient by the CP size (``MoEAuxLossAutoScaler``'s scale, as upstream's schedule), since gradients are
+averaged over data x context parallel ranks. The expert-bias counts are summed over data x context ranks.
+
 ``--moe-router-fusion`` (``moe_router_fusion``): the score function, top-k, expert bias, normalisation and scaling
 run in Transformer Engine's ``fused_topk_with_score_function`` where TE is installed and the logits are on CUDA
 (:func:`can_fuse_routing`); the torch ops otherwise. The same probs and routing map either way.
@@ -25,7 +31,9 @@ from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     RandomSTE,
     apply_router_token_dropping,
+    group_size,
     record_moe_loss,
+    sequence_group,
     sequence_load_balancing_loss_func,
     switch_load_balancing_loss_func,
     z_loss_func,
@@ -169,11 +177,12 @@ class TopKRouter(MegatronModule):
         """``tensor`` unchanged, with ``loss``'s gradient sent in backward; ``loss / coeff`` recorded for the log
         (once per forward: not again when the layer is recomputed). With ``calculate_per_token_loss`` the
         gradients are divided by the global batch's token count, so the loss is multiplied by this rank's tokens
-        first (upstream's rule: the aux gradient is then scaled by 1 / (micro-batches x DP), as without it)."""
+        first (upstream's rule: the aux gradient is then scaled by 1 / (micro-batches x DP), as without it), and
+        with context parallelism by the CP size (the global token count holds every CP rank's tokens)."""
         if not is_recomputing():
             record_moe_loss(name, loss / coeff, self.layer_number)
         if self.config.calculate_per_token_loss:
-            loss = loss * tensor.shape[0]
+            loss = loss * tensor.shape[0] * group_size(sequence_group())
         return MoEAuxLossAutoScaler.apply(tensor, loss)
 
     def forward(self, input: torch.Tensor):
@@ -183,8 +192,10 @@ class TopKRouter(MegatronModule):
         if self.config.moe_router_force_load_balancing:
             logits = RandomSTE.apply(logits)
         z_coeff = self.config.moe_z_loss_coeff
+        group = sequence_group()  # context parallelism: the ranks holding the rest of these sequences
+        cp = group_size(group)
         if z_coeff and self._adds_aux_losses():
-            z_loss = z_loss_func(logits, z_coeff)
+            z_loss = z_loss_func(logits, z_coeff) / cp  # this CP rank's share of the mean over the sequence
             logits = self._attach_aux_loss(logits, z_loss, z_coeff, "z_loss")
         probs, routing_map, scores = topk_routing_with_score_function(
             logits,
@@ -215,11 +226,14 @@ class TopKRouter(MegatronModule):
                 if input.dim() != 3:
                     raise ValueError("seq_aux_loss (--moe-router-load-balancing-type) needs the router input [s, b, h]")
                 aux_loss = sequence_load_balancing_loss_func(
-                    scores, topk_map, input.shape[0], self.topk, self.num_experts, coeff
+                    scores, topk_map, input.shape[0], self.topk, self.num_experts, coeff, group
                 )
             else:
+                counts = topk_map.sum(dim=0).float()
+                if cp > 1:  # the expert counts of the whole sequences
+                    torch.distributed.all_reduce(counts, group=group)
                 aux_loss = switch_load_balancing_loss_func(
-                    scores, topk_map.sum(dim=0), x.shape[0], self.topk, self.num_experts, coeff
+                    scores, counts, x.shape[0] * cp, self.topk, self.num_experts, coeff
                 )
             self.last_aux_loss = aux_loss.detach()
             probs = self._attach_aux_loss(probs, aux_loss, coeff, LOAD_BALANCING_LOSS_NAMES[kind])
