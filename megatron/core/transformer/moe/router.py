@@ -7,7 +7,9 @@ combine weights (probs) come from the unbiased scores, as upstream. ``update_exp
 
 Auxiliary losses (training with grad only) reach the router through ``MoEAuxLossAutoScaler``, as upstream: the
 load-balancing loss (``--moe-aux-loss-coeff``) attached to the probs, the z-loss (``--moe-z-loss-coeff``) to the
-logits. Their values without the coefficient go to the log (``load_balancing_loss``, ``z_loss``; moe_utils).
+logits. Their values without the coefficient go to the log (``load_balancing_loss``, ``z_loss``; moe_utils). The
+load-balancing loss counts the plain top-k of the unbiased scores, as upstream, whatever the expert bias, group
+limit or token dropping did to the routing.
 
 Context parallelism (upstream's semantics): a CP rank routes its share of each sequence; the expert counts of the
 load-balancing losses are summed over the CP group (``moe_utils.sequence_group``) and each rank's loss (and z-loss)
@@ -208,7 +210,6 @@ class TopKRouter(MegatronModule):
             group_topk=self.config.moe_router_group_topk,
             fused=bool(getattr(self.config, "moe_router_fusion", False)),
         )
-        topk_map = routing_map  # the load-balancing loss sees the top-k choice before token dropping, as upstream
         if self.config.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, self.topk, self.config.moe_expert_capacity_factor,
@@ -222,6 +223,10 @@ class TopKRouter(MegatronModule):
                 scores = compute_scores(logits, self.score_function)
             if self.score_function == "sigmoid":
                 scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+            # as upstream (compute_routing_scores_for_aux_loss): the loss counts the plain top-k of the unbiased
+            # scores, not the routing's choice (expert bias, group-limited selection, token dropping)
+            topk_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+                1, torch.topk(scores, k=self.topk, dim=1).indices, True)
             if kind == "seq_aux_loss":  # input [s, b, h]: per sequence
                 if input.dim() != 3:
                     raise ValueError("seq_aux_loss (--moe-router-load-balancing-type) needs the router input [s, b, h]")

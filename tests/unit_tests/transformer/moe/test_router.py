@@ -197,3 +197,35 @@ def test_force_load_balancing_routes_by_random_logits_with_straight_through_grad
     (want_probs * g).sum().backward()
     torch.testing.assert_close(r.weight.grad, random_logits.grad.t() @ x, rtol=1e-5, atol=1e-6)
     assert routing_map.sum(0).min() > 0  # every expert gets tokens
+
+
+@pytest.mark.parametrize("limit_groups", [False, True])
+def test_aux_loss_counts_the_unbiased_topk_as_upstream(limit_groups):
+    """The load-balancing loss counts the top-k of the unbiased scores (upstream's compute_routing_scores_for_aux_loss):
+    an expert bias (or group-limited routing) that moves the routing leaves the loss as it was without it."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    try:
+        kw = dict(moe_aux_loss_coeff=0.1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+        if limit_groups:
+            kw.update(moe_router_num_groups=2, moe_router_group_topk=1)
+        plain = _router(**{**kw, "moe_router_enable_expert_bias": False, "moe_router_num_groups": None,
+                           "moe_router_group_topk": None})
+        biased = _router(**kw)
+        biased.weight.data.copy_(plain.weight.data)
+        biased.expert_bias.copy_(torch.tensor([5.0, -5.0, -5.0, -5.0]))  # expert 0 always chosen
+        x = torch.randn(16, 16)
+        _, plain_map = plain(x)
+        _, biased_map = biased(x)
+        assert not torch.equal(plain_map, biased_map)  # the routing did move
+        assert float(biased.last_aux_loss) == pytest.approx(float(plain.last_aux_loss), rel=1e-6)
+        with torch.no_grad():  # the formula with the unbiased choice
+            scores = torch.sigmoid(x @ plain.weight.t())
+            chosen = torch.zeros_like(scores).scatter(1, scores.topk(2, dim=-1).indices, 1.0)
+            scores = scores / scores.sum(-1, keepdim=True)
+            want = 0.1 * 4 * ((chosen.sum(0) / (16 * 2)) * scores.mean(0)).sum()
+        assert float(biased.last_aux_loss) == pytest.approx(float(want), rel=1e-5)
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
