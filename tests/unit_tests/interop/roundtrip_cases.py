@@ -245,6 +245,7 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
             record = {"side": side, "case": record_name, "phase": phase, "layout": layout}
             if quantized_names is not None:
                 record["quantized_params"] = quantized_names(model)
+                record["quantizer_kinds"] = quantizer_kinds(model, record["quantized_params"])
             started = time.perf_counter()
             try:
                 if phase == "save":
@@ -285,7 +286,7 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                         if "weights" in ref and has_full_weights(layout):
                             record["weight_diffs"] = named_diffs(_full_weights(model), ref["weights"], nonzero=True)
                         if outputs is not None:
-                            record["activation_diffs"] = named_diffs(outputs, ref["activations"])
+                            record["activation_diffs"] = named_diffs(outputs, ref["activations"], limit=100)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 _record_failure(record, e)
@@ -413,6 +414,18 @@ def _full_weights(model) -> dict:
     return full
 
 
+def quantizer_kinds(model, names) -> dict:
+    """{"<tensor class>/<its quantizer's class>": count} over the parameters ``names`` of ``model`` (e.g.
+    "Float8Tensor/Float8CurrentScalingQuantizer"): which recipe actually made each side's quantized weights."""
+    params = dict(model.named_parameters())
+    kinds = {}
+    for name in names:
+        p = params[name]
+        kind = f"{type(p).__name__}/{type(getattr(p, '_quantizer', None)).__name__}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items()))
+
+
 def whole_model(layout: str) -> bool:
     """Whether each rank holds the whole model (no TP, EP or PP split): its module outputs are whole."""
     return LAYOUTS[layout][1] == LAYOUTS[layout][2] == LAYOUTS[layout][4] == 1
@@ -482,12 +495,17 @@ def diagnose(bad: dict, records: list) -> str:
     case = bad["case"].partition("<-")[0]
     lines = []
     mine = bad.get("quantized_params")
-    other = next((r.get("quantized_params") for r in records if r["side"] != bad["side"]
-                  and r["case"].partition("<-")[0] == case and r.get("quantized_params") is not None), None)
+    other_record = next((r for r in records if r["side"] != bad["side"] and r["case"].partition("<-")[0] == case
+                         and r.get("quantized_params") is not None), {})
+    other = other_record.get("quantized_params")
     if mine is not None and other is not None:
         only_mine, only_other = sorted(set(mine) - set(other)), sorted(set(other) - set(mine))
         lines.append(f"  quantized params: {len(mine)} on {bad['side']}, {len(other)} on the other side; only on "
                      f"{bad['side']}: {only_mine}; only on the other side: {only_other}")
+        kinds = [r.get("quantizer_kinds") for r in (bad, other_record)]
+        if any(kinds):
+            lines.append(f"  quantized tensor / quantizer kinds: {kinds[0]} on {bad['side']}, {kinds[1]} on the "
+                         "other side")
     if "weight_diffs" in bad:
         lines.append(f"  loaded weights differing from the saver's: {bad['weight_diffs'] or 'none'}")
     acts = bad.get("activation_diffs")

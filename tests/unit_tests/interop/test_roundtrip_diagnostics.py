@@ -60,6 +60,10 @@ def test_diagnose_names_params_quantized_on_one_side_weights_and_first_outputs()
                         "only on the other side: ['z.weight']")
     assert lines[1] == "  loaded weights differing from the saver's: {'y.weight': 0.01}"
     assert lines[2].endswith("[('l0.down', 0.002), ('l0', 'shape (1,) != (2,)'), ('out', 0.01)]")
+    records[2]["quantizer_kinds"] = {"Float8Tensor/Float8Quantizer": 2}
+    assert rc.diagnose(bad, records).splitlines()[1] == (
+        "  quantized tensor / quantizer kinds: None on upstream, {'Float8Tensor/Float8Quantizer': 2} on the other "
+        "side")
     # without the other side's list (or any diagnostics) nothing is claimed
     assert rc.diagnose(dict(bad, activation_diffs={}, weight_diffs={}), [bad]).splitlines() == [
         "  loaded weights differing from the saver's: none"]
@@ -70,4 +74,5 @@ def test_fork_worker_lists_quantized_parameters():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4))
     model[1].weight = torch.nn.Parameter(FakeQuantizedTensor.quantize(model[1].weight.detach(), "tensorwise"))
     assert fork_worker.quantized_param_names(model) == ["1.weight"]
+    assert rc.quantizer_kinds(model, ["1.weight"]) == {"FakeQuantizedTensor/FakeQuantizer": 1}
     assert fork_worker.quantized_param_names(torch.nn.Linear(2, 2)) == []
