@@ -286,7 +286,7 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                         if "weights" in ref and has_full_weights(layout):
                             record["weight_diffs"] = named_diffs(_full_weights(model), ref["weights"], nonzero=True)
                         if outputs is not None:
-                            record["activation_diffs"] = named_diffs(outputs, ref["activations"], limit=100)
+                            record["activation_diffs"] = named_diffs(outputs, ref["activations"], limit=200)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 _record_failure(record, e)
@@ -433,7 +433,9 @@ def whole_model(layout: str) -> bool:
 
 class _captured_outputs:
     """``with _captured_outputs(model, on) as outputs``: while on, every submodule's output (its first tensor, as
-    float32 on CPU) of the first call, by module name in call order; ``outputs`` is None when off."""
+    float32 on CPU) of the first call, by module name in call order, and the input (first tensor argument) of every
+    leaf module, as ``"<name>:input"`` before its output (what a quantized linear quantizes); ``outputs`` is None
+    when off."""
 
     def __init__(self, model, on: bool):
         self.model, self.on, self.outputs, self.handles = model, on, None, []
@@ -445,19 +447,22 @@ class _captured_outputs:
         for name, module in self.model.named_modules():
             if name:
                 self.handles.append(module.register_forward_hook(self._hook(name)))
+                if not any(True for _ in module.children()):
+                    self.handles.append(module.register_forward_pre_hook(self._hook(f"{name}:input", pre=True)))
         return self.outputs
 
-    def _hook(self, name: str):
+    def _hook(self, name: str, pre: bool = False):
         import torch
 
-        def hook(module, args, output):
-            out = output
-            while isinstance(out, (tuple, list)) and out:
-                out = next((o for o in out if isinstance(o, torch.Tensor)), out[0])
-            if name not in self.outputs and isinstance(out, torch.Tensor) and out.is_floating_point():
-                self.outputs[name] = out.detach().float().cpu().clone()
+        def keep(value):
+            while isinstance(value, (tuple, list)) and value:
+                value = next((o for o in value if isinstance(o, torch.Tensor)), value[0])
+            if name not in self.outputs and isinstance(value, torch.Tensor) and value.is_floating_point():
+                self.outputs[name] = value.detach().float().cpu().clone()
 
-        return hook
+        if pre:
+            return lambda module, args: keep(args)
+        return lambda module, args, output: keep(output)
 
     def __exit__(self, *exc):
         for h in self.handles:
@@ -514,6 +519,10 @@ def diagnose(bad: dict, records: list) -> str:
         over = [(n, d) for n, d in acts.items() if isinstance(d, str) or isinstance(d, float) and d > tol]
         lines.append(f"  module outputs differing from the saver's by more than {tol} (first 8, in call order): "
                      f"{over[:8]}")
+        if over:  # what came in below the tolerance: a jump at a quantized linear is a rounding flip of its input
+            before = [(n, d) for n, d in list(acts.items())[:list(acts).index(over[0][0])] if isinstance(d, float)]
+            lines.append(f"  largest difference before {over[0][0]}: "
+                         f"{max(before, key=lambda nd: nd[1]) if before else None}")
     return "\n".join(lines)
 
 

@@ -30,11 +30,13 @@ def test_captured_outputs_records_each_module_once_in_call_order_and_removes_its
     with rc._captured_outputs(model, True) as outputs:
         model(x)
         model(x + 1)  # a second call changes nothing recorded
-    assert list(outputs) == ["0.proj", "0", "1"]  # inner modules finish first
+    # inner modules finish first; a leaf's input comes before its output
+    assert list(outputs) == ["0.proj:input", "0.proj", "0", "1:input", "1"]
     expected = model[0].proj(x).detach()
+    assert torch.equal(outputs["0.proj:input"], x) and torch.equal(outputs["1:input"], expected * 2)
     assert torch.equal(outputs["0.proj"], expected) and torch.equal(outputs["0"], expected * 2)
     assert torch.equal(outputs["1"], expected * 2 + 1)
-    assert all(not m._forward_hooks for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_named_diffs_per_name_shapes_and_names_of_one_side():
@@ -50,7 +52,7 @@ def test_diagnose_names_params_quantized_on_one_side_weights_and_first_outputs()
     bad = {"side": "upstream", "phase": "load", "layout": "gpu_te", "case": "mla_fp0_te_tensorwise", "ok": False,
            "tolerance": 1e-3, "quantized_params": ["x.weight", "y.weight"],
            "weight_diffs": {"y.weight": 0.01},
-           "activation_diffs": {"emb": 0.0, "l0.down": 2e-3, "l0": "shape (1,) != (2,)", "l1": 5e-4, "out": 0.01}}
+           "activation_diffs": {"emb": 0.0, "l0.down:input": 1e-7, "l0.down": 2e-3, "l0": "shape (1,) != (2,)", "l1": 5e-4, "out": 0.01}}
     records = [bad,
                {"side": "fork", "phase": "load", "case": "dense_fp0_te_tensorwise", "quantized_params": ["q"]},
                {"side": "fork", "phase": "save", "case": "mla_fp0_te_tensorwise",
@@ -60,6 +62,7 @@ def test_diagnose_names_params_quantized_on_one_side_weights_and_first_outputs()
                         "only on the other side: ['z.weight']")
     assert lines[1] == "  loaded weights differing from the saver's: {'y.weight': 0.01}"
     assert lines[2].endswith("[('l0.down', 0.002), ('l0', 'shape (1,) != (2,)'), ('out', 0.01)]")
+    assert lines[3] == "  largest difference before l0.down: ('l0.down:input', 1e-07)"
     records[2]["quantizer_kinds"] = {"Float8Tensor/Float8Quantizer": 2}
     assert rc.diagnose(bad, records).splitlines()[1] == (
         "  quantized tensor / quantizer kinds: None on upstream, {'Float8Tensor/Float8Quantizer': 2} on the other "
