@@ -263,6 +263,8 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                         reference["weights"] = _full_weights(model)  # collective over PP
                     if dist.get_rank() == 0:
                         torch.save(reference, out + ".reference.pt")
+                    if pp == 1 and recipe is not False:  # a loader compares its second forward with this first one
+                        record["repeat_diff"] = float((_full_logits(model) - reference["logits"]).abs().max())
                 elif compares_weights(layout, src_layout):
                     src = os.path.join(workdir, other, src_layout, name)
                     ref = torch.load(src + ".reference.pt", weights_only=True)["weights"]
@@ -511,6 +513,9 @@ def diagnose(bad: dict, records: list) -> str:
         if any(kinds):
             lines.append(f"  quantized tensor / quantizer kinds: {kinds[0]} on {bad['side']}, {kinds[1]} on the "
                          "other side")
+    saver = next((r for r in records if r["side"] != bad["side"] and r["phase"] == "save" and r["case"] == case), {})
+    if "repeat_diff" in saver:
+        lines.append(f"  the saver's second forward differs from its first (the reference) by {saver['repeat_diff']}")
     if "weight_diffs" in bad:
         lines.append(f"  loaded weights differing from the saver's: {bad['weight_diffs'] or 'none'}")
     acts = bad.get("activation_diffs")

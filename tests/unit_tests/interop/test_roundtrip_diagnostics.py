@@ -56,8 +56,9 @@ def test_diagnose_names_params_quantized_on_one_side_weights_and_first_outputs()
     records = [bad,
                {"side": "fork", "phase": "load", "case": "dense_fp0_te_tensorwise", "quantized_params": ["q"]},
                {"side": "fork", "phase": "save", "case": "mla_fp0_te_tensorwise",
-                "quantized_params": ["x.weight", "z.weight"]}]
+                "quantized_params": ["x.weight", "z.weight"], "repeat_diff": 0.0}]
     lines = rc.diagnose(bad, records).splitlines()
+    assert lines.pop(1) == "  the saver's second forward differs from its first (the reference) by 0.0"
     assert lines[0] == ("  quantized params: 2 on upstream, 2 on the other side; only on upstream: ['y.weight']; "
                         "only on the other side: ['z.weight']")
     assert lines[1] == "  loaded weights differing from the saver's: {'y.weight': 0.01}"
