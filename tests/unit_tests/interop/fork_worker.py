@@ -92,13 +92,21 @@ def optimizer_state(model, opt) -> dict:
     return out
 
 
+def quantized_param_names(model) -> list:
+    """The parameters of ``model`` that are quantized tensors (TE's QuantizedTensor: Float8Tensor, ...), found
+    through this fork's ``fp8_utils`` (which imports TE only through its extension module; none without TE)."""
+    from megatron.core.fp8_utils import is_quantized_tensor
+
+    return sorted(n for n, p in model.named_parameters() if is_quantized_tensor(p))
+
+
 def run(phases: str, workdir: str, layouts: str) -> None:
     """The phases, in a process group already initialised (also the test's in-process entry, on CPU)."""
     import megatron.core
 
     assert not hasattr(megatron.core, "package_info"), "upstream megatron-core is first on the path"
     for phase in phases.split(","):
-        rc.drive("fork", "upstream", phase, workdir, layouts, build_model)
+        rc.drive("fork", "upstream", phase, workdir, layouts, build_model, quantized_names=quantized_param_names)
         rc.drive_optimizer("fork", "upstream", phase, workdir, layouts, build_model, build_optimizer,
                            optimizer_state, set_grad)
 

@@ -219,10 +219,14 @@ def jobs(phase: str, layout: str):
 
 
 def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_model, save_kwargs=None,
-          load_wrapper_kwargs=None) -> None:
+          load_wrapper_kwargs=None, quantized_names=None) -> None:
     """For each layout (same world size; ``torch.distributed`` already initialised): build every case's model with
     ``build_model(model, layout)`` and either save it to ``WORKDIR/<side>/<layout>/<case>`` (its logits beside it)
-    or load ``WORKDIR/<other>/<source layout>/<case>`` into it and compare. Rank 0 writes one JSON line per job."""
+    or load ``WORKDIR/<other>/<source layout>/<case>`` into it and compare. Rank 0 writes one JSON line per job.
+    Diagnostics in the records (see ``diagnose``): ``quantized_params`` (``quantized_names(model)``: the parameters
+    that are quantized tensors on this side) in every record; a logits load of a case with TE layers, or one that
+    failed, adds ``weight_diffs`` (the parameters whose loaded values differ from the saver's) and, where one
+    rank holds the whole model, ``activation_diffs`` (every module's output against the saver's, in call order)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -239,6 +243,9 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
             model = build_model(model_name, layout, recipe).eval()
             routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
             record = {"side": side, "case": record_name, "phase": phase, "layout": layout}
+            if quantized_names is not None:
+                record["quantized_params"] = quantized_names(model)
+                record["quantizer_kinds"] = quantizer_kinds(model, record["quantized_params"])
             started = time.perf_counter()
             try:
                 if phase == "save":
@@ -248,11 +255,16 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                     _save(model, out, fully_parallel, async_save, save_kwargs or {})
                     reference = {}
                     if pp == 1:
-                        reference["logits"] = _full_logits(model)  # collective over TP: on every rank
+                        with _captured_outputs(model, whole_model(layout)) as outputs:
+                            reference["logits"] = _full_logits(model)  # collective over TP: on every rank
+                        if outputs is not None:
+                            reference["activations"] = outputs
                     if has_full_weights(layout):
                         reference["weights"] = _full_weights(model)  # collective over PP
                     if dist.get_rank() == 0:
                         torch.save(reference, out + ".reference.pt")
+                    if pp == 1 and recipe is not False:  # a loader compares its second forward with this first one
+                        record["repeat_diff"] = float((_full_logits(model) - reference["logits"]).abs().max())
                 elif compares_weights(layout, src_layout):
                     src = os.path.join(workdir, other, src_layout, name)
                     ref = torch.load(src + ".reference.pt", weights_only=True)["weights"]
@@ -266,11 +278,17 @@ def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_m
                     ref = torch.load(src + ".reference.pt", weights_only=True)
                     before = float((_full_logits(model) - ref["logits"]).abs().max())
                     _load(model, src, fully_parallel, load_wrapper_kwargs or {})
-                    diff = float((_full_logits(model) - ref["logits"]).abs().max())
+                    with _captured_outputs(model, whole_model(layout) and "activations" in ref) as outputs:
+                        diff = float((_full_logits(model) - ref["logits"]).abs().max())
                     bias_ok = all(torch.equal(r.expert_bias.cpu(), torch.tensor(EXPERT_BIAS)) for r in routers)
                     tol = tolerance(model_name, recipe)
                     record.update(compare="logits", max_abs_diff=diff, max_abs_diff_before_load=before,
                                   expert_bias_ok=bias_ok, tolerance=tol, ok=diff <= tol < 0.1 < before and bias_ok)
+                    if recipe is not False or not record["ok"]:  # where the difference comes from
+                        if "weights" in ref and has_full_weights(layout):
+                            record["weight_diffs"] = named_diffs(_full_weights(model), ref["weights"], nonzero=True)
+                        if outputs is not None:
+                            record["activation_diffs"] = named_diffs(outputs, ref["activations"], limit=200)
                 record.setdefault("ok", True)
             except Exception as e:  # reported per job; the test names it
                 _record_failure(record, e)
@@ -396,6 +414,121 @@ def _full_weights(model) -> dict:
         assert copy.shape == word.shape and torch.equal(copy, word), (
             "the last stage's tied output weight differs from the word embeddings")
     return full
+
+
+def quantizer_kinds(model, names) -> dict:
+    """{"<tensor class>/<its quantizer's class>": count} over the parameters ``names`` of ``model`` (e.g.
+    "Float8Tensor/Float8CurrentScalingQuantizer"): which recipe actually made each side's quantized weights."""
+    params = dict(model.named_parameters())
+    kinds = {}
+    for name in names:
+        p = params[name]
+        kind = f"{type(p).__name__}/{type(getattr(p, '_quantizer', None)).__name__}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items()))
+
+
+def whole_model(layout: str) -> bool:
+    """Whether each rank holds the whole model (no TP, EP or PP split): its module outputs are whole."""
+    return LAYOUTS[layout][1] == LAYOUTS[layout][2] == LAYOUTS[layout][4] == 1
+
+
+class _captured_outputs:
+    """``with _captured_outputs(model, on) as outputs``: while on, every submodule's output (its first tensor, as
+    float32 on CPU) of the first call, by module name in call order, and the input (first tensor argument) of every
+    leaf module, as ``"<name>:input"`` before its output (what a quantized linear quantizes); ``outputs`` is None
+    when off."""
+
+    def __init__(self, model, on: bool):
+        self.model, self.on, self.outputs, self.handles = model, on, None, []
+
+    def __enter__(self):
+        if not self.on:
+            return None
+        self.outputs = {}
+        for name, module in self.model.named_modules():
+            if name:
+                self.handles.append(module.register_forward_hook(self._hook(name)))
+                if not any(True for _ in module.children()):
+                    self.handles.append(module.register_forward_pre_hook(self._hook(f"{name}:input", pre=True)))
+        return self.outputs
+
+    def _hook(self, name: str, pre: bool = False):
+        import torch
+
+        def keep(value):
+            while isinstance(value, (tuple, list)) and value:
+                value = next((o for o in value if isinstance(o, torch.Tensor)), value[0])
+            if name not in self.outputs and isinstance(value, torch.Tensor) and value.is_floating_point():
+                self.outputs[name] = value.detach().float().cpu().clone()
+
+        if pre:
+            return lambda module, args: keep(args)
+        return lambda module, args, output: keep(output)
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        return False
+
+
+def named_diffs(mine: dict, ref: dict, nonzero: bool = False, limit: int = 40) -> dict:
+    """{name: max |mine - ref|} over the names both have, in ``ref``'s order (``nonzero``: only those that
+    differ; at most ``limit``); a differing shape reads "shape (a) != (b)". Names only one side has: under
+    "only_loader" / "only_saver" (at most 8 each)."""
+    out = {}
+    for name, r in ref.items():
+        if name not in mine:
+            continue
+        m = mine[name]
+        if tuple(m.shape) != tuple(r.shape):
+            out[name] = f"shape {tuple(m.shape)} != {tuple(r.shape)}"
+            continue
+        d = float((m.float() - r.float()).abs().max()) if m.numel() else 0.0
+        if d or not nonzero:
+            out[name] = d
+    out = dict(list(out.items())[:limit])
+    for key, names in (("only_loader", sorted(set(mine) - set(ref))), ("only_saver", sorted(set(ref) - set(mine)))):
+        if names:
+            out[key] = names[:8]
+    return out
+
+
+def diagnose(bad: dict, records: list) -> str:
+    """Lines that help read a failed load record ``bad``: the parameters quantized on one side only (against the
+    other side's records of the same case), the parameters whose loaded values differ from the saver's, and the
+    first modules whose outputs differ from the saver's by more than the tolerance."""
+    case = bad["case"].partition("<-")[0]
+    lines = []
+    mine = bad.get("quantized_params")
+    other_record = next((r for r in records if r["side"] != bad["side"] and r["case"].partition("<-")[0] == case
+                         and r.get("quantized_params") is not None), {})
+    other = other_record.get("quantized_params")
+    if mine is not None and other is not None:
+        only_mine, only_other = sorted(set(mine) - set(other)), sorted(set(other) - set(mine))
+        lines.append(f"  quantized params: {len(mine)} on {bad['side']}, {len(other)} on the other side; only on "
+                     f"{bad['side']}: {only_mine}; only on the other side: {only_other}")
+        kinds = [r.get("quantizer_kinds") for r in (bad, other_record)]
+        if any(kinds):
+            lines.append(f"  quantized tensor / quantizer kinds: {kinds[0]} on {bad['side']}, {kinds[1]} on the "
+                         "other side")
+    saver = next((r for r in records if r["side"] != bad["side"] and r["phase"] == "save" and r["case"] == case), {})
+    if "repeat_diff" in saver:
+        lines.append(f"  the saver's second forward differs from its first (the reference) by {saver['repeat_diff']}")
+    if "weight_diffs" in bad:
+        lines.append(f"  loaded weights differing from the saver's: {bad['weight_diffs'] or 'none'}")
+    acts = bad.get("activation_diffs")
+    if acts:
+        tol = bad.get("tolerance", 0.0)
+        over = [(n, d) for n, d in acts.items() if isinstance(d, str) or isinstance(d, float) and d > tol]
+        lines.append(f"  module outputs differing from the saver's by more than {tol} (first 8, in call order): "
+                     f"{over[:8]}")
+        if over:  # what came in below the tolerance: a jump at a quantized linear is a rounding flip of its input
+            before = [(n, d) for n, d in list(acts.items())[:list(acts).index(over[0][0])] if isinstance(d, float)]
+            lines.append(f"  largest difference before {over[0][0]}: "
+                         f"{max(before, key=lambda nd: nd[1]) if before else None}")
+    return "\n".join(lines)
 
 
 def _weights_diff(mine: dict, ref: dict) -> float:

@@ -92,11 +92,28 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
     expected_jobs = sum(len(rc.jobs(phase, layout)) for layout in layouts for phase in ("save", "load"))
     assert len(records) == 2 * expected_jobs
     bad = [r for r in records if not r["ok"]]
-    assert not bad, "\n".join(
-        f"{r['side']} {r['phase']} {r['layout']} {r['case']}: "
-        f"{r.get('error') or (r.get('max_abs_diff'), r.get('max_abs_diff_before_load'), r.get('expert_bias_ok'))}"
-        for r in bad)
+    assert not bad, "\n".join(_describe_failure(r, records) for r in bad)
     return [r for r in records if r["phase"] == "load"]
+
+
+def _write_records(workdir: Path, name: str) -> None:
+    """Every job record of a GPU round trip (with their diagnostics) to ``$OUT/name`` when OUT is set."""
+    out = os.environ.get("OUT")
+    if out:
+        lines = []
+        for f in sorted(workdir.glob("results_*.jsonl")):
+            lines += f.read_text().splitlines()
+        Path(out, name).write_text("\n".join(lines) + "\n")
+
+
+def _describe_failure(record: dict, records: list) -> str:
+    """A failed job's line, and under it ``roundtrip_cases.diagnose``'s lines (the parameters quantized on one
+    side only, the loaded weights and the module outputs that differ from the saver's)."""
+    r = record
+    line = (f"{r['side']} {r['phase']} {r['layout']} {r['case']}: "
+            f"{r.get('error') or (r.get('max_abs_diff'), r.get('max_abs_diff_before_load'), r.get('expert_bias_ok'))}")
+    why = rc.diagnose(r, records)
+    return f"{line}\n{why}" if why else line
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +212,11 @@ def test_mla_roundtrip_with_upstream_te_fp8_on_gpu(upstream_site, tmp_path, monk
     with FP8 weights per recipe, both ways."""
     pytest.importorskip("transformer_engine.pytorch")
     monkeypatch.setenv("ROUNDTRIP_MODELS", "mla")
-    loaded = _roundtrip(upstream_site, tmp_path, list(rc.GPU_LAYOUTS), NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE="1",
-                        ROUNDTRIP_MODELS="mla")
+    try:
+        loaded = _roundtrip(upstream_site, tmp_path, list(rc.GPU_LAYOUTS), NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE="1",
+                            ROUNDTRIP_MODELS="mla")
+    finally:
+        _write_records(tmp_path, "upstream_roundtrip_mla_gpu.jsonl")
     assert {r["case"] for r in loaded} == {f"mla_fp0_te_{q}" for q in ("noquant", "tensorwise", "delayed")}
 
 
@@ -211,12 +231,7 @@ def test_roundtrip_with_upstream_te_fp8_on_gpu(upstream_site, tmp_path):
     try:
         loaded = _roundtrip(upstream_site, tmp_path, list(rc.GPU_LAYOUTS), NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE="1")
     finally:
-        out = os.environ.get("OUT")
-        if out:
-            lines = []
-            for f in sorted(tmp_path.glob("results_*.jsonl")):
-                lines += f.read_text().splitlines()
-            Path(out, "upstream_roundtrip_gpu.jsonl").write_text("\n".join(lines) + "\n")
+        _write_records(tmp_path, "upstream_roundtrip_gpu.jsonl")
     assert {r["case"].split("_te_")[1] for r in loaded} == {"noquant", "tensorwise", "delayed"}
 
 

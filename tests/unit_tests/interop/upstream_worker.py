@@ -171,6 +171,25 @@ def build_model(model: str, layout: str, recipe=False, dtype=None):
     return built.cuda() if recipe is not False else built
 
 
+def quantized_param_names(model) -> list:
+    """The parameters of upstream's ``model`` that are Transformer Engine quantized tensors (``QuantizedTensor``:
+    Float8Tensor, ...), asked of TE itself; none where TE is not importable (CPU)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return []
+    quantized = None
+    for module in ("transformer_engine.pytorch.tensor", "transformer_engine.pytorch.quantized_tensor"):
+        try:
+            quantized = getattr(importlib.import_module(module), "QuantizedTensor")
+            break
+        except Exception:  # another TE layout, or a TE that does not import here
+            continue
+    if quantized is None:
+        return []
+    return sorted(n for n, p in model.named_parameters() if isinstance(p, quantized))
+
+
 def build_optimizer(model, precision: str, distributed: bool = False):
     """Upstream's optimizer: ``get_megatron_optimizer`` over the model wrapped in its DistributedDataParallel
     (bf16: Float16OptimizerWithFloat16Params, fp32: FP32Optimizer; ``distributed``: its DistributedOptimizer;
@@ -259,7 +278,7 @@ def main(phases: str, workdir: str, layouts: str) -> int:
     dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
     for phase in phases.split(","):
         rc.drive("upstream", "fork", phase, workdir, layouts, build_model, save_kwargs={"async_strategy": "mcore"},
-                 load_wrapper_kwargs={"exchange_algo": "gather_object"})
+                 load_wrapper_kwargs={"exchange_algo": "gather_object"}, quantized_names=quantized_param_names)
         rc.drive_optimizer("upstream", "fork", phase, workdir, layouts, build_model, build_optimizer,
                            optimizer_state, set_grad, save_kwargs={"async_strategy": "mcore"})
     dist.destroy_process_group()
