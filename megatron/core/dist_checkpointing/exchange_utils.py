@@ -4,6 +4,7 @@
 A ``ShardDistribution`` is valid for one process group (implicit): ranks in it are ranks *of that group*.
 """
 import logging
+from itertools import zip_longest
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, TypeVar
 
 import torch
@@ -25,7 +26,7 @@ def is_float8tensor(tensor: torch.Tensor) -> bool:
 
 logger = logging.getLogger(__name__)
 
-EXCHANGE_ALGOS = ("broadcast", "gather_object")
+EXCHANGE_ALGOS = ("broadcast", "gather_object", "gather_rounds")
 
 
 class ShardDistribution(NamedTuple):
@@ -263,6 +264,65 @@ def exchange_loaded_tensors_gather_object(
     return out
 
 
+@torch.no_grad()
+def exchange_loaded_tensors_gather_rounds(
+    loaded_tensors: Dict[_ShardId, torch.Tensor],
+    unloaded_shards: Dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution = None,
+    parallelization_group: Optional[dist.ProcessGroup] = None,
+    *,
+    on_received: Optional[Callable[[_ShardId, torch.Tensor], None]] = None,
+) -> Dict[_ShardId, torch.Tensor]:
+    """Upstream's round-based exchange: per dtype, the shards needed by more than one rank are lined up by loading
+    rank, and round ``k`` exchanges every rank's ``k``-th such shard at once (an empty tensor from a rank that has
+    no more); one ``all_gather`` per round where the round's shards have one shape, else one broadcast per rank of
+    the round (gloo's all_gather takes equal sizes only). Collective. Returns what
+    ``exchange_loaded_tensors_broadcast`` returns (received shards in place where possible; ``on_received`` as
+    there)."""
+    if shard_distribution is None:
+        raise CheckpointingException("exchange_loaded_tensors_gather_rounds needs a ShardDistribution (got None)")
+    main, _, metadata, all_ranks = shard_distribution
+    my_rank, size = dist.get_rank(parallelization_group), dist.get_world_size(parallelization_group)
+    device = collective_device(parallelization_group)
+    out = dict(loaded_tensors)
+    for dtype in sorted({metadata[sid].dtype for sid in main}, key=str):
+        by_rank: List[List[_ShardId]] = [[] for _ in range(size)]
+        for sid in sorted(main):  # the same order on every rank
+            if len(all_ranks[sid]) > 1 and metadata[sid].dtype == dtype:
+                by_rank[main[sid]].append(sid)
+        for round_ids in zip_longest(*by_rank):
+            bufs, received = [], {}
+            for rank, sid in enumerate(round_ids):
+                if sid is None:
+                    bufs.append(torch.empty(0, dtype=dtype, device=device))
+                elif rank == my_rank:
+                    if sid not in loaded_tensors:
+                        raise CheckpointingException(
+                            f"exchange: rank {my_rank} should send shard {sid} but did not load it")
+                    bufs.append(loaded_tensors[sid].to(device=device, dtype=dtype).contiguous()
+                                .reshape(_exchange_shape(metadata[sid])))
+                else:
+                    buf, _ = _get_empty_tensor_for_exchange(sid, unloaded_shards, metadata, {}, device=device)
+                    bufs.append(buf)
+                    if sid in unloaded_shards:
+                        received[sid] = buf
+            shapes = {(0,) if sid is None else tuple(_exchange_shape(metadata[sid])) for sid in round_ids}
+            if len(shapes) == 1:  # decided from the metadata: the same on every rank
+                dist.all_gather(bufs, bufs[my_rank], group=parallelization_group)
+            else:
+                for rank, buf in enumerate(bufs):
+                    if buf.numel():
+                        dist.broadcast(buf, src=_global_rank(parallelization_group, rank),
+                                       group=parallelization_group)
+            for sid, buf in received.items():
+                if on_received is not None:
+                    on_received(sid, buf)
+                else:
+                    out[sid] = buf
+            del bufs, received
+    return out
+
+
 def exchange_by_distribution(
     loaded_tensors: Dict[_ShardId, torch.Tensor],
     unloaded_shards: Dict[_ShardId, ShardedTensor],
@@ -272,13 +332,14 @@ def exchange_by_distribution(
     *,
     on_received: Optional[Callable[[_ShardId, torch.Tensor], None]] = None,
 ) -> Dict[_ShardId, torch.Tensor]:
-    """Exchange the loaded shards with ``exchange_algo``: ``'broadcast'`` (default) or ``'gather_object'``;
-    upstream's ``'gather_rounds'`` is not implemented here (CheckpointingException naming it)."""
+    """Exchange the loaded shards with ``exchange_algo``: ``'broadcast'`` (default), ``'gather_object'`` or
+    ``'gather_rounds'`` (upstream's three); another name is a CheckpointingException naming it."""
     if shard_distribution is None:
         raise CheckpointingException("exchange_by_distribution needs a ShardDistribution (got None)")
     algos = {
         "broadcast": exchange_loaded_tensors_broadcast,
         "gather_object": exchange_loaded_tensors_gather_object,
+        "gather_rounds": exchange_loaded_tensors_gather_rounds,
     }
     if exchange_algo not in algos:
         raise CheckpointingException(

@@ -30,9 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Set, Tuple, Union
 
+import torch
 import torch.distributed as dist
 
-from .. import dist_utils
+from .. import dist_utils, parallel_state
 from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, save_config
 from .integrity import save_integrity_manifest, verify_integrity_manifest
 from .dict_utils import extract_matching_values, map_matching_like, merge, restore_list_types
@@ -197,6 +198,7 @@ def save(
             if verify_integrity:
                 save_integrity_manifest(checkpoint_dir)
         dist_utils.barrier()
+        _rank0_leaves_last()
 
     if async_sharded_save:
         if not hasattr(sharded_strategy, "async_save"):
@@ -208,6 +210,30 @@ def save(
         return request
     sharded_strategy.save(sharded_part, checkpoint_dir)
     finalize()
+
+
+_leave_send = None  # this rank's last "left save" message to rank 0 (see _rank0_leaves_last), kept until the next
+
+
+def _rank0_leaves_last() -> None:
+    """The end of every save (after the closing barrier): each other rank posts a message to rank 0 and returns at
+    once (it does not wait for the send), rank 0 returns once it received them all, so rank 0 leaves ``save`` last.
+    A barrier releases all ranks together, and on an oversubscribed host (8 ranks on 2 cores) rank 0 often ran on
+    before another rank was scheduled: code that changes the checkpoint on rank 0 right after ``save`` (upstream's
+    ``if rank == 0: remove_sharded_tensors(...)`` in its ``test_remove_sharded_tensors``, whose other ranks list
+    the directory with no barrier in between) deleted files before the other ranks had looked. An ordering, not a
+    guarantee: reads a rank does after ``save`` still need a barrier before rank 0 changes the checkpoint."""
+    global _leave_send
+    size = dist_utils.get_world_size()
+    if size == 1:
+        return
+    token = torch.zeros(1, device=parallel_state.collective_device())
+    if dist_utils.get_rank() == 0:
+        for src in range(1, size):
+            dist.recv(token, src=src)
+    else:
+        # the previous save's message was received (rank 0 returned from that save only after it): drop it
+        _leave_send = (dist.isend(token, dst=0), token)
 
 
 def _save_legacy_common(sharded_strategy, common_strategy, sharded_part, common_state_dict, checkpoint_dir: Path):

@@ -107,7 +107,8 @@ def test_public_names_exist():
                 "force_all_tensors_to_non_fp8", "debug_time", "debug_msg", "logger_stack"],
         exchange_utils: ["ShardDistribution", "determine_main_replica_uniform_distribution",
                          "distribute_shards_to_ranks", "exchange_by_distribution",
-                         "exchange_loaded_tensors_broadcast", "exchange_loaded_tensors_gather_object"],
+                         "exchange_loaded_tensors_broadcast", "exchange_loaded_tensors_gather_object",
+                         "exchange_loaded_tensors_gather_rounds"],
         validation: ["determine_global_metadata", "validate_sharding_integrity", "verify_checkpoint",
                      "validate_integrity_and_strict_load", "StrictHandling", "parse_strict_flag"],
     }.items():
@@ -358,13 +359,13 @@ def _distribution(rank, world, tmp_path):
     # exchange: the main rank "loaded" the replicated shard, the others receive it
     main = dist_.main_rank_for_shard[r_id]
     loaded = {r_id: repl.clone()} if rank == main else {}
-    for algo in ("broadcast", "gather_object"):
+    for algo in ("broadcast", "gather_object", "gather_rounds"):
         dest = ShardedTensor.from_rank_offsets("r", torch.zeros(2, 3), replica_id=rank)
         unloaded = {} if rank == main else {r_id: dest}
         out = exchange_utils.exchange_by_distribution(loaded, unloaded, dist_, None, algo)
         assert torch.equal(out[r_id], repl), algo
-    with pytest.raises(CheckpointingException, match="'gather_rounds' is not supported"):
-        exchange_utils.exchange_by_distribution(loaded, {}, dist_, None, "gather_rounds")
+    with pytest.raises(CheckpointingException, match="'all_to_all' is not supported"):
+        exchange_utils.exchange_by_distribution(loaded, {}, dist_, None, "all_to_all")
     # the fully-parallel wrappers keep upstream's ShardDistribution
     d = _ckpt_dir(tmp_path, "fp", rank)
     save = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1), None, True)

@@ -67,3 +67,57 @@ def test_separation_hint_sync(tmp_path):
 
 def test_separation_hint_async(tmp_path):
     run_distributed(_body, 2, tmp_path, True)
+
+
+def _rank0_leaves_last(rank, world, tmp_path, use_async):
+    # every other rank notes the time it posts its last message of save to rank 0; rank 0 returns from save only
+    # after all of them (upstream's test_remove_sharded_tensors has rank 0 delete files right after save while the
+    # other ranks still list the directory, with no barrier in between)
+    import time
+
+    from megatron.core.dist_checkpointing import serialization
+
+    posted = []
+    real_isend = dist.isend
+
+    def isend(tensor, dst, *args, **kwargs):
+        posted.append((time.monotonic(), dst))
+        return real_isend(tensor, dst, *args, **kwargs)
+
+    serialization.dist.isend = isend
+    try:
+        ckpt = _shared(tmp_path, f"order_{use_async}")
+        for i in range(3):
+            sub = os.path.join(ckpt, str(i))
+            if rank == 0:
+                os.makedirs(sub)
+            dist.barrier()
+            if use_async:
+                queue = AsyncCallsQueue()
+                queue.schedule_async_request(dist_checkpointing.save(_state(rank, world), sub,
+                                                                     async_sharded_save=True))
+                queue.maybe_finalize_async_calls(blocking=True)
+                queue.close()
+            else:
+                dist_checkpointing.save(_state(rank, world), sub)
+            returned = time.monotonic()
+            times = [None] * world
+            dist.all_gather_object(times, (returned, posted[-1] if posted else None))
+            if rank == 0:
+                assert not posted  # rank 0 receives
+                for r in range(1, world):
+                    sent = times[r][1]
+                    assert sent is not None and sent[1] == 0, (r, times[r])
+                    assert sent[0] < returned, (r, sent, returned)
+            else:
+                assert len(posted) == i + 1
+    finally:
+        serialization.dist.isend = real_isend
+
+
+def test_rank0_leaves_save_last(tmp_path):
+    run_distributed(_rank0_leaves_last, 3, tmp_path, False)
+
+
+def test_rank0_leaves_async_save_last(tmp_path):
+    run_distributed(_rank0_leaves_last, 3, tmp_path, True)

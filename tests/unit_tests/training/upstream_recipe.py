@@ -58,11 +58,12 @@ def forward_step(data_iter, model):
 
 
 def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = False, device: str = "cpu",
-               save_init: str = None, load_init: str = None):
+               save_init: str = None, load_init: str = None, warmup: int = 1):
     """Build, wrap and train as upstream's recipe does (see the module docstring); torch.distributed must be
     initialised. ``save_init`` / ``load_init``: a file for the built model's initial ``state_dict`` (rank 0 saves;
     loading makes another package start from the same weights: two packages draw their initial weights in
-    different orders). Returns ``{'losses': [...], 'tokens_per_s': float}``."""
+    different orders). Returns ``{'losses': [...], 'tokens_per_s': float}``: tokens/s over the steps after the first
+    ``warmup`` (``benchmarks/upstream_recipe_gpu.py`` sets the sizes, the module's globals, for a GPU-sized model)."""
     import time
 
     from megatron.core import parallel_state
@@ -133,7 +134,9 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
     forward_backward_func = get_forward_backward_func()
     losses, start = [], None
     for step in range(steps):
-        if step == 1:
+        if step == warmup:
+            if device == "cuda":
+                torch.cuda.synchronize()
             start = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -149,7 +152,7 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start if start is not None else float("nan")
-    tokens = (steps - 1) * GBS * SEQ
+    tokens = (steps - warmup) * GBS * SEQ
     return {"losses": losses, "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan")}
 
 

@@ -368,12 +368,15 @@ _ckpt_group: Optional[Tuple[Any, Any]] = None  # (default group it belongs to, t
 
 def async_process_group():
     """A gloo group over WORLD for the background writes (collective on first use, then cached while the default
-    group lives): the training's groups (NCCL on GPU) are never used from the background."""
+    group and it live; made again after ``destroy_process_group`` of it, as code that tears its subgroups down
+    between runs does, e.g. upstream's unit tests at 8 ranks): the training's groups (NCCL on GPU) are never used
+    from the background."""
     global _ckpt_group
     if not dist_utils.is_distributed():
         return None
     default = dist.distributed_c10d._get_default_group()
-    if _ckpt_group is None or _ckpt_group[0] is not default:
+    if (_ckpt_group is None or _ckpt_group[0] is not default
+            or _ckpt_group[1] not in dist.distributed_c10d._world.pg_map):
         _ckpt_group = (default, dist.new_group(backend="gloo"))
     return _ckpt_group[1]
 

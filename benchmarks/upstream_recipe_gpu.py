@@ -1,0 +1,262 @@
+"""Upstream megatron-core 0.19's training recipe on one GPU, on this fork and on the real upstream 0.19.2, side by side.
+
+The recipe is ``tests/unit_tests/training/upstream_recipe.py`` (only upstream's public API: GPTModel from
+``get_gpt_layer_with_transformer_engine_spec``, ``Float16Module`` under bf16, ``DistributedDataParallel`` /
+the distributed optimizer / Megatron-FSDP (``mcore_fsdp_adapter.FullyShardedDataParallel``, ZeRO-3),
+``get_megatron_optimizer``, ``get_forward_backward_func``), here with a GPU-sized model: TE layers, bf16, FP8 hybrid
+delayed scaling with FP8 weights (``fp8_param=True``; ``fp8_param_gather`` for the engines). Each (package, engine)
+runs in its own process (a 1-rank NCCL group initialised there, no torchrun): ``PYTHONPATH`` names this repository
+for the fork and ``MCORE_UPSTREAM_SITE`` (a directory holding upstream's ``megatron/``) for upstream, so the two
+packages never meet in one interpreter. The runs alternate fork / upstream per engine, so a time limit still leaves
+whole pairs. ``--warmup`` steps, then ``--steps`` timed steps (wall clock between two device syncs); a run that fails or
+times out puts its error in its row and the rest goes on.
+
+Prints one table: engine, tokens/s (fork, upstream, ratio fork/upstream), peak GiB (``max_memory_allocated``), and the
+loss at step 20 (1-based, counting the warm-up steps; the last step if fewer). Both packages draw their own initial
+weights (different orders): the losses are a sanity check, not an equality (``tests/unit_tests/training/
+test_upstream_recipe.py`` compares losses from the same weights).
+
+    MCORE_UPSTREAM_SITE=/path/to/site python benchmarks/upstream_recipe_gpu.py            # ~2-3 minutes on an H100
+    python benchmarks/upstream_recipe_gpu.py --engines ddp --warmup 3 --steps 5          # quicker
+    python benchmarks/upstream_recipe_gpu.py --cpu-smoke                                 # plumbing only (tiny, gloo)
+
+``--cpu-smoke`` (no GPU): a tiny model with local layers, bf16 without FP8, on CPU; upstream there runs under the
+CPU shims of the recipe test (its Megatron-FSDP needs CUDA: that row shows the error).
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE_DIR = REPO / "tests" / "unit_tests" / "training"
+INTEROP_DIR = REPO / "tests" / "unit_tests" / "interop"
+ENGINES = ("ddp", "dist_opt", "fsdp")
+ENGINE_NAMES = {"ddp": "DDP", "dist_opt": "DDP + distributed optimizer", "fsdp": "Megatron-FSDP (ZeRO-3)"}
+LOSS_STEP = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- child: one (package, engine) run -----------------------------------------------------------------------------
+def child(args) -> None:
+    import torch
+
+    import upstream_recipe as recipe  # from RECIPE_DIR (on PYTHONPATH)
+
+    cuda = not args.cpu_smoke
+    if cuda:
+        torch.cuda.set_device(0)
+    elif args.package == "upstream":
+        recipe._shim_upstream_on_cpu()  # before megatron's first import (as the recipe test's upstream run)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    import megatron.core
+
+    where = str(Path(megatron.core.__file__).resolve().parents[1])
+    if not where.startswith(str(Path(args.expect_root).resolve())):
+        raise RuntimeError(f"imported megatron from {where}, expected it under {args.expect_root}")
+    # the recipe's sizes are its module globals (tiny for the CPU tests): a GPU-sized model here
+    recipe.SEQ, recipe.VOCAB, recipe.PADDED_VOCAB = args.seq, args.vocab, args.padded_vocab
+    recipe.MBS, recipe.GBS = args.mbs, args.gbs
+    recipe.MODEL = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    res = recipe.run_recipe(args.engine, steps=args.warmup + args.steps, bf16=True, fp8=cuda,
+                            device="cuda" if cuda else "cpu", warmup=args.warmup)
+    res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    res["megatron"] = where
+    try:
+        import importlib
+
+        res["version"] = importlib.import_module("megatron.core.package_info").__version__
+    except Exception:
+        res["version"] = "?"
+    with open(args.out, "w") as f:
+        json.dump(res, f)
+    torch.distributed.destroy_process_group()
+
+
+# ---- parent: the runs and the table --------------------------------------------------------------------------------
+def _last_error(text: str) -> str:
+    """The most telling line of a failed run's output: the last exception line, else the last line."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt")) or head in ("AssertionError", "KeyError"):
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_one(args, package: str, engine: str, root: Path, timeout: float, workdir: Path) -> dict:
+    out = workdir / f"{package}_{engine}.json"
+    paths = [str(root), str(RECIPE_DIR)] + ([str(INTEROP_DIR)] if args.cpu_smoke else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if args.cpu_smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--package", package, "--engine", engine,
+           "--out", str(out), "--expect-root", str(root)] + _size_argv(args)
+    t0 = time.time()
+    try:
+        done = subprocess.run(cmd, env=env, cwd=str(workdir), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        (workdir / f"{package}_{engine}.log").write_text(tail)
+        return {"error": f"timed out after {timeout:.0f} s"}
+    log = done.stdout + done.stderr
+    (workdir / f"{package}_{engine}.log").write_text(log)
+    if done.returncode != 0 or not out.is_file():
+        return {"error": f"rc {done.returncode}: {_last_error(log)}"}
+    with open(out) as f:
+        res = json.load(f)
+    res["wall_s"] = time.time() - t0
+    return res
+
+
+def _size_argv(args):
+    return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+            "--seq", str(args.seq), "--vocab", str(args.vocab), "--padded-vocab", str(args.padded_vocab),
+            "--mbs", str(args.mbs), "--gbs", str(args.gbs), "--warmup", str(args.warmup), "--steps",
+            str(args.steps)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+
+
+def _fmt(x, spec):
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def _loss_at(res, step):
+    losses = res.get("losses") or []
+    return losses[min(step, len(losses)) - 1] if losses else None
+
+
+def table(args, results) -> str:
+    n = args.warmup + args.steps
+    step = min(LOSS_STEP, n)
+    rows = ["| engine | tokens/s fork | tokens/s upstream | fork / upstream | peak GiB fork | peak GiB upstream | "
+            f"loss@{step} fork | loss@{step} upstream | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for engine in args.engines:
+        fork, up = results.get(("fork", engine), {}), results.get(("upstream", engine), {})
+        tf, tu = fork.get("tokens_per_s"), up.get("tokens_per_s")
+        ratio = tf / tu if tf and tu else None
+        notes = [f"{p}: {r['error']}" for p, r in (("fork", fork), ("upstream", up)) if r.get("error")]
+        rows.append(f"| {ENGINE_NAMES[engine]} | {_fmt(tf, ',.0f')} | {_fmt(tu, ',.0f')} | {_fmt(ratio, '.3f')} | "
+                    f"{_fmt(fork.get('peak_gib'), '.2f')} | {_fmt(up.get('peak_gib'), '.2f')} | "
+                    f"{_fmt(_loss_at(fork, step), '.4f')} | {_fmt(_loss_at(up, step), '.4f')} | "
+                    f"{'; '.join(notes).replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def parent(args) -> int:
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("upstream_recipe_gpu.py: needs a CUDA GPU (and Transformer Engine); --cpu-smoke runs the plumbing on "
+              "CPU", file=sys.stderr)
+        return 2
+    site = args.upstream_site or os.environ.get("MCORE_UPSTREAM_SITE")
+    if not site:
+        try:
+            sys.path.insert(0, str(REPO))
+            from tests.unit_tests.interop.upstream_env import ensure_upstream
+
+            site = str(ensure_upstream())
+        except Exception as e:  # no package index (the GPU machine): the upstream column says so
+            site = None
+            print(f"upstream megatron-core not found (set MCORE_UPSTREAM_SITE): {e}", file=sys.stderr)
+    if site and not (Path(site) / "megatron" / "core").is_dir():
+        print(f"MCORE_UPSTREAM_SITE={site} holds no megatron/core", file=sys.stderr)
+        site = None
+    device = "CPU (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(0)
+    tokens = args.gbs * args.seq
+    print(f"# upstream recipe, {device}, torch {torch.__version__}; model: {args.layers} layers, hidden "
+          f"{args.hidden}, {args.heads} heads, seq {args.seq}, vocab {args.padded_vocab}, micro-batch {args.mbs}, "
+          f"global batch {args.gbs} ({tokens} tokens/step); "
+          f"{'bf16 (smoke: no FP8)' if args.cpu_smoke else 'TE spec, bf16, FP8 hybrid delayed, fp8_param'}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps")
+    print(f"# fork: {REPO}; upstream: {site or 'not available'}", flush=True)
+    deadline = time.time() + args.time_limit
+    runs = [(p, e) for e in args.engines for p in ("fork", "upstream")]
+    results = {}
+    workdir = Path(tempfile.mkdtemp(prefix="upstream_recipe_gpu_", dir=args.workdir))
+    for i, (package, engine) in enumerate(runs):
+        if package == "upstream" and not site:
+            results[(package, engine)] = {"error": "upstream not available (MCORE_UPSTREAM_SITE)"}
+            continue
+        left = deadline - time.time()
+        if left < 15:
+            results[(package, engine)] = {"error": "skipped: --time-limit reached"}
+            continue
+        # no run may take the whole rest unless it is the last one: keep a share for the others
+        remaining = sum(1 for p, _ in runs[i:] if p == "fork" or site)
+        timeout = left if remaining == 1 else max(left / remaining * 1.6, min(left, 60))
+        root = REPO if package == "fork" else Path(site)
+        res = run_one(args, package, engine, root, min(timeout, left), workdir)
+        results[(package, engine)] = res
+        state = res.get("error") or (f"{res['tokens_per_s']:,.0f} tokens/s, peak {res['peak_gib']:.2f} GiB, "
+                                     f"{res['wall_s']:.0f} s (megatron {res.get('version')})")
+        print(f"# {package} {engine}: {state}", flush=True)
+    print()
+    print(table(args, results))
+    print(f"\n(logs: {workdir})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{p}/{e}": r for (p, e), r in results.items()}, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help=f"comma-separated, of {', '.join(ENGINES)} (default all, in that order)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000, help="token ids drawn from [0, vocab)")
+    ap.add_argument("--padded-vocab", type=int, default=32768, help="the model's vocabulary (embedding rows)")
+    ap.add_argument("--mbs", type=int, default=2, help="micro-batch size")
+    ap.add_argument("--gbs", type=int, default=8, help="global batch size (micro-batches per step: gbs / mbs)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps")
+    ap.add_argument("--time-limit", type=float, default=220,
+                    help="seconds for all runs together (default 220); runs that do not fit are skipped")
+    ap.add_argument("--upstream-site", help="directory holding upstream's megatron/ (default: $MCORE_UPSTREAM_SITE)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--workdir", help="where the per-run logs go (a new directory inside; default: the temp dir)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny model, local layers, bf16 without FP8, on CPU (gloo): checks the plumbing only")
+    # the child's own arguments
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--package", choices=("fork", "upstream"), help=argparse.SUPPRESS)
+    ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--expect-root", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in args.engines if e not in ENGINES]
+    if bad:
+        ap.error(f"--engines: unknown {bad}; choose from {list(ENGINES)}")
+    if args.gbs % args.mbs:
+        ap.error(f"--gbs {args.gbs} is not a multiple of --mbs {args.mbs}")
+    if args.cpu_smoke and "--layers" not in (argv or sys.argv):
+        args.layers, args.hidden, args.heads, args.seq = 2, 64, 4, 32
+        args.vocab, args.padded_vocab, args.mbs, args.gbs = 64, 128, 2, 4
+        args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 3)
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
