@@ -105,9 +105,10 @@ def run(phases: str, workdir: str, layouts: str) -> None:
     import megatron.core
 
     assert not hasattr(megatron.core, "package_info"), "upstream megatron-core is first on the path"
+    source = rc.checkpoint_source("fork", "upstream")  # the other side, or its own (ROUNDTRIP_LOAD_FROM=self)
     for phase in phases.split(","):
-        rc.drive("fork", "upstream", phase, workdir, layouts, build_model, quantized_names=quantized_param_names)
-        rc.drive_optimizer("fork", "upstream", phase, workdir, layouts, build_model, build_optimizer,
+        rc.drive("fork", source, phase, workdir, layouts, build_model, quantized_names=quantized_param_names)
+        rc.drive_optimizer("fork", source, phase, workdir, layouts, build_model, build_optimizer,
                            optimizer_state, set_grad)
 
 

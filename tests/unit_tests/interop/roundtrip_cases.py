@@ -218,6 +218,13 @@ def jobs(phase: str, layout: str):
     return out
 
 
+def checkpoint_source(side: str, other: str) -> str:
+    """Whose checkpoints a loader reads: ``other`` (the round trip), or with ``ROUNDTRIP_LOAD_FROM=self`` its own
+    (a control: the same package saving and loading, to tell a package's own load behaviour from an interchange
+    difference)."""
+    return side if os.environ.get("ROUNDTRIP_LOAD_FROM") == "self" else other
+
+
 def drive(side: str, other: str, phase: str, workdir: str, layouts: str, build_model, save_kwargs=None,
           load_wrapper_kwargs=None, quantized_names=None) -> None:
     """For each layout (same world size; ``torch.distributed`` already initialised): build every case's model with

@@ -276,10 +276,11 @@ def main(phases: str, workdir: str, layouts: str) -> int:
     else:
         _shim_cuda()
     dist.init_process_group("nccl" if "gpu_te" in layouts else "gloo")
+    source = rc.checkpoint_source("upstream", "fork")  # the other side, or its own (ROUNDTRIP_LOAD_FROM=self)
     for phase in phases.split(","):
-        rc.drive("upstream", "fork", phase, workdir, layouts, build_model, save_kwargs={"async_strategy": "mcore"},
+        rc.drive("upstream", source, phase, workdir, layouts, build_model, save_kwargs={"async_strategy": "mcore"},
                  load_wrapper_kwargs={"exchange_algo": "gather_object"}, quantized_names=quantized_param_names)
-        rc.drive_optimizer("upstream", "fork", phase, workdir, layouts, build_model, build_optimizer,
+        rc.drive_optimizer("upstream", source, phase, workdir, layouts, build_model, build_optimizer,
                            optimizer_state, set_grad, save_kwargs={"async_strategy": "mcore"})
     dist.destroy_process_group()
     return 0
