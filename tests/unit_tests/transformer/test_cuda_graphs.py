@@ -108,6 +108,7 @@ def test_config_normalizes_as_upstream():
     assert cfg.cuda_graph_modules == []  # the whole layer
 
 
+DROP_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 REFUSALS = [
     (dict(cuda_graph_impl="full_iteration"), r"--cuda-graph-impl full_iteration .* is not supported"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["full_iteration"]), r"--cuda-graph-impl full_iteration"),
@@ -123,8 +124,25 @@ REFUSALS = [
      "moe_preprocess is only supported with moe_router"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "moe_router is only supported for MoE"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe", "moe_router"]), "both moe and moe_router"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe"]), "moe is only supported for MoE models"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4),
-     "--cuda-graph-modules moe: whole-MoE graphs"),
+     r"--cuda-graph-modules moe is only supported with drop-padding MoE \(upstream's rule\): give "
+     "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4,
+          moe_expert_capacity_factor=1.0), "moe is only supported with drop-padding MoE"),  # dropping, no padding
+    (dict(cuda_graph_impl="local", num_moe_experts=4, moe_expert_capacity_factor=1.0),
+     r"whole-layer CUDA graphs .* only supported with drop-padding MoE \(--moe-expert-capacity-factor and "
+     "--moe-pad-expert-input-to-capacity"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD,
+          moe_aux_loss_coeff=1e-2), "--cuda-graph-modules moe with --moe-aux-loss-coeff: the router is then inside"),
+    (dict(cuda_graph_impl="local", num_moe_experts=4, **DROP_PAD, moe_z_loss_coeff=1e-3),
+     r"whole-layer CUDA graphs .* with --moe-z-loss-coeff"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe"], num_moe_experts=4, **DROP_PAD,
+          moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+     "moe with --moe-router-enable-expert-bias"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD,
+          recompute_granularity="selective", recompute_modules=["moe_act"]),
+     r"--recompute-modules moe_act recompute\(s\) inside the graphed scope \(--cuda-graph-modules attn moe\)"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"], num_moe_experts=4),
      "--cuda-graph-modules moe_preprocess: the token dispatcher's preprocess"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["mlp"], num_moe_experts=4),
@@ -187,6 +205,14 @@ def test_accepted_combinations():
     cfg = _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn"], num_moe_experts=4, recompute_granularity="selective",
                recompute_modules=["moe_act"])  # the experts' activation stays outside the graphs
     assert graphed_recompute_modules(cfg, cfg.cuda_graph_modules) == []
+    # drop-and-pad MoE: the whole MoE layer, or the whole layer, graphed (upstream's rule)
+    cfg = _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD)
+    assert cfg.cuda_graph_modules == [M.attn, M.moe]
+    assert _cfg(cuda_graph_impl="transformer_engine", num_moe_experts=4, **DROP_PAD).cuda_graph_modules == []
+    _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "mlp", "moe"], num_moe_experts=4, moe_layer_freq=[1, 0],
+         moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)  # mlp: the dense layer
+    _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD,
+         moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="none")  # no loss computed: nothing skipped
 
 
 # ---- scheduling and signatures ---------------------------------------------------------------------------------
@@ -248,7 +274,11 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, moe_shar
     ([], {}),  # the whole layer
     (["attn", "moe_router"], MOE),
     (["attn", "mlp", "moe_router"], dict(MOE, moe_layer_freq=[0, 1])),
-], ids=["attn_mlp", "layer", "moe_router", "mixed"])
+    (["attn", "moe"], dict(MOE, **DROP_PAD, moe_token_dispatcher_type="alltoall")),
+    (["attn", "mlp", "moe"], dict(MOE, moe_layer_freq=[0, 1], moe_expert_capacity_factor=0.5,
+                                  moe_pad_expert_input_to_capacity=True, moe_token_dispatcher_type="allgather")),
+    ([], dict(MOE, **DROP_PAD)),  # the whole MoE layer
+], ids=["attn_mlp", "layer", "moe_router", "mixed", "moe", "mixed_moe", "moe_layer"])
 def test_regions_equal_the_plain_layer(modules, extra):
     """Recording runs the layer eagerly (bitwise the plain values); then each region module, called in place of its
     graph (what make_graphed_callables captures), gives the plain layer's values and gradients."""
@@ -268,7 +298,7 @@ def test_regions_equal_the_plain_layer(modules, extra):
             continue
         expect.append(f"layer {n} attn")
         if layer.is_moe:
-            expect.append(f"layer {n} moe_router")
+            expect.append(f"layer {n} {'moe' if M.moe in cfg.cuda_graph_modules else 'moe_router'}")
         elif M.mlp in cfg.cuda_graph_modules:
             expect.append(f"layer {n} mlp")
     assert names == expect  # the forward order of the warm-up step
@@ -302,6 +332,17 @@ def test_region_parameters_are_the_parts():
     assert router == want and not router & {id(p) for p in layer.mlp.experts.parameters()}
     assert "cuda_graphs" not in dict(model.named_modules()) and order == []
     assert not any("parts" in k for k in model.state_dict())  # the regions are not in the model's tree
+
+
+def test_moe_region_holds_the_whole_moe_layer():
+    cfg = _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], **MOE, **DROP_PAD)
+    model = _gpt(cfg)
+    _attach(model, cfg.cuda_graph_modules)
+    layer = model.decoder.layers[0]
+    assert sorted(layer.cuda_graphs.states) == ["attn", "moe"]
+    moe = {id(p) for p in layer.cuda_graphs.states["moe"].region.parameters()}
+    want = {id(p) for m in (layer.pre_mlp_layernorm, layer.mlp) for p in m.parameters()}
+    assert moe == want and {id(p) for p in layer.mlp.experts.parameters()} <= moe
 
 
 # ---- the gradient-steal guard ------------------------------------------------------------------------------------

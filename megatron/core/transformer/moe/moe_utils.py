@@ -137,6 +137,20 @@ def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_
     return capacity if min_capacity is None else max(capacity, min_capacity)
 
 
+def is_drop_and_pad(config) -> bool:
+    """Drop-and-pad MoE (``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``): every expert
+    gets exactly :func:`padded_expert_rows` rows, so the dispatch's shapes follow from the input's shape alone (no
+    device-to-host read; what ``--cuda-graph-modules moe`` and whole-layer graphs of MoE layers need)."""
+    return (getattr(config, "moe_expert_capacity_factor", None) is not None
+            and bool(getattr(config, "moe_pad_expert_input_to_capacity", False)))
+
+
+def padded_expert_rows(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """The rows each expert gets under drop-and-pad (:func:`apply_router_token_dropping` with ``pad_to_capacity``):
+    its capacity ``C = get_capacity(T * topk, E, factor)``, or all ``T`` tokens when ``C >= T``."""
+    return min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
+
+
 def apply_router_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, router_topk: int,
                                 capacity_factor: float, drop_policy: str = "probs", pad_to_capacity: bool = False):
     """Upstream's expert capacity on ``probs`` / ``routing_map`` ``[T, E]``: each expert keeps at most
