@@ -5,8 +5,9 @@ normalization, the refusals (each names its flag), the warm-up / capture schedul
 layer regions (run eagerly in place of their graphs: the same values and gradients as the plain layer), the
 gradient-steal guard, and the clear CUDA error.
 
-GPU (``@pytest.mark.gpu``): a tiny GPTModel trained with graphs replayed (local, then Transformer Engine's capture;
-local and TE layer specs) has the ungraphed run's losses (within 1e-6 relative in fp32, deterministic kernels), also
+GPU (``@pytest.mark.gpu``): a tiny GPTModel (dense; MoE with the router graphed; drop-and-pad MoE with the whole MoE
+layer or the whole layer graphed) trained with graphs replayed (local, then Transformer Engine's capture; local and TE
+layer specs) has the ungraphed run's losses (within 1e-6 relative in fp32, deterministic kernels), also
 with two micro-batches of gradient accumulation; FP8 delayed scaling with TE graphs: losses within noise of the
 ungraphed run and the amax history advancing under replay."""
 import ast
@@ -451,23 +452,34 @@ def _close(a, b, rel):
 
 GPU_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False,
                moe_shared_expert_intermediate_size=64)
+GPU_MOES = {"": {}, "dropless": GPU_MOE,
+            "pad": dict(GPU_MOE, **DROP_PAD),  # drop-and-pad: the whole MoE layer graphed
+            "pad_grouped": dict(GPU_MOE, moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
+                                moe_grouped_gemm=True, moe_token_dispatcher_type="allgather")}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("impl, spec, modules, micro_batches, moe", [
-    ("local", "local", ["attn", "mlp"], 1, False),
-    ("local", "local", [], 2, False),  # the whole layer; two micro-batches accumulate into .grad
-    ("local", "te", ["attn", "mlp"], 2, False),
-    ("transformer_engine", "local", ["attn", "mlp"], 1, False),
-    ("transformer_engine", "te", [], 2, False),
-    ("local", "local", ["attn", "moe_router"], 2, True),  # the router graphed, dispatch and experts eager
-    ("transformer_engine", "te", ["attn", "moe_router"], 2, True),
-], ids=lambda v: v if isinstance(v, str) else None)
+    ("local", "local", ["attn", "mlp"], 1, ""),
+    ("local", "local", [], 2, ""),  # the whole layer; two micro-batches accumulate into .grad
+    ("local", "te", ["attn", "mlp"], 2, ""),
+    ("transformer_engine", "local", ["attn", "mlp"], 1, ""),
+    ("transformer_engine", "te", [], 2, ""),
+    ("local", "local", ["attn", "moe_router"], 2, "dropless"),  # the router graphed, dispatch and experts eager
+    ("transformer_engine", "te", ["attn", "moe_router"], 2, "dropless"),
+    ("local", "local", ["attn", "moe"], 2, "pad"),  # drop-and-pad: router, dispatch, experts, combine graphed
+    ("transformer_engine", "te", ["attn", "moe"], 2, "pad"),
+    ("local", "local", [], 2, "pad"),  # the whole MoE layer
+    ("transformer_engine", "te", [], 1, "pad"),
+    ("local", "local", ["attn", "moe"], 1, "pad_grouped"),  # GroupedMLP, allgather dispatcher
+    ("transformer_engine", "te", ["attn", "moe"], 1, "pad_grouped"),  # TE's GroupedLinear
+], ids=lambda v: v if isinstance(v, str) and v else None)
 def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, monkeypatch, request):
     """The first replayed step runs on the eager run's weights (every earlier step was eager): its loss equals the
     eager run's within 1e-6 relative (the same kernels; MoE: 1e-5, the token combine adds in any order); the later
-    steps within 1e-5 (1e-4 MoE), rounding differences carried by the updates."""
+    steps within 1e-5 (1e-4 MoE), rounding differences carried by the updates. MoE ``pad`` (drop-and-pad, ``moe``
+    or the whole layer): the dispatch and the experts are inside the graphs."""
     if (spec == "te" or impl == "transformer_engine") and not _have_te():
         pytest.skip("needs Transformer Engine")
     precision = torch.get_float32_matmul_precision()  # torch 2.11's cuBLAS module has no allow_tf32 to patch
@@ -475,7 +487,7 @@ def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, 
     request.addfinalizer(lambda: torch.set_float32_matmul_precision(precision))
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-    extra = dict(transformer_impl="transformer_engine" if spec == "te" else "local", **(GPU_MOE if moe else {}))
+    extra = dict(transformer_impl="transformer_engine" if spec == "te" else "local", **GPU_MOES[moe])
     steps = 7
     eager, _, _ = _train(_gpu_cfg(**extra), steps, micro_batches, graphs=False)
     cfg = _gpu_cfg(cuda_graph_impl=impl, cuda_graph_modules=modules, **extra)
@@ -483,6 +495,8 @@ def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, 
     assert helper.captured and helper.graphed_regions(), "nothing was captured"
     n_regions = len(helper.graphed_regions())
     assert n_regions == (2 if not modules else 4), helper.graphed_regions()
+    if moe.startswith("pad") and modules:  # the MoE layers' regions are the whole MoE layer
+        assert sorted({n.rsplit(" ", 1)[1] for n in helper.graphed_regions()}) == ["attn", "moe"]
     warm = cfg.cuda_graph_warmup_steps
     assert helper.replays() == n_regions * micro_batches * (steps - warm)
     assert all(math.isfinite(x) for x in graphed) and len(set(graphed)) > 1, graphed  # it trains
