@@ -456,6 +456,8 @@ GPU_MOES = {"": {}, "dropless": GPU_MOE,
             "pad": dict(GPU_MOE, **DROP_PAD),  # drop-and-pad: the whole MoE layer graphed
             "pad_grouped": dict(GPU_MOE, moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
                                 moe_grouped_gemm=True, moe_token_dispatcher_type="allgather")}
+# bf16 grouped experts: torch's grouped matmul on Hopper, its group offsets made by kernels inside the capture
+GPU_MOES["pad_grouped_bf16"] = dict(GPU_MOES["pad_grouped"], bf16=True, params_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -474,6 +476,7 @@ GPU_MOES = {"": {}, "dropless": GPU_MOE,
     ("transformer_engine", "te", [], 1, "pad"),
     ("local", "local", ["attn", "moe"], 1, "pad_grouped"),  # GroupedMLP, allgather dispatcher
     ("transformer_engine", "te", ["attn", "moe"], 1, "pad_grouped"),  # TE's GroupedLinear
+    ("local", "local", ["attn", "moe"], 1, "pad_grouped_bf16"),
 ], ids=lambda v: v if isinstance(v, str) and v else None)
 def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, monkeypatch, request):
     """The first replayed step runs on the eager run's weights (every earlier step was eager): its loss equals the
@@ -501,6 +504,8 @@ def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, 
     assert helper.replays() == n_regions * micro_batches * (steps - warm)
     assert all(math.isfinite(x) for x in graphed) and len(set(graphed)) > 1, graphed  # it trains
     first, rest = (1e-5, 1e-4) if moe else (1e-6, 1e-5)
+    if moe.endswith("bf16"):  # bf16 activations: the combine's atomic adds round in any order
+        first, rest = 2e-3, 2e-2
     assert _close(graphed[:warm], eager[:warm], first), (graphed, eager)  # eager warm-up steps: the same run
     assert _close(graphed[warm:warm + 1], eager[warm:warm + 1], first), (warm, graphed, eager)
     assert _close(graphed, eager, rest), (graphed, eager)
