@@ -9,15 +9,20 @@ Models (bf16, Transformer Engine layers where TE is installed, else local), as t
   4 --layers 6 --ffn 4096 --seq 1024 --mbs 2 --micro-batches 4``): hidden 2048, 4 experts top-2 (alltoall
   dispatcher, sequential experts), 4 micro-batches per step; graphs of ``attn moe_router`` (the dispatch and the
   experts stay eager); with TE also its FP8 (hybrid, delayed scaling) rows, where ``local`` is refused (FP8 graphs
-  need ``transformer_engine``).
+  need ``transformer_engine``);
+- ``moe_pad``: the ``moe`` model with drop-and-pad experts (``--moe-expert-capacity-factor 1.0
+  --moe-pad-expert-input-to-capacity``: every expert gets exactly its capacity's rows, the dispatch reads nothing from
+  the device); graphs of ``attn moe`` (the whole MoE layer: router, dispatch, experts, combine); FP8 rows as ``moe``.
+  Its ``none`` row is the eager drop-and-pad baseline (the same FLOPs as the graphed rows; the dropless ``moe``
+  rows compute other tokens).
 
 Each row builds its model as ``pretrain_gpt.py`` does (``DistributedDataParallel`` + ``get_megatron_optimizer``, the
 step of ``training.train_step``), runs ``--cuda-graph-warmup-steps`` eager steps, the capture (``CudaGraphHelper``,
 as the training loop), two more steps, then ``--steps`` timed steps (wall, synchronized) and ``--profile-steps`` under
 ``torch.profiler`` (device busy: the sum of kernel and memcpy times, ``training.profiling.host_summary``). Rows run
-one after the other, each model freed before the next. About 1-2 minutes on one H100.
+one after the other, each model freed before the next. About 2-3 minutes on one H100.
 
-Usage: ``python benchmarks/cuda_graphs_gpu.py`` (GPU); ``--models moe``; ``--small`` (CPU: the graphs-off rows of a
+Usage: ``python benchmarks/cuda_graphs_gpu.py`` (GPU); ``--models moe,moe_pad``; ``--small`` (CPU: the graphs-off rows of a
 tiny model only, to check the script).
 """
 import argparse
@@ -38,6 +43,8 @@ MODELS = {
                   micro_batches=1, modules=[]),
     "moe": dict(layers=6, hidden=2048, ffn=4096, heads=16, seq=1024, mbs=2, vocab=32768, experts=4,
                 micro_batches=4, modules=["attn", "moe_router"]),
+    "moe_pad": dict(layers=6, hidden=2048, ffn=4096, heads=16, seq=1024, mbs=2, vocab=32768, experts=4,
+                    micro_batches=4, modules=["attn", "moe"], capacity_factor=1.0),
 }
 SMALL = dict(layers=2, hidden=128, ffn=256, heads=4, seq=64, mbs=2, vocab=512)
 
@@ -59,6 +66,8 @@ def _config(m, impl: str, fp8: bool, te: bool, warmup: int):
               cuda_graph_impl=impl, cuda_graph_modules=list(m["modules"]), cuda_graph_warmup_steps=warmup)
     if m["experts"]:
         kw.update(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="alltoall")
+    if m.get("capacity_factor") is not None:  # drop-and-pad
+        kw.update(moe_expert_capacity_factor=m["capacity_factor"], moe_pad_expert_input_to_capacity=True)
     if fp8:
         kw.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     return TransformerConfig(**kw)
@@ -138,7 +147,7 @@ def _rows(models, te: bool, fp8: bool, cuda: bool):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="dense,moe", help=f"comma-separated subset of {','.join(MODELS)}")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per row")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--warmup-steps", type=int, default=2, help="--cuda-graph-warmup-steps (eager steps)")

@@ -36,9 +36,31 @@ def host_ints_to_device(values: Sequence[int], device: torch.device, dtype=torch
     and a non-blocking copy (a pageable copy synchronises the stream, which drains the queue of kernels the host
     had launched ahead: twice per MoE layer on the grouped path, 16 of 49 synchronisations per step of the H200
     benchmark). The caching host allocator keeps the pinned block until the copy has run."""
+    values = [int(v) for v in values]
     if torch.device(device).type != "cuda":
-        return torch.tensor(list(values), dtype=dtype, device=device)
-    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return _ints_by_kernels(values, device, dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _ints_by_kernels(values: Sequence[int], device, dtype) -> torch.Tensor:
+    """``values`` made on the device by kernels only, for a CUDA graph capture (``--cuda-graph-modules moe``): a
+    captured copy from pinned host memory would read that host block again at every replay, after the caching host
+    allocator has handed it to someone else. Equal values or an arithmetic progression (drop-and-pad experts' row
+    counts and their offsets) are one ``full`` / ``arange`` kernel, anything else one ``fill_`` per value."""
+    n = len(values)
+    if n == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    step = values[1] - values[0] if n > 1 else 0
+    if all(b - a == step for a, b in zip(values, values[1:])):
+        if step == 0:
+            return torch.full((n,), values[0], dtype=dtype, device=device)
+        return torch.arange(values[0], values[0] + step * n, step, dtype=dtype, device=device)
+    out = torch.empty(n, dtype=dtype, device=device)
+    for i, v in enumerate(values):
+        out[i].fill_(v)
+    return out
 
 
 class _GroupedMM(torch.autograd.Function):

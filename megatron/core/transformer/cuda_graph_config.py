@@ -10,10 +10,10 @@ from megatron.core.transformer.enums import CudaGraphModule, CudaGraphScope
 
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")  # upstream's values
 BUILT_IMPLS = ("none", "local", "transformer_engine")
-BUILT_MODULES = (CudaGraphModule.attn, CudaGraphModule.mlp, CudaGraphModule.moe_router)
+BUILT_MODULES = (CudaGraphModule.attn, CudaGraphModule.mlp, CudaGraphModule.moe, CudaGraphModule.moe_router)
+# upstream's rule for moe (and, here, whole-layer graphs of MoE layers): drop-and-pad only
+DROP_PAD_FLAGS = "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity"
 REFUSED_MODULES = {
-    CudaGraphModule.moe: "whole-MoE graphs (drop-and-pad experts inside the graph) are not built here: use "
-                         "moe_router (the router graphed, dispatch and experts eager)",
     CudaGraphModule.moe_preprocess: "the token dispatcher's preprocess is not a separate graphable step here: use "
                                     "moe_router",
     CudaGraphModule.mamba: "this fork has no Mamba layers",
@@ -136,29 +136,41 @@ def _check_modules(config, modules: List[CudaGraphModule]) -> None:
     if refused:
         raise ValueError("; ".join(f"--cuda-graph-modules {m.name}: {REFUSED_MODULES[m]}" for m in refused))
     is_moe = config.num_moe_experts is not None and config.num_moe_experts > 1
-    if not is_moe and CudaGraphModule.moe_router in modules:
-        raise ValueError("--cuda-graph-modules moe_router is only supported for MoE models (--num-experts)")
-    if is_moe:
-        freq = config.moe_layer_freq
-        all_moe = freq == 1 or (isinstance(freq, (list, tuple)) and 0 not in freq)
-        if all_moe and CudaGraphModule.mlp in modules:
-            raise ValueError("--cuda-graph-modules mlp is only supported for dense layers, but every layer is MoE "
-                             "(--moe-layer-freq); use moe_router")
+    for m in (CudaGraphModule.moe, CudaGraphModule.moe_router):
+        if not is_moe and m in modules:
+            raise ValueError(f"--cuda-graph-modules {m.name} is only supported for MoE models (--num-experts)")
+    if not is_moe:
+        return
+    freq = config.moe_layer_freq
+    all_moe = freq == 1 or (isinstance(freq, (list, tuple)) and 0 not in freq)
+    if all_moe and CudaGraphModule.mlp in modules:
+        raise ValueError("--cuda-graph-modules mlp is only supported for dense layers, but every layer is MoE "
+                         "(--moe-layer-freq); use moe or moe_router")
+    from megatron.core.transformer.moe.moe_utils import is_drop_and_pad
+
+    whole = "whole-layer CUDA graphs (no --cuda-graph-modules, or 'full') of an MoE model (--num-experts)"
+    if not is_drop_and_pad(config):
+        if CudaGraphModule.moe in modules:
+            raise ValueError(f"--cuda-graph-modules moe is only supported with drop-padding MoE (upstream's rule): "
+                             f"give {DROP_PAD_FLAGS} (every expert then gets its capacity's rows, shapes known "
+                             "without reading the routing), or use moe_router (the router graphed, dispatch and "
+                             "experts eager)")
         if not modules:
-            raise ValueError("whole-layer CUDA graphs (no --cuda-graph-modules, or 'full') of an MoE model "
-                             "(--num-experts) would graph the token dispatch and the experts, whose shapes depend on "
-                             "the routing: not built here; give --cuda-graph-modules attn moe_router (and mlp for "
-                             "the dense layers)")
-        if CudaGraphModule.moe_router in modules:
-            side = [flag for flag, on in (
-                ("--moe-aux-loss-coeff", config.moe_aux_loss_coeff > 0
-                 and config.moe_router_load_balancing_type != "none"),
-                ("--moe-z-loss-coeff", bool(config.moe_z_loss_coeff)),
-                ("--moe-router-enable-expert-bias", config.moe_router_enable_expert_bias)) if on]
-            if side:
-                raise ValueError(f"--cuda-graph-modules moe_router with {' / '.join(side)}: the router then records "
-                                 "per-step values (logged losses, token counts) in Python, which a graph replay "
-                                 "skips; not supported yet: drop moe_router or those flags")
+            raise ValueError(f"{whole} graph the token dispatch and the experts, whose shapes depend on the "
+                             f"routing: only supported with drop-padding MoE ({DROP_PAD_FLAGS}); else give "
+                             "--cuda-graph-modules attn moe_router (and mlp for the dense layers)")
+    routed = [m.name for m in (CudaGraphModule.moe, CudaGraphModule.moe_router) if m in modules]
+    if routed or not modules:
+        side = [flag for flag, on in (
+            ("--moe-aux-loss-coeff", config.moe_aux_loss_coeff > 0
+             and config.moe_router_load_balancing_type != "none"),
+            ("--moe-z-loss-coeff", bool(config.moe_z_loss_coeff)),
+            ("--moe-router-enable-expert-bias", config.moe_router_enable_expert_bias)) if on]
+        if side:
+            what = f"--cuda-graph-modules {routed[0]}" if routed else whole
+            raise ValueError(f"{what} with {' / '.join(side)}: the router is then inside the graph and records "
+                             "per-step values (logged losses, token counts) in Python, which a graph replay skips; "
+                             "not supported yet: graph attn (and mlp) only, or drop those flags")
 
 
 def _check_composition(config, modules: List[CudaGraphModule]) -> None:
@@ -209,6 +221,8 @@ def graphed_recompute_modules(config, modules: Sequence[CudaGraphModule]) -> Lis
         covered |= {"core_attn", "layernorm"}
     if whole or CudaGraphModule.mlp in modules:
         covered |= {"mlp", "layernorm"}
+    if whole or CudaGraphModule.moe in modules:
+        covered |= {"moe", "moe_act", "layernorm"}  # the whole MoE layer, the experts' activation inside it
     if CudaGraphModule.moe_router in modules:
         covered |= {"moe", "layernorm"}  # moe: the whole MoE layer around the graphed router
     return [m for m in (config.recompute_modules or []) if m in covered]

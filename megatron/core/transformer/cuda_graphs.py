@@ -4,11 +4,18 @@ What is graphed (``--cuda-graph-modules``, upstream's names; ``--cuda-graph-scop
 
 - ``attn``: a layer's input norm, self-attention and residual add (``TransformerLayer._forward_attention``);
 - ``mlp``: a dense layer's pre-MLP norm, MLP and residual add (``TransformerLayer._forward_mlp``);
+- ``moe``: an MoE layer's pre-MLP norm, the whole ``MoELayer`` (shared experts, router, token dispatch, experts,
+  combine) and residual add, as ``mlp`` for a dense layer. Drop-and-pad MoE only (``--moe-expert-capacity-factor``
+  with ``--moe-pad-expert-input-to-capacity``, upstream's rule): every expert then gets exactly its capacity's rows,
+  so the dispatchers take the counts from shapes and make no device-to-host read (``token_dispatcher.py``);
 - ``moe_router``: an MoE layer's pre-MLP norm, shared experts and router (``MoELayer.route``); the token
-  dispatch, the experts and the combine stay eager (their shapes depend on the routing);
-- nothing given (upstream's whole-layer scope, the deprecated ``full``): the whole layer, dense layers only.
+  dispatch, the experts and the combine stay eager (dropless: their shapes depend on the routing);
+- nothing given (upstream's whole-layer scope, the deprecated ``full``): the whole layer; MoE layers with
+  drop-and-pad only (as ``moe``).
 
-Upstream's ``moe``, ``moe_preprocess`` and ``mamba`` modules and the ``full_iteration`` implementation are refused by
+With ``moe``, ``moe_router`` or the whole layer, the router's per-step Python side effects (``--moe-aux-loss-coeff``
+/ ``--moe-z-loss-coeff`` logged values, ``--moe-router-enable-expert-bias`` counts) would be skipped by a replay:
+refused. Upstream's ``moe_preprocess`` and ``mamba`` modules and the ``full_iteration`` implementation are refused by
 name (``cuda_graph_config.check_cuda_graph_config``), as are the combinations that do not compose yet.
 
 How (the steps, each a small function below):
@@ -147,7 +154,7 @@ class _Region(torch.nn.Module):
         layer = self.layer
         if self.kind == "moe_router":
             return layer._route_moe(hidden_states)
-        if self.kind == "mlp":
+        if self.kind in ("mlp", "moe"):
             return layer._mlp_eager(hidden_states)
         kw = dict(zip(self.extras, extra))
         run = layer._attention_eager if self.kind == "attn" else layer._layer_eager  # "layer": the whole layer
@@ -164,7 +171,9 @@ def _layer_regions(layer, modules: Sequence[CudaGraphModule]) -> Dict[str, _Regi
     if CudaGraphModule.attn in modules:
         out["attn"] = _Region(layer, "attn", attn_parts)
     if layer.is_moe:
-        if CudaGraphModule.moe_router in modules:
+        if CudaGraphModule.moe in modules:  # drop-and-pad (cuda_graph_config): the norm, the whole MoE layer
+            out["moe"] = _Region(layer, "moe", mlp_parts)
+        elif CudaGraphModule.moe_router in modules:
             moe = layer.mlp
             parts = [layer.pre_mlp_layernorm, moe.router] + ([moe.shared_experts] if moe.shared_experts else [])
             out["moe_router"] = _Region(layer, "moe_router", parts)

@@ -251,10 +251,11 @@ class TransformerLayer(MegatronModule):
 
     def _forward_mlp(self, hidden_states):
         """The pre-MLP norm, MLP / MoE and residual add (upstream's name; ``--cuda-graph-modules mlp`` for a dense
-        layer, ``moe_router`` graphs an MoE layer's norm and router only)."""
+        layer, ``moe`` the same for a drop-and-pad MoE layer, ``moe_router`` an MoE layer's norm and router only)."""
         graphs = self.cuda_graphs
-        if graphs is not None and graphs.has("mlp"):
-            return graphs.run("mlp", lambda: self._mlp_eager(hidden_states), hidden_states)
+        for kind in ("mlp", "moe"):  # a dense layer's / a drop-and-pad MoE layer's norm, MLP and residual
+            if graphs is not None and graphs.has(kind):
+                return graphs.run(kind, lambda: self._mlp_eager(hidden_states), hidden_states)
         if graphs is not None and graphs.has("moe_router"):
             routed = graphs.run("moe_router", lambda: self._route_moe(hidden_states), hidden_states)
             out, bias = self.mlp.dispatch_and_combine(*routed)

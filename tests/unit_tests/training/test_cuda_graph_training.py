@@ -61,6 +61,11 @@ def test_flags_reach_the_config():
     moe = ["--num-experts", 4, "--disable-bias-linear", "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
            "moe_router"]
     assert core_transformer_config_from_args(_args(moe)).cuda_graph_modules == [M.attn, M.moe_router]
+    pad = ["--num-experts", 4, "--disable-bias-linear", "--moe-expert-capacity-factor", 1.0,
+           "--moe-pad-expert-input-to-capacity", "--cuda-graph-impl", "local"]
+    cfg = core_transformer_config_from_args(_args(pad + ["--cuda-graph-modules", "attn", "moe"]))
+    assert cfg.cuda_graph_modules == [M.attn, M.moe] and cfg.moe_pad_expert_input_to_capacity
+    assert core_transformer_config_from_args(_args(pad)).cuda_graph_modules == []  # the whole (MoE) layer
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -72,7 +77,10 @@ def test_flags_reach_the_config():
     (["--cuda-graph-impl", "local", "--use-megatron-fsdp"], "--use-megatron-fsdp with --cuda-graph-impl local"),
     (["--cuda-graph-impl", "local", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
      "--overlap-param-gather with --cuda-graph-impl local"),
-    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"], "--cuda-graph-modules moe: whole-MoE graphs"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"], "moe is only supported for MoE models"),
+    (["--num-experts", 4, "--disable-bias-linear", "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+      "moe"], "--cuda-graph-modules moe is only supported with drop-padding MoE (upstream's rule): give "
+              "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity"),
     (["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", 0], "--cuda-graph-warmup-steps=0) must be >= 1"),
     (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe_router"], "moe_router is only supported for MoE"),
     (["--cuda-graph-impl", "local", "--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -139,6 +147,26 @@ def _schedule_body(rank, world_size):
         assert graphed.cuda_graph_replays == 4 * 4 * 3  # regions x micro-batches x iterations 3-5
         # the graphs are dropped at the end of training (evaluation after it runs eagerly)
         assert not any(getattr(m, "cuda_graphs", None) for m in graphed.model[0].modules())
+
+
+def _moe_schedule_body(rank, world_size):
+    base = TINY + NO_DROPOUT + ["--train-iters", 4, "--position-embedding-type", "rope", "--num-experts", 4,
+                                "--disable-bias-linear", "--moe-expert-capacity-factor", 1.0,
+                                "--moe-pad-expert-input-to-capacity"]
+    eager = _run(base)
+    given = _stand_in_capture()
+    graphed = _run(base + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe",
+                           "--cuda-graph-warmup-steps", 2])
+    assert graphed.cuda_graph_regions == ["layer 1 attn", "layer 1 moe", "layer 2 attn", "layer 2 moe"]
+    assert len(given) == 4
+    assert graphed.losses == eager.losses, (graphed.losses, eager.losses)
+    assert graphed.cuda_graph_replays == 4 * 4 * 2  # regions x micro-batches x iterations 3-4
+
+
+def test_training_loop_graphs_drop_and_pad_moe_layers():
+    """``--cuda-graph-modules attn moe`` with drop-and-pad experts through the training loop: the whole MoE layers
+    are regions, and the run (the stand-in's regions in place of the graphs) has the eager run's losses."""
+    run_distributed(_moe_schedule_body, 1)
 
 
 def test_training_loop_records_then_captures_then_replays():

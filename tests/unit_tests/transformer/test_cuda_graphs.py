@@ -5,8 +5,9 @@ normalization, the refusals (each names its flag), the warm-up / capture schedul
 layer regions (run eagerly in place of their graphs: the same values and gradients as the plain layer), the
 gradient-steal guard, and the clear CUDA error.
 
-GPU (``@pytest.mark.gpu``): a tiny GPTModel trained with graphs replayed (local, then Transformer Engine's capture;
-local and TE layer specs) has the ungraphed run's losses (within 1e-6 relative in fp32, deterministic kernels), also
+GPU (``@pytest.mark.gpu``): a tiny GPTModel (dense; MoE with the router graphed; drop-and-pad MoE with the whole MoE
+layer or the whole layer graphed) trained with graphs replayed (local, then Transformer Engine's capture; local and TE
+layer specs) has the ungraphed run's losses (within 1e-6 relative in fp32, deterministic kernels), also
 with two micro-batches of gradient accumulation; FP8 delayed scaling with TE graphs: losses within noise of the
 ungraphed run and the amax history advancing under replay."""
 import ast
@@ -108,6 +109,7 @@ def test_config_normalizes_as_upstream():
     assert cfg.cuda_graph_modules == []  # the whole layer
 
 
+DROP_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 REFUSALS = [
     (dict(cuda_graph_impl="full_iteration"), r"--cuda-graph-impl full_iteration .* is not supported"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["full_iteration"]), r"--cuda-graph-impl full_iteration"),
@@ -123,8 +125,25 @@ REFUSALS = [
      "moe_preprocess is only supported with moe_router"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "moe_router is only supported for MoE"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe", "moe_router"]), "both moe and moe_router"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe"]), "moe is only supported for MoE models"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4),
-     "--cuda-graph-modules moe: whole-MoE graphs"),
+     r"--cuda-graph-modules moe is only supported with drop-padding MoE \(upstream's rule\): give "
+     "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4,
+          moe_expert_capacity_factor=1.0), "moe is only supported with drop-padding MoE"),  # dropping, no padding
+    (dict(cuda_graph_impl="local", num_moe_experts=4, moe_expert_capacity_factor=1.0),
+     r"whole-layer CUDA graphs .* only supported with drop-padding MoE \(--moe-expert-capacity-factor and "
+     "--moe-pad-expert-input-to-capacity"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD,
+          moe_aux_loss_coeff=1e-2), "--cuda-graph-modules moe with --moe-aux-loss-coeff: the router is then inside"),
+    (dict(cuda_graph_impl="local", num_moe_experts=4, **DROP_PAD, moe_z_loss_coeff=1e-3),
+     r"whole-layer CUDA graphs .* with --moe-z-loss-coeff"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe"], num_moe_experts=4, **DROP_PAD,
+          moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+     "moe with --moe-router-enable-expert-bias"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD,
+          recompute_granularity="selective", recompute_modules=["moe_act"]),
+     r"--recompute-modules moe_act recompute\(s\) inside the graphed scope \(--cuda-graph-modules attn moe\)"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"], num_moe_experts=4),
      "--cuda-graph-modules moe_preprocess: the token dispatcher's preprocess"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["mlp"], num_moe_experts=4),
@@ -187,6 +206,14 @@ def test_accepted_combinations():
     cfg = _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn"], num_moe_experts=4, recompute_granularity="selective",
                recompute_modules=["moe_act"])  # the experts' activation stays outside the graphs
     assert graphed_recompute_modules(cfg, cfg.cuda_graph_modules) == []
+    # drop-and-pad MoE: the whole MoE layer, or the whole layer, graphed (upstream's rule)
+    cfg = _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD)
+    assert cfg.cuda_graph_modules == [M.attn, M.moe]
+    assert _cfg(cuda_graph_impl="transformer_engine", num_moe_experts=4, **DROP_PAD).cuda_graph_modules == []
+    _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "mlp", "moe"], num_moe_experts=4, moe_layer_freq=[1, 0],
+         moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)  # mlp: the dense layer
+    _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4, **DROP_PAD,
+         moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="none")  # no loss computed: nothing skipped
 
 
 # ---- scheduling and signatures ---------------------------------------------------------------------------------
@@ -248,7 +275,11 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, moe_shar
     ([], {}),  # the whole layer
     (["attn", "moe_router"], MOE),
     (["attn", "mlp", "moe_router"], dict(MOE, moe_layer_freq=[0, 1])),
-], ids=["attn_mlp", "layer", "moe_router", "mixed"])
+    (["attn", "moe"], dict(MOE, **DROP_PAD, moe_token_dispatcher_type="alltoall")),
+    (["attn", "mlp", "moe"], dict(MOE, moe_layer_freq=[0, 1], moe_expert_capacity_factor=0.5,
+                                  moe_pad_expert_input_to_capacity=True, moe_token_dispatcher_type="allgather")),
+    ([], dict(MOE, **DROP_PAD)),  # the whole MoE layer
+], ids=["attn_mlp", "layer", "moe_router", "mixed", "moe", "mixed_moe", "moe_layer"])
 def test_regions_equal_the_plain_layer(modules, extra):
     """Recording runs the layer eagerly (bitwise the plain values); then each region module, called in place of its
     graph (what make_graphed_callables captures), gives the plain layer's values and gradients."""
@@ -268,7 +299,7 @@ def test_regions_equal_the_plain_layer(modules, extra):
             continue
         expect.append(f"layer {n} attn")
         if layer.is_moe:
-            expect.append(f"layer {n} moe_router")
+            expect.append(f"layer {n} {'moe' if M.moe in cfg.cuda_graph_modules else 'moe_router'}")
         elif M.mlp in cfg.cuda_graph_modules:
             expect.append(f"layer {n} mlp")
     assert names == expect  # the forward order of the warm-up step
@@ -302,6 +333,17 @@ def test_region_parameters_are_the_parts():
     assert router == want and not router & {id(p) for p in layer.mlp.experts.parameters()}
     assert "cuda_graphs" not in dict(model.named_modules()) and order == []
     assert not any("parts" in k for k in model.state_dict())  # the regions are not in the model's tree
+
+
+def test_moe_region_holds_the_whole_moe_layer():
+    cfg = _cfg(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], **MOE, **DROP_PAD)
+    model = _gpt(cfg)
+    _attach(model, cfg.cuda_graph_modules)
+    layer = model.decoder.layers[0]
+    assert sorted(layer.cuda_graphs.states) == ["attn", "moe"]
+    moe = {id(p) for p in layer.cuda_graphs.states["moe"].region.parameters()}
+    want = {id(p) for m in (layer.pre_mlp_layernorm, layer.mlp) for p in m.parameters()}
+    assert moe == want and {id(p) for p in layer.mlp.experts.parameters()} <= moe
 
 
 # ---- the gradient-steal guard ------------------------------------------------------------------------------------
@@ -410,23 +452,37 @@ def _close(a, b, rel):
 
 GPU_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False,
                moe_shared_expert_intermediate_size=64)
+GPU_MOES = {"": {}, "dropless": GPU_MOE,
+            "pad": dict(GPU_MOE, **DROP_PAD),  # drop-and-pad: the whole MoE layer graphed
+            "pad_grouped": dict(GPU_MOE, moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
+                                moe_grouped_gemm=True, moe_token_dispatcher_type="allgather")}
+# bf16 grouped experts: torch's grouped matmul on Hopper, its group offsets made by kernels inside the capture
+GPU_MOES["pad_grouped_bf16"] = dict(GPU_MOES["pad_grouped"], bf16=True, params_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("impl, spec, modules, micro_batches, moe", [
-    ("local", "local", ["attn", "mlp"], 1, False),
-    ("local", "local", [], 2, False),  # the whole layer; two micro-batches accumulate into .grad
-    ("local", "te", ["attn", "mlp"], 2, False),
-    ("transformer_engine", "local", ["attn", "mlp"], 1, False),
-    ("transformer_engine", "te", [], 2, False),
-    ("local", "local", ["attn", "moe_router"], 2, True),  # the router graphed, dispatch and experts eager
-    ("transformer_engine", "te", ["attn", "moe_router"], 2, True),
-], ids=lambda v: v if isinstance(v, str) else None)
+    ("local", "local", ["attn", "mlp"], 1, ""),
+    ("local", "local", [], 2, ""),  # the whole layer; two micro-batches accumulate into .grad
+    ("local", "te", ["attn", "mlp"], 2, ""),
+    ("transformer_engine", "local", ["attn", "mlp"], 1, ""),
+    ("transformer_engine", "te", [], 2, ""),
+    ("local", "local", ["attn", "moe_router"], 2, "dropless"),  # the router graphed, dispatch and experts eager
+    ("transformer_engine", "te", ["attn", "moe_router"], 2, "dropless"),
+    ("local", "local", ["attn", "moe"], 2, "pad"),  # drop-and-pad: router, dispatch, experts, combine graphed
+    ("transformer_engine", "te", ["attn", "moe"], 2, "pad"),
+    ("local", "local", [], 2, "pad"),  # the whole MoE layer
+    ("transformer_engine", "te", [], 1, "pad"),
+    ("local", "local", ["attn", "moe"], 1, "pad_grouped"),  # GroupedMLP, allgather dispatcher
+    ("transformer_engine", "te", ["attn", "moe"], 1, "pad_grouped"),  # TE's GroupedLinear
+    ("local", "local", ["attn", "moe"], 1, "pad_grouped_bf16"),
+], ids=lambda v: v if isinstance(v, str) and v else None)
 def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, monkeypatch, request):
     """The first replayed step runs on the eager run's weights (every earlier step was eager): its loss equals the
     eager run's within 1e-6 relative (the same kernels; MoE: 1e-5, the token combine adds in any order); the later
-    steps within 1e-5 (1e-4 MoE), rounding differences carried by the updates."""
+    steps within 1e-5 (1e-4 MoE), rounding differences carried by the updates. MoE ``pad`` (drop-and-pad, ``moe``
+    or the whole layer): the dispatch and the experts are inside the graphs."""
     if (spec == "te" or impl == "transformer_engine") and not _have_te():
         pytest.skip("needs Transformer Engine")
     precision = torch.get_float32_matmul_precision()  # torch 2.11's cuBLAS module has no allow_tf32 to patch
@@ -434,7 +490,7 @@ def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, 
     request.addfinalizer(lambda: torch.set_float32_matmul_precision(precision))
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-    extra = dict(transformer_impl="transformer_engine" if spec == "te" else "local", **(GPU_MOE if moe else {}))
+    extra = dict(transformer_impl="transformer_engine" if spec == "te" else "local", **GPU_MOES[moe])
     steps = 7
     eager, _, _ = _train(_gpu_cfg(**extra), steps, micro_batches, graphs=False)
     cfg = _gpu_cfg(cuda_graph_impl=impl, cuda_graph_modules=modules, **extra)
@@ -442,10 +498,14 @@ def test_graphed_training_equals_eager(impl, spec, modules, micro_batches, moe, 
     assert helper.captured and helper.graphed_regions(), "nothing was captured"
     n_regions = len(helper.graphed_regions())
     assert n_regions == (2 if not modules else 4), helper.graphed_regions()
+    if moe.startswith("pad") and modules:  # the MoE layers' regions are the whole MoE layer
+        assert sorted({n.rsplit(" ", 1)[1] for n in helper.graphed_regions()}) == ["attn", "moe"]
     warm = cfg.cuda_graph_warmup_steps
     assert helper.replays() == n_regions * micro_batches * (steps - warm)
     assert all(math.isfinite(x) for x in graphed) and len(set(graphed)) > 1, graphed  # it trains
     first, rest = (1e-5, 1e-4) if moe else (1e-6, 1e-5)
+    if moe.endswith("bf16"):  # bf16 activations: the combine's atomic adds round in any order
+        first, rest = 2e-3, 2e-2
     assert _close(graphed[:warm], eager[:warm], first), (graphed, eager)  # eager warm-up steps: the same run
     assert _close(graphed[warm:warm + 1], eager[warm:warm + 1], first), (warm, graphed, eager)
     assert _close(graphed, eager, rest), (graphed, eager)

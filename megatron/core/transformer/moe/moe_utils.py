@@ -137,6 +137,20 @@ def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_
     return capacity if min_capacity is None else max(capacity, min_capacity)
 
 
+def is_drop_and_pad(config) -> bool:
+    """Drop-and-pad MoE (``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``): every expert
+    gets exactly :func:`padded_expert_rows` rows, so the dispatch's shapes follow from the input's shape alone (no
+    device-to-host read; what ``--cuda-graph-modules moe`` and whole-layer graphs of MoE layers need)."""
+    return (getattr(config, "moe_expert_capacity_factor", None) is not None
+            and bool(getattr(config, "moe_pad_expert_input_to_capacity", False)))
+
+
+def padded_expert_rows(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """The rows each expert gets under drop-and-pad (:func:`apply_router_token_dropping` with ``pad_to_capacity``):
+    its capacity ``C = get_capacity(T * topk, E, factor)``, or all ``T`` tokens when ``C >= T``."""
+    return min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
+
+
 def apply_router_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, router_topk: int,
                                 capacity_factor: float, drop_policy: str = "probs", pad_to_capacity: bool = False):
     """Upstream's expert capacity on ``probs`` / ``routing_map`` ``[T, E]``: each expert keeps at most
@@ -246,8 +260,8 @@ class _SumTokenRows(torch.autograd.Function):
 
 
 def _routes_by_expert(routing_map: torch.Tensor, num_routes: Optional[int] = None):
-    """``(token, expert)`` index pairs ``[N]`` of the routing map's True entries, by expert, then by token (the
-    row-major order of ``routing_map.T``). With ``num_routes`` (``N``, known on the host) through
+    """``(token, position)`` ``[N]`` of the routing map's True entries, by expert, then by token (the row-major order
+    of ``routing_map.T``): the token of each, and its index in ``routing_map.T`` flattened. With ``num_routes`` (``N``, known on the host) through
     ``torch.nonzero_static``: no device-to-host sync, where a boolean-mask index syncs for its size (three times
     per MoE layer and step with the probs' backward). ``num_routes`` is checked against the map on the device: a
     RuntimeError naming ``num_out_tokens`` on CPU, a device-side assert on CUDA."""
@@ -258,8 +272,7 @@ def _routes_by_expert(routing_map: torch.Tensor, num_routes: Optional[int] = Non
         torch._assert_async(mask.sum() == int(num_routes),
                             f"permute: num_out_tokens={int(num_routes)} is not the routing map's number of routes")
         pos = torch.nonzero_static(mask, size=int(num_routes)).squeeze(1)
-    num_tokens = routing_map.shape[0]
-    return pos % num_tokens, pos // num_tokens
+    return pos % routing_map.shape[0], pos
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
@@ -282,8 +295,11 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
             return out, None, row_map
         out, permuted_probs, row_map = te_moe_permute_with_probs(tokens, probs.contiguous(), int_map, n)
         return out, permuted_probs, row_map
-    sorted_indices, experts = _routes_by_expert(routing_map, num_out_tokens)
-    permuted_probs = None if probs is None else probs[sorted_indices, experts]
+    sorted_indices, pos = _routes_by_expert(routing_map, num_out_tokens)
+    # a gather of the transposed probs (backward: an index_add into distinct rows) rather than advanced indexing
+    # (backward: index_put with accumulate, which sorts the indices): the same values and gradients, and the plain
+    # gather / scatter pair of upstream's drop-and-pad permute inside ``moe`` graphs
+    permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, pos)
     if routes_per_token is None:
         return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
     torch._assert_async(routing_map.sum(dim=1).eq(routes_per_token).all(),

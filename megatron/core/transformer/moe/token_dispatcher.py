@@ -15,6 +15,13 @@ the two-call API (``token_permutation`` / ``token_unpermutation``) are provided.
   over EP, all-to-all the tokens (``input_splits``: tokens for each EP rank, ``output_splits``: tokens from each),
   regroup the received chunks from (source rank, local expert) to (local expert, source rank) order; combine
   reverses every step and unpermutes with the local probs.
+
+Drop-and-pad (``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``, expert parallel size 1):
+every expert gets exactly ``padded_expert_rows(T, E, topk, factor)`` rows, so both dispatchers take the counts from
+the routing map's shape (:meth:`MoETokenDispatcher.static_counts`) instead of reading them from the device: the
+dispatch makes no device-to-host read and can be captured in a CUDA graph (``--cuda-graph-modules moe``). The rows
+and their order are those of the counted path (the same ``permute``); a device-side assert checks that every expert
+got its rows.
 """
 from typing import List
 
@@ -24,6 +31,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_along_first_dim, reduce_scatter_along_first_dim
 from megatron.core.transformer.moe.moe_utils import (
+    is_drop_and_pad,
+    padded_expert_rows,
     permute,
     sort_chunks_by_idxs,
     unpermute,
@@ -45,6 +54,19 @@ class MoETokenDispatcher:
         self.ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.hidden_shape = None
+        # drop-and-pad at EP 1: the counts follow from shapes (with EP > 1 the ranks' token counts may differ)
+        self.static = is_drop_and_pad(config) and self.ep_size == 1
+
+    def static_counts(self, routing_map: torch.Tensor) -> List[int]:
+        """Drop-and-pad: the rows of each of the routing map's ``[T, E]`` experts (every expert gets its padded
+        capacity), from its shape only; checked on the device without a sync."""
+        num_tokens, num_experts = routing_map.shape
+        rows = padded_expert_rows(num_tokens, num_experts, self.config.moe_router_topk,
+                                  self.config.moe_expert_capacity_factor)
+        torch._assert_async(routing_map.sum(dim=0).eq(rows).all(),
+                            f"drop-and-pad dispatch: an expert does not have its {rows} padded rows "
+                            "(--moe-pad-expert-input-to-capacity)")
+        return [rows] * num_experts
 
     # ---- the two-call API --------------------------------------------------------------------------------
     def token_permutation(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
@@ -87,7 +109,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.gathered_shape = hidden_states.shape
         local_map = self.routing_map[:, lo:hi]
-        counts = local_map.sum(dim=0).tolist()  # the dispatch's one device-to-host read: the experts' row groups
+        if self.static:  # drop-and-pad: from shapes, no read
+            counts = self.static_counts(self.routing_map)[lo:hi]
+        else:
+            counts = local_map.sum(dim=0).tolist()  # the dispatch's one device-to-host read: the row groups
         self.fused = use_fused_permutation(self.config, hidden_states)
         permuted, self.local_probs, self.row_map = permute(hidden_states, local_map, probs[:, lo:hi],
                                                            sum(counts), self.fused)
@@ -106,16 +131,19 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
         ep, local = self.ep_size, self.num_local_experts
-        with torch.no_grad():
-            counts = routing_map.sum(dim=0).long()  # [E]: this rank's tokens per (global) expert
-            if ep > 1:  # every EP rank's counts, read on the host at once: [source rank][global expert]
-                gathered = [torch.empty_like(counts) for _ in range(ep)]
-                dist.all_gather(gathered, counts, group=self.ep_group)
-                table = torch.stack(gathered).tolist()
-            else:
-                table = [counts.tolist()]
+        if self.static:  # drop-and-pad (EP 1): from shapes, no read
+            table = [self.static_counts(routing_map)]
+        else:
+            with torch.no_grad():
+                counts = routing_map.sum(dim=0).long()  # [E]: this rank's tokens per (global) expert
+                if ep > 1:  # every EP rank's counts, read on the host at once: [source rank][global expert]
+                    gathered = [torch.empty_like(counts) for _ in range(ep)]
+                    dist.all_gather(gathered, counts, group=self.ep_group)
+                    table = torch.stack(gathered).tolist()
+                else:
+                    table = [counts.tolist()]
         # the one device-to-host read of the dispatch (the all-to-all sizes and the experts' row groups need the
-        # counts on the host); the rest is arithmetic on Python ints
+        # counts on the host; none under drop-and-pad); the rest is arithmetic on Python ints
         lo = self.local_expert_indices[0]
         per_local = [row[lo : lo + local] for row in table]  # [ep source rank][local expert]
         mine = table[lo // local] if ep > 1 else table[0]  # this rank's row (EP rank r holds experts r*L .. )
