@@ -397,7 +397,7 @@ def _default_stream_warning(impl: str) -> None:
     ``torch.cuda.set_stream(torch.cuda.Stream())``) before building the model."""
     import warnings
 
-    if torch.cuda.current_stream() == torch.cuda.default_stream():
+    if torch.cuda.is_available() and torch.cuda.current_stream() == torch.cuda.default_stream():
         warnings.warn(f"--cuda-graph-impl {impl}: this process runs on the default CUDA stream; build the model and "
                       "its DDP wrapper on a side stream (megatron.core.transformer.cuda_graphs.use_capture_stream(impl) "
                       "or torch.cuda.set_stream(torch.cuda.Stream()) first), else the backward capture may fail "
@@ -519,8 +519,8 @@ def local_graphs_before_step(model_chunks, config, forward_only: bool) -> Option
     if helper is None:
         if any(layer.cuda_graphs is not None for layer in _iter_layers(chunks)):
             return None
+        helper = CudaGraphHelper(chunks, config)  # refuses first where graphs cannot run (no CUDA)
         _default_stream_warning("local")
-        helper = CudaGraphHelper(chunks, config)
         object.__setattr__(first, _LOCAL_HELPER_ATTR, helper)
         _LOCAL_HELPERS.append((first, helper))
     if not helper.captured:
