@@ -263,6 +263,45 @@ def test_local_schedule_refuses_on_cpu_naming_the_flag():
         _schedule_losses(model, torch.optim.SGD(model.parameters(), lr=0.05), 1)
 
 
+def _recipe_stand_in_body(rank, world_size):
+    """In the rank's process: the stand-in capture (as the ``stand_in`` fixture, without pytest's monkeypatch: the
+    process ends with the test), then the recipe with and without graphs."""
+    from tests.unit_tests.training import upstream_recipe as recipe
+
+    def make_graphed(self, regions, sample_args):
+        for r, args in zip(regions, sample_args):
+            outs = [o for o in torch.utils._pytree.tree_flatten(r(*args))[0] if o.requires_grad]
+            ins = [a for a in args if a.requires_grad] + [p for p in r.parameters() if p.requires_grad]
+            torch.autograd.grad(outs, ins, [torch.ones_like(o) for o in outs], allow_unused=True)
+        return regions
+
+    cuda_graphs.CudaGraphHelper._make_graphed = make_graphed
+    cuda_graphs.require_cuda = lambda config: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    steps, warm = 5, 2
+    micro = recipe.GBS // recipe.MBS
+    for wrapper in ("ddp", "dist_opt"):
+        eager = recipe.run_recipe(wrapper, steps=steps)
+        assert "cuda_graphs" not in eager
+        for impl in ("transformer_engine", "local"):
+            graphed = recipe.run_recipe(wrapper, steps=steps, cuda_graph_impl=impl,
+                                        cuda_graph_modules=["attn", "mlp"], cuda_graph_warmup_steps=warm)
+            assert graphed["cuda_graphs"] == {"impl": impl, "created": True,
+                                              "replays": 4 * micro * (steps - warm)}, (wrapper, graphed)
+            assert graphed["losses"] == eager["losses"], (wrapper, impl, graphed["losses"], eager["losses"])
+
+
+def test_upstream_recipe_drives_the_graphs_on_cpu():
+    """``upstream_recipe.run_recipe`` with ``cuda_graph_impl`` (DDP and the distributed optimizer, 1 gloo rank, the
+    stand-in capture): upstream's calls (the num-microbatches calculator, ``TECudaGraphHelper``, the schedules for
+    ``local``, ``delete_cuda_graphs``) drive 4 regions x 4 micro-batches x 3 replayed steps, with the losses of the
+    run without graphs."""
+    from tests.unit_tests.dist_utils import run_distributed
+
+    run_distributed(_recipe_stand_in_body, 1)
+
+
 # ---- GPU: the upstream recipe with graphs through upstream's API -------------------------------------------------
 def _have_te():
     try:
