@@ -26,6 +26,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.transformer.cuda_graphs import local_graphs_before_step
 
 
 # ---- model helpers ----------------------------------------------------------------------------------------
@@ -176,6 +177,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
         raise ValueError("non-pipeline-parallel schedule does not support model chunking")
     model, data_iterator = models[0], iterators[0]
     config = get_model_config(model)
+    local_graphs_before_step(models, config, forward_only)  # upstream's --cuda-graph-impl local: nothing to call
     no_sync = _no_sync_func(config)
     store, total_tokens = [], torch.zeros([], dtype=torch.int)
     for i in range(num_microbatches):
@@ -241,6 +243,7 @@ def _run_actions(forward_step_func, data_iterator, model, num_microbatches: int,
         raise ValueError(f"pipeline schedule: {len(iterators)} data iterators for {num_chunks} model chunks "
                          "(one per chunk)")
     config = get_model_config(models[0])
+    local_graphs_before_step(models, config, forward_only)  # upstream's --cuda-graph-impl local: nothing to call
     if config.overlap_p2p_comm:
         raise ValueError("overlap_p2p_comm (--overlap-p2p-communication) is not supported by this fork")
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()

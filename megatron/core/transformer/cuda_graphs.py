@@ -375,3 +375,186 @@ def build_cuda_graph_helper(model_chunks, config) -> Optional[CudaGraphHelper]:
     if not graphs_enabled(config):
         return None
     return CudaGraphHelper(model_chunks, config)
+
+
+# ---- upstream 0.19's library API for CUDA graphs (drop-in adapters over CudaGraphHelper) ----------------------------
+# What upstream 0.19.2's users call (its megatron/training/training.py and Megatron-Bridge's training loop):
+#
+# - ``--cuda-graph-impl transformer_engine``: ``TECudaGraphHelper(model=, config=, seq_length=, micro_batch_size=,
+#   optimizers=[optimizer])`` built before the loop; before the step where ``iteration - start ==
+#   cuda_graph_warmup_steps`` (and ``not helper.capture_finished()``): ``helper.create_cudagraphs()``, then, with
+#   --overlap-param-gather, ``helper.cuda_graph_set_manual_hooks()``; after the loop ``helper.delete_cuda_graphs()``
+#   if ``helper.graphs_created()``.
+# - ``--cuda-graph-impl local``: nothing. Upstream's layers make their ``CudaGraphManager`` when built and its
+#   schedules call ``create_cudagraphs()`` at the end of every forward-backward; ``delete_cuda_graphs()`` drops them.
+#   Here the schedules call ``local_graphs_before_step`` at the start of every training forward-backward, which
+#   makes a ``CudaGraphHelper`` for the model on the first one (unless the layers already have one: the fork's own
+#   training loop) and steps it; ``create_cudagraphs()`` / ``delete_cuda_graphs()`` act on those helpers.
+#
+# What differs (documented, tested): the capture records each region's inputs during the eager warm-up steps, so
+# upstream's capture before any step (``cuda_graph_warmup_steps=0``) is refused by the config; upstream's TE helper
+# captures one graph per micro-batch under pipelining (refused here with graphs); ``seq_length`` /
+# ``micro_batch_size`` are kept (upstream builds its sample inputs from them, here the warm-up's recorded shapes are
+# used and a different shape at replay is an error naming the flags).
+
+
+def _default_stream_warning(impl: str) -> None:
+    """The fork captures the backward with autograd's AccumulateGrad nodes of the data-parallel hooks: made on the
+    legacy default stream (the model and its DDP wrapper built there), the capture fails
+    (cudaErrorStreamCaptureImplicit). Upstream builds DDP on a side stream in ``get_model`` and its local layers
+    switch streams when built; a library user of either calls ``use_capture_stream`` (or
+    ``torch.cuda.set_stream(torch.cuda.Stream())``) before building the model."""
+    import warnings
+
+    if torch.cuda.is_available() and torch.cuda.current_stream() == torch.cuda.default_stream():
+        warnings.warn(f"--cuda-graph-impl {impl}: this process runs on the default CUDA stream; build the model and "
+                      "its DDP wrapper on a side stream (megatron.core.transformer.cuda_graphs.use_capture_stream(impl) "
+                      "or torch.cuda.set_stream(torch.cuda.Stream()) first), else the backward capture may fail "
+                      "(cudaErrorStreamCaptureImplicit)", stacklevel=3)
+
+
+def _run_forward_pre_hooks(modules: Sequence[torch.nn.Module]) -> None:
+    """The forward pre-hooks of the modules a graph replay skips (the data-parallel hooks of --overlap-param-gather:
+    wait for the parameters' all-gather), as upstream's manual hooks call them before a replay."""
+    for m in modules:
+        for hook in list(m._forward_pre_hooks.values()):
+            hook(m, ())
+
+
+def _with_manual_hooks(graphed: Callable, modules: Sequence[torch.nn.Module]) -> Callable:
+    def replay(*args):
+        _run_forward_pre_hooks(modules)
+        return graphed(*args)
+
+    replay.manual_hooks_of = graphed
+    return replay
+
+
+class TECudaGraphHelper:
+    """Upstream 0.19's ``--cuda-graph-impl transformer_engine`` helper, its constructor and public methods, over this
+    fork's :class:`CudaGraphHelper`: built before the training loop (the layers record their inputs from the next
+    training step on), ``create_cudagraphs()`` after the warm-up steps captures every graphed region with TE's
+    ``make_graphed_callables`` (see the module docstring and the notes above this class). ``optimizers``: their
+    gradients are zeroed after the capture, as upstream's. ``pg_collection``: accepted and kept (data parallelism
+    only here). ``self.cuda_graph_helper``: the fork's helper (``replays()``, ``graphed_regions()``)."""
+
+    def __init__(self, model, config, seq_length, micro_batch_size, optimizers=[], pg_collection=None):  # noqa: B006 (upstream's default)
+        if getattr(config, "cuda_graph_impl", "none") != "transformer_engine":
+            raise ValueError(f"TECudaGraphHelper needs cuda_graph_impl='transformer_engine' (--cuda-graph-impl "
+                             f"transformer_engine), got {getattr(config, 'cuda_graph_impl', None)!r}")
+        require_cuda(config)  # names the flag: CUDA and Transformer Engine
+        self.model = list(model)
+        self.config = config
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.optimizers = list(optimizers)
+        self.pg_collection = pg_collection
+        self.num_model_chunks = len(self.model)
+        self.num_microbatches = None  # upstream sets it at the capture (1 without pipelining)
+        _default_stream_warning(config.cuda_graph_impl)
+        self.cuda_graph_helper = CudaGraphHelper(self.model, config)
+        self.flattened_callables = list(self.cuda_graph_helper.layers)
+        self.callables_per_chunk = [[layer for layer in _iter_layers([chunk])] for chunk in self.model]
+        self._capture_finished = False
+        self._graphs_created = False
+
+    def capture_finished(self) -> bool:
+        """Whether ``create_cudagraphs()`` has run (upstream's)."""
+        return self._capture_finished
+
+    def graphs_created(self) -> bool:
+        """Whether graphs exist (captured and not deleted; upstream's)."""
+        return self._graphs_created
+
+    def create_cudagraphs(self) -> None:
+        """Capture the graphs now (upstream: before the first step after ``cuda_graph_warmup_steps``); every graphed
+        region must have run in a training step since the helper was built. Then the model's and the optimizers'
+        gradients are zeroed, as upstream's."""
+        if self._capture_finished:
+            raise RuntimeError("TECudaGraphHelper.create_cudagraphs(): the CUDA graphs were captured already")
+        helper = self.cuda_graph_helper
+        if not helper.order:
+            raise RuntimeError(f"{_FLAGS}: TECudaGraphHelper.create_cudagraphs() before any training step ran: this "
+                               "fork captures the shapes its warm-up steps recorded (--cuda-graph-warmup-steps >= 1; "
+                               "build the helper before the loop and capture after the warm-up steps)")
+        helper.capture()
+        helper.schedule.steps = helper.schedule.warmup_steps + 1  # before_step() would not capture again
+        self.num_microbatches = 1
+        for chunk in self.model:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        for opt in self.optimizers:
+            opt.zero_grad()
+        self._graphs_created = bool(helper.graphed_regions())
+        self._capture_finished = True
+
+    def cuda_graph_set_manual_hooks(self) -> None:
+        """Before every replay, run the forward pre-hooks of the graphed modules (upstream's manual hooks: the
+        parameters' all-gather waits of --overlap-param-gather, which a replay would skip)."""
+        for layer in self.cuda_graph_helper.layers:
+            graphs = layer.cuda_graphs
+            for state in (graphs.states.values() if graphs is not None else ()):
+                if state.graphed is not None and not hasattr(state.graphed, "manual_hooks_of"):
+                    modules = [m for m in state.region.parts.modules()
+                               if m._forward_pre_hooks and any(True for _ in m.parameters(recurse=False))]
+                    if modules:
+                        state.graphed = _with_manual_hooks(state.graphed, modules)
+
+    def delete_cuda_graphs(self) -> None:
+        """Drop the graphs and their memory; the layers run eagerly from here on (upstream's)."""
+        if not self._graphs_created:
+            raise RuntimeError("TECudaGraphHelper.delete_cuda_graphs(): no CUDA graphs were created to delete")
+        self.cuda_graph_helper.remove()
+        self._graphs_created = False
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+_LOCAL_HELPER_ATTR = "_upstream_local_cuda_graphs"
+_LOCAL_HELPERS: List[Tuple[torch.nn.Module, CudaGraphHelper]] = []  # (first model chunk, its helper)
+
+
+def local_graphs_before_step(model_chunks, config, forward_only: bool) -> Optional[CudaGraphHelper]:
+    """``--cuda-graph-impl local`` for a user of upstream's library API, who calls nothing (see the notes above
+    ``TECudaGraphHelper``): called by the schedules at the start of every forward-backward. On the first training
+    one, makes a :class:`CudaGraphHelper` for ``model_chunks`` (unless their layers already have graphs: the fork's
+    training loop drives its own helper), then steps it (record, capture, replay). Evaluation
+    (``forward_only``) changes nothing. Returns the helper it drives, if any."""
+    if forward_only or getattr(config, "cuda_graph_impl", "none") != "local":
+        return None
+    chunks = list(model_chunks)
+    first = chunks[0]
+    helper = getattr(first, _LOCAL_HELPER_ATTR, None)
+    if helper is None:
+        if any(layer.cuda_graphs is not None for layer in _iter_layers(chunks)):
+            return None
+        helper = CudaGraphHelper(chunks, config)  # refuses first where graphs cannot run (no CUDA)
+        _default_stream_warning("local")
+        object.__setattr__(first, _LOCAL_HELPER_ATTR, helper)
+        _LOCAL_HELPERS.append((first, helper))
+    if not helper.captured:
+        helper.before_step()
+    return helper
+
+
+def create_cudagraphs() -> None:
+    """Upstream's module function (its schedules call it after every forward-backward): captures now the
+    schedule-driven ``local`` graphs whose ``cuda_graph_warmup_steps`` are done and not captured yet (the
+    schedules capture them by themselves before the next training step: calling this is optional here)."""
+    for _, helper in _LOCAL_HELPERS:
+        if not helper.captured and helper.order and helper.schedule.steps >= helper.schedule.warmup_steps and all(
+                s in helper.order for layer in helper.layers for s in layer.cuda_graphs.states.values()):
+            helper.capture()
+            helper.schedule.steps = max(helper.schedule.steps, helper.schedule.warmup_steps + 1)
+
+
+def delete_cuda_graphs() -> None:
+    """Upstream's module function: drops the schedule-driven ``local`` graphs and their memory (a later training
+    step starts a new warm-up and capture, as upstream's re-recording runners do)."""
+    while _LOCAL_HELPERS:
+        first, helper = _LOCAL_HELPERS.pop()
+        helper.remove()
+        if getattr(first, _LOCAL_HELPER_ATTR, None) is helper:
+            object.__delattr__(first, _LOCAL_HELPER_ATTR)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

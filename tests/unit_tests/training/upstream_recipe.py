@@ -11,6 +11,15 @@ under bf16, wrapped in ``DistributedDataParallel`` (``wrapper='ddp'``), the same
 the micro-batches with ``finalize_model_grads`` as the schedule's finalize function, ``optimizer.step``). Returns the
 loss of each step (averaged over micro-batches and data-parallel ranks, as Megatron-LM logs it).
 
+CUDA graphs (``cuda_graph_impl``: ``'local'`` / ``'transformer_engine'``, ``cuda_graph_modules``), as upstream's
+``training.py`` drives them: the seed with ``te_rng_tracker=True`` (its arguments turn it on for graphs with TE),
+the num-microbatches calculator initialised (its TE helper reads it), the process moved to a side stream before the
+model is built (upstream's ``get_model`` builds DDP on a side stream; its local layers move the process to one when
+built); ``transformer_engine``: ``TECudaGraphHelper(model=, config=, seq_length=, micro_batch_size=, optimizers=)``
+before the loop, ``create_cudagraphs()`` before step ``cuda_graph_warmup_steps``, ``delete_cuda_graphs()`` after the
+loop; ``local``: nothing during the loop (the schedules drive it), ``delete_cuda_graphs()`` after it. FP8 weights
+(``fp8_param``) are refused with graphs on the fork: ``fp8_param=False`` there.
+
 Data: :func:`samples` (fixed random tokens), consumed as Megatron-LM's training loop consumes a dataset: step ``k``
 takes global samples ``[k * GBS, (k + 1) * GBS)``, micro-step by micro-step, each data-parallel rank its ``MBS``.
 """
@@ -58,12 +67,15 @@ def forward_step(data_iter, model):
 
 
 def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = False, device: str = "cpu",
-               save_init: str = None, load_init: str = None, warmup: int = 1):
+               save_init: str = None, load_init: str = None, warmup: int = 1, fp8_param: bool = True,
+               cuda_graph_impl: str = "none", cuda_graph_modules=None, cuda_graph_warmup_steps: int = 3):
     """Build, wrap and train as upstream's recipe does (see the module docstring); torch.distributed must be
     initialised. ``save_init`` / ``load_init``: a file for the built model's initial ``state_dict`` (rank 0 saves;
     loading makes another package start from the same weights: two packages draw their initial weights in
     different orders). Returns ``{'losses': [...], 'tokens_per_s': float}``: tokens/s over the steps after the first
-    ``warmup`` (``benchmarks/upstream_recipe_gpu.py`` sets the sizes, the module's globals, for a GPU-sized model)."""
+    ``warmup`` (``benchmarks/upstream_recipe_gpu.py`` sets the sizes, the module's globals, for a GPU-sized model),
+    and ``'cuda_graphs'``: ``{'impl', 'created', 'replays'}`` with graphs on (``replays``: the fork's count, read
+    where the fork's helper is there; None on upstream)."""
     import time
 
     from megatron.core import parallel_state
@@ -83,18 +95,37 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.utils import get_model_config
 
+    graphs = cuda_graph_impl not in (None, "none")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     torch.manual_seed(SEED)
-    model_parallel_cuda_manual_seed(SEED)
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-
     use_te = fp8 or device == "cuda"
-    fp8_kwargs = dict(fp8="hybrid", fp8_recipe="delayed", fp8_param=True) if fp8 else {}
+    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=graphs and use_te)  # upstream's arguments: TE tracker
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    stream_before = None
+    if graphs:
+        from megatron.core.num_microbatches_calculator import (
+            destroy_num_microbatches_calculator,
+            init_num_microbatches_calculator,
+        )
+
+        destroy_num_microbatches_calculator()
+        init_num_microbatches_calculator(torch.distributed.get_rank(), None, GBS, MBS,
+                                         parallel_state.get_data_parallel_world_size())
+        if device == "cuda":  # before the model and its DDP wrapper exist (see the module docstring)
+            stream_before = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(stream_before)
+            torch.cuda.set_stream(side)
+
+    fp8_kwargs = dict(fp8="hybrid", fp8_recipe="delayed", fp8_param=fp8_param) if fp8 else {}
+    graph_kwargs = dict(cuda_graph_impl=cuda_graph_impl, cuda_graph_warmup_steps=cuda_graph_warmup_steps,
+                        **({"cuda_graph_modules": list(cuda_graph_modules)} if cuda_graph_modules else {}))
     config = TransformerConfig(**MODEL, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
                                params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-                               transformer_impl="transformer_engine" if use_te else "local", **fp8_kwargs)
+                               transformer_impl="transformer_engine" if use_te else "local", **fp8_kwargs,
+                               **(graph_kwargs if graphs else {}))
     spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
     with torch.device(device), get_fp8_context(config, is_init=True):  # (upstream's layers pick CUDA themselves)
         model = GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=SEQ,
@@ -115,7 +146,8 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
     fsdp = wrapper == "fsdp"
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16, use_distributed_optimizer=wrapper != "ddp", use_megatron_fsdp=fsdp,
-        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard", fp8_param_gather=fp8)
+        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
+        fp8_param_gather=fp8 and fp8_param)
     if fsdp:
         model = FullyShardedDataParallel(config, ddp_config, model, device=torch.device(device),
                                          pg_collection=pg_collection)
@@ -132,8 +164,16 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
     data = data_iterator(samples(steps * GBS), dp_rank, dp_size, device)
     num_microbatches = GBS // (MBS * dp_size)
     forward_backward_func = get_forward_backward_func()
+    graph_helper = None
+    if cuda_graph_impl == "transformer_engine":  # upstream's training loop
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+        graph_helper = TECudaGraphHelper(model=[model], config=config, seq_length=SEQ, micro_batch_size=MBS,
+                                         optimizers=[optimizer])
     losses, start = [], None
     for step in range(steps):
+        if graph_helper is not None and not graph_helper.capture_finished() and step == cuda_graph_warmup_steps:
+            graph_helper.create_cudagraphs()
         if step == warmup:
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -153,7 +193,34 @@ def run_recipe(wrapper: str, steps: int = 3, bf16: bool = False, fp8: bool = Fal
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start if start is not None else float("nan")
     tokens = (steps - warmup) * GBS * SEQ
-    return {"losses": losses, "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan")}
+    result = {"losses": losses, "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan")}
+    if graphs:
+        result["cuda_graphs"] = _finish_cuda_graphs(cuda_graph_impl, graph_helper, model)
+        if stream_before is not None:
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.set_stream(stream_before)
+    return result
+
+
+def _finish_cuda_graphs(impl: str, graph_helper, model) -> dict:
+    """Drop the graphs as upstream's loop does after training; report whether they were created and, on the fork
+    (whose helper counts them), the replays."""
+    from megatron.core.transformer import cuda_graphs
+
+    if impl == "transformer_engine":
+        fork_helper = getattr(graph_helper, "cuda_graph_helper", None)  # the fork's; upstream has none
+        created = graph_helper.graphs_created()
+    else:
+        fork_helper = getattr(model, "_upstream_local_cuda_graphs", None)  # the fork's schedule-driven helper
+        record = getattr(getattr(cuda_graphs, "_CudagraphGlobalRecord", None), "cudagraph_created", None)
+        created = bool(fork_helper.captured) if fork_helper is not None else record
+    replays = fork_helper.replays() if fork_helper is not None else None
+    if impl == "transformer_engine":
+        if created:
+            graph_helper.delete_cuda_graphs()
+    else:
+        cuda_graphs.delete_cuda_graphs()
+    return {"impl": impl, "created": created, "replays": replays}
 
 
 def _shim_upstream_on_cpu():
