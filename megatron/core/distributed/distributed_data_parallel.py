@@ -79,6 +79,8 @@ class DistributedDataParallel(MegatronModule):
         self.buckets: List[Bucket] = []
         self.bucket_size = None
         self._next_launch = 0  # the first bucket whose reduction has not been launched this step
+        self.use_forward_hook = bool(ddp_config.overlap_param_gather)  # upstream's attribute
+        self._param_gather_hooks = []
         if ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather:
             self._setup_overlap(disable_bucketing)
 
@@ -143,11 +145,35 @@ class DistributedDataParallel(MegatronModule):
         if cfg.overlap_grad_reduce:
             for p in self._bucket_of:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-        if cfg.overlap_param_gather and self.buckets:
-            self._hooks.append(self.module.register_forward_pre_hook(self._dispatch_param_gathers))
-            for m in self.module.modules():
-                if any(p in self._bucket_of for p in m.parameters(recurse=False)):
-                    self._hooks.append(m.register_forward_pre_hook(self._wait_param_gathers))
+        if self.use_forward_hook:
+            self.enable_forward_pre_hook()
+
+    def enable_forward_pre_hook(self) -> None:
+        """Upstream's: register the forward pre-hooks that overlap the parameter all-gathers with the forward
+        (``overlap_param_gather``; registered at construction, as upstream)."""
+        if not self.use_forward_hook:
+            raise RuntimeError("enable_forward_pre_hook: needs overlap_param_gather (--overlap-param-gather)")
+        if self._param_gather_hooks:
+            raise RuntimeError("enable_forward_pre_hook: the forward pre-hooks are already registered")
+        if not self.buckets:
+            return
+        hooks = [self.module.register_forward_pre_hook(self._dispatch_param_gathers)]
+        for m in self.module.modules():
+            if any(p in self._bucket_of for p in m.parameters(recurse=False)):
+                hooks.append(m.register_forward_pre_hook(self._wait_param_gathers))
+        self._param_gather_hooks = hooks
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Upstream's: remove those hooks (evaluation, checkpointing, CUDA-graph capture); ``param_sync``: then
+        gather and write every queued parameter now (``start_param_sync(force_sync=True)``)."""
+        if not self.use_forward_hook:
+            raise RuntimeError("disable_forward_pre_hook: needs overlap_param_gather (--overlap-param-gather)")
+        for h in self._param_gather_hooks:
+            h.remove()
+        self._param_gather_hooks = []
+        if param_sync:
+            with torch.no_grad():
+                self.start_param_sync(force_sync=True)
 
     def _grad_ready(self, param) -> None:
         """Post-accumulate-grad hook: mark ``param`` ready in the last micro-batch; launch what is complete."""

@@ -109,11 +109,9 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
     """Seed the default generators with ``seed`` and (re)create the tracker states (see the module docstring).
     ``tp_rank`` / ``ep_rank`` / ``etp_rank`` (upstream's keywords) stand for parallel_state's ranks when given (a
     caller without parallel_state groups); the tracker is always recreated (``force_reset_rng`` is accepted).
-    ``use_cudagraphable_rng`` (CUDA-graph-safe generators) is not built here and is refused."""
-    if use_cudagraphable_rng:
-        raise ValueError("model_parallel_cuda_manual_seed: use_cudagraphable_rng=True (CUDA-graph-safe RNG tracker "
-                         "states) is not supported by this fork: its CUDA graphs (--cuda-graph-impl) run without "
-                         "tensor parallelism and draw from CUDA's default generator, which torch's capture handles")
+    ``use_cudagraphable_rng`` (upstream's loop passes ``--cuda-graph-impl != none``) is accepted and changes
+    nothing: this fork's CUDA graphs run without tensor parallelism, so no tracker state is drawn inside a graph; they
+    draw from CUDA's default generator, which torch registers with every capture."""
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
     if ep_rank is None:

@@ -160,3 +160,43 @@ def test_fp8_param_gather_overlapped():
     """Tensorwise and delayed scaling (the tests' FP8 stand-in): after each step the FP8 bytes, scales, amax
     history and transpose cache equal the non-overlapped distributed optimizer's, bitwise."""
     run_distributed(_fp8_body, 2)
+
+
+def _hook_toggle_body(rank, ws):
+    """Upstream's ``disable_forward_pre_hook`` / ``enable_forward_pre_hook`` (its training loop calls them around
+    evaluation, checkpoints and the CUDA-graph capture with --overlap-param-gather)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg, module = _model(False, ws)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=BUCKET), module)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
+    assert ddp.use_forward_hook
+    with pytest.raises(RuntimeError, match="already registered"):
+        ddp.enable_forward_pre_hook()
+    tok, lab = next(iter(batches(2, 2, seed=1)))
+    ddp.zero_grad_buffer()
+    ddp(tok, position_ids(tok.shape[0]), labels=lab).mean().backward()
+    finalize_model_grads([ddp])
+    gathered = [p for b in ddp.buckets for p in b.params]
+    before = [p.detach().clone() for p in gathered]
+    assert opt.step()[0]
+    assert all(torch.equal(a, p) for a, p in zip(before, gathered))  # queued, not gathered yet
+    ddp.disable_forward_pre_hook(param_sync=False)
+    assert all(torch.equal(a, p) for a, p in zip(before, gathered))  # param_sync=False: still queued
+    ddp.enable_forward_pre_hook()
+    ddp.disable_forward_pre_hook()  # param_sync=True: gathered and written now
+    assert not all(torch.equal(a, p) for a, p in zip(before, gathered))
+    after = [p.detach().clone() for p in gathered]
+    with torch.no_grad():
+        ddp(tok, position_ids(tok.shape[0]), labels=lab)  # no hooks: nothing left to gather, weights unchanged
+    assert all(torch.equal(a, p) for a, p in zip(after, gathered))
+    ddp.enable_forward_pre_hook()
+    plain = DistributedDataParallel(cfg, DistributedDataParallelConfig(), _model(False, ws)[1])
+    with pytest.raises(RuntimeError, match="--overlap-param-gather"):
+        plain.disable_forward_pre_hook()
+
+
+def test_forward_pre_hooks_toggle_as_upstream():
+    run_distributed(_hook_toggle_body, 2)

@@ -1,5 +1,5 @@
 """Upstream's ``megatron.training.initialize._set_random_seed`` and ``model_parallel_cuda_manual_seed``'s keywords
-(``tp_rank`` / ``ep_rank`` / ``etp_rank``, ``use_cudagraphable_rng`` refused): the pipeline rank offsets the seed by
+(``tp_rank`` / ``ep_rank`` / ``etp_rank``, ``use_cudagraphable_rng`` accepted): the pipeline rank offsets the seed by
 100, ``data_parallel_random_init`` the data-parallel rank by 10, ranks may come from given groups, and a seed that is
 not positive is refused with upstream's message."""
 import random
@@ -57,5 +57,12 @@ def test_refusals():
     for bad in (0, -3, None):
         with pytest.raises(ValueError, match=r"Seed \(.*\) should be a positive integer"):
             _set_random_seed(bad)
-    with pytest.raises(ValueError, match="use_cudagraphable_rng"):
-        model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=True)
+
+
+
+def test_cudagraphable_rng_is_accepted_and_draws_the_same():
+    """Upstream's loop passes use_cudagraphable_rng=True under --cuda-graph-impl: accepted, the same streams."""
+    model_parallel_cuda_manual_seed(5)
+    plain = _tracker_draw()
+    model_parallel_cuda_manual_seed(5, use_cudagraphable_rng=True)
+    assert torch.equal(_tracker_draw(), plain)
