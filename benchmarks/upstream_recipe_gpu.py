@@ -40,6 +40,7 @@ graphs need a GPU), with the reason in their row.
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -107,6 +108,7 @@ def _last_error(text: str) -> str:
     """The most telling line of a failed run's output: the last exception line, else the last line."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     for ln in reversed(lines):
+        ln = re.sub(r"^\[rank\d+\]:\s*", "", ln)  # torch's per-rank prefix
         head = ln.split(":", 1)[0]
         if head.endswith(("Error", "Exception", "Interrupt")) or head in ("AssertionError", "KeyError"):
             return ln[:300]
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
                     help="upstream's --cuda-graph-modules (attn mlp ...); none given: the whole layer")
     ap.add_argument("--cuda-graph-warmup-steps", type=int, default=3, help="eager steps before the capture")
     ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="bf16 without FP8 (local graphs on the fork)")
-    ap.add_argument("--no-fp8-param", dest="fp8_param", action="store_false",
+    ap.add_argument("--no-fp8-param", dest="fp8_param", action="store_false", default=None,
                     help="FP8 without FP8 weights (the default when --cuda-graph-impl has a graph row)")
     ap.add_argument("--fp8-param", dest="fp8_param", action="store_true", default=None,
                     help="FP8 weights (fp8_param, fp8-param-gather; the default without graph rows)")

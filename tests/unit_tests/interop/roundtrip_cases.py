@@ -218,6 +218,29 @@ def jobs(phase: str, layout: str):
     return out
 
 
+def known_upstream_defect(record: dict):
+    """Why a failed load record shows upstream 0.19.2's own load behaviour rather than an interchange difference, or
+    None. One case is known: upstream loading the ``linear_fc1`` weight of a gated linear unit held as a
+    current-scaling ("tensorwise") FP8 tensor changes it. A control on the H100 (2026-12-06, ``ROUNDTRIP_LOAD_FROM=self``:
+    each package loading its own checkpoints) showed it in upstream's load of its OWN files (fc1 up to 0.019 in the
+    MLA model, 0.006-0.012 in the MoE experts; every other weight exact) while the fork loads the same files, and
+    upstream's, exactly. Recognised only when: an upstream load, every quantized weight current-scaling, the model a
+    gated linear unit, and every weight differing from the saver's by more than 1e-6 a ``linear_fc1.weight``."""
+    if record.get("side") != "upstream" or record.get("phase") != "load":
+        return None
+    model = record.get("case", "").split("_fp")[0]
+    if not MODELS.get(model, {}).get("config", {}).get("gated_linear_unit"):
+        return None
+    kinds = record.get("quantizer_kinds") or {}
+    if not kinds or any("CurrentScaling" not in k for k in kinds):
+        return None
+    differing = [n for n, d in (record.get("weight_diffs") or {}).items() if d > 1e-6]
+    if not differing or any(not n.endswith("linear_fc1.weight") for n in differing):
+        return None
+    return (f"upstream 0.19.2 changes current-scaling FP8 GLU fc1 weights when it loads them, its own checkpoints "
+            f"too ({', '.join(differing)})")
+
+
 def checkpoint_source(side: str, other: str) -> str:
     """Whose checkpoints a loader reads: ``other`` (the round trip), or with ``ROUNDTRIP_LOAD_FROM=self`` its own
     (a control: the same package saving and loading, to tell a package's own load behaviour from an interchange

@@ -80,3 +80,35 @@ def test_fork_worker_lists_quantized_parameters():
     assert fork_worker.quantized_param_names(model) == ["1.weight"]
     assert rc.quantizer_kinds(model, ["1.weight"]) == {"FakeQuantizedTensor/FakeQuantizer": 1}
     assert fork_worker.quantized_param_names(torch.nn.Linear(2, 2)) == []
+
+
+# upstream 0.19.2 loading the fork's MLA checkpoint with current-scaling FP8 weights (H100, 2026-12-06): the record
+# of that failed load, as the device run wrote it
+_UPSTREAM_TENSORWISE_LOAD = {
+    "side": "upstream", "phase": "load", "case": "mla_fp0_te_tensorwise", "layout": "gpu_te", "ok": False,
+    "quantizer_kinds": {"Float8Tensor/Float8CurrentScalingQuantizer": 14},
+    "max_abs_diff": 0.012079417705535889, "tolerance": 0.001,
+    "weight_diffs": {"decoder.layers.0.self_attention.linear_kv_down_proj.weight": 7.450580596923828e-09,
+                     "decoder.layers.0.mlp.linear_fc1.weight": 0.00551953911781311,
+                     "decoder.layers.1.mlp.linear_fc1.weight": 0.006077975034713745}}
+
+
+def test_known_upstream_defect_is_only_upstreams_glu_fc1_current_scaling_load():
+    import copy
+
+    why = rc.known_upstream_defect(_UPSTREAM_TENSORWISE_LOAD)
+    assert why is not None and "decoder.layers.0.mlp.linear_fc1.weight" in why
+    assert "linear_kv_down_proj" not in why  # 7e-9: not a difference
+    for change in (
+        {"side": "fork"},  # the fork's loads are never excused
+        {"phase": "save"},
+        {"quantizer_kinds": {"Float8Tensor/Float8Quantizer": 14}},  # delayed scaling
+        {"quantizer_kinds": {}},
+        {"case": "dense_fp0_te_tensorwise"},  # no gated linear unit
+        {"weight_diffs": {}},  # nothing changed in the weights: the difference is elsewhere
+    ):
+        r = dict(_UPSTREAM_TENSORWISE_LOAD, **change)
+        assert rc.known_upstream_defect(r) is None, change
+    r = copy.deepcopy(_UPSTREAM_TENSORWISE_LOAD)
+    r["weight_diffs"]["decoder.layers.0.mlp.linear_fc2.weight"] = 0.004  # another weight changed too
+    assert rc.known_upstream_defect(r) is None

@@ -91,8 +91,11 @@ def _roundtrip(site, workdir: Path, layouts, **extra_env) -> list:
             records += _records(workdir, side, phase, layouts)
     expected_jobs = sum(len(rc.jobs(phase, layout)) for layout in layouts for phase in ("save", "load"))
     assert len(records) == 2 * expected_jobs
-    bad = [r for r in records if not r["ok"]]
+    bad = [r for r in records if not r["ok"] and not rc.known_upstream_defect(r)]
     assert not bad, "\n".join(_describe_failure(r, records) for r in bad)
+    for r in records:
+        if not r["ok"]:
+            print(f"{r['side']} {r['phase']} {r['case']}: {rc.known_upstream_defect(r)}")
     return [r for r in records if r["phase"] == "load"]
 
 
