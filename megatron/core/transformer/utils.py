@@ -28,13 +28,29 @@ def ambient_device() -> torch.device:
 
 
 # ---- init methods -----------------------------------------------------------------------------------------
+class NormalInit:
+    """``normal_(t, 0, std)`` from the global torch RNG: an init method that compares equal by its ``std`` (so two
+    ``TransformerConfig`` built alike, whose ``init_method`` defaults are these, are equal) and pickles."""
+
+    def __init__(self, std: float):
+        self.std = std
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=self.std)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NormalInit) and other.std == self.std
+
+    def __hash__(self) -> int:
+        return hash(("NormalInit", self.std))
+
+    def __repr__(self) -> str:
+        return f"NormalInit(std={self.std!r})"
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """``normal_(t, 0, sigma)`` from the global torch RNG."""
-
-    def init_(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
-
-    return init_
+    return NormalInit(sigma)
 
 
 def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0):
