@@ -58,6 +58,20 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
 
 
+def config_init_method(config, name: str = "init_method") -> Callable[[torch.Tensor], torch.Tensor]:
+    """The config's ``init_method`` / ``output_layer_init_method`` / ``embedding_init_method`` (upstream's fields,
+    which ``TransformerConfig.__post_init__`` fills from ``init_method_std`` unless given); for a duck-typed config
+    without them, upstream's default from ``init_method_std``."""
+    method = getattr(config, name, None)
+    if method is not None:
+        return method
+    if name == "output_layer_init_method":
+        return scaled_init_method_normal(config.init_method_std, config.num_layers)
+    if name == "embedding_init_method":
+        return init_method_normal(getattr(config, "embedding_init_method_std", None) or config.init_method_std)
+    return init_method_normal(config.init_method_std)
+
+
 def init_weights(model: torch.nn.Module) -> None:
     """The init contract: call ``reset_parameters()`` of every module (in ``model.modules()`` order) that has one.
 
