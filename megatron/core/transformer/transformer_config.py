@@ -72,7 +72,6 @@ NOT_BUILT = {
     "attention_output_gate": "a gate on the attention output",
     "batch_invariant_mode": "batch-invariant (deterministic across batch sizes) kernels",
     "cpu_offloading": "offloading activations / weights to the CPU",
-    "disable_bf16_reduced_precision_matmul": "switching off torch's reduced-precision bf16 matmul reductions",
     **{name: "DeepSeek sparse attention (experimental_attention_variant='dsa')" for name in (
         "dsa_indexer_head_dim", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32", "dsa_indexer_loss_coeff",
         "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation",
@@ -103,7 +102,6 @@ NOT_BUILT = {
     "moe_latent_size": "MoE latent projections",
     "moe_mlp_glu_interleave_size": "block-interleaved GLU weights of the experts",
     "moe_paged_stash": "the paged stash of expert activations",
-    "moe_per_layer_logging": "per-layer MoE loss logging",
     "moe_router_force_biased": "a random router bias",
     "moe_router_padding_for_fp8": "padding the routing map for quantized experts",
     "moe_router_padding_for_quantization": "padding the routing map for quantized experts",
@@ -383,6 +381,9 @@ class TransformerConfig:
     symmetric_ar_type: Optional[str] = None  # symmetric-memory all-reduce kernel (inference)
     use_ring_exchange_p2p: bool = False  # a custom-torch p2p kernel (the same transfers)
     pipeline_model_parallel_comm_backend: Optional[str] = None  # 'nccl' | 'ucc': the transport of the p2p transfers
+    disable_bf16_reduced_precision_matmul: bool = False  # as upstream's core: read only by the training setup, from
+    # --disable-bf16-reduced-precision-matmul (megatron/training/initialize.py), not from this config
+    moe_per_layer_logging: bool = False  # logging only; the training loop logs per layer with --moe-per-layer-logging
     use_te_rng_tracker: bool = False  # upstream's core reads it only in checks; the tracker kind is chosen when
     # seeding (tensor_parallel.model_parallel_cuda_manual_seed(te_rng_tracker=...), --te-rng-tracker)
     # inference only (megatron.core.inference is not part of this fork; training never reads these)
@@ -467,7 +468,6 @@ class TransformerConfig:
     attention_output_gate: bool = False
     batch_invariant_mode: bool = False
     cpu_offloading: bool = False
-    disable_bf16_reduced_precision_matmul: bool = False
     dsa_indexer_head_dim: Optional[int] = None
     dsa_indexer_k_norm_epsilon: Optional[float] = None
     dsa_indexer_k_norm_fp32: bool = False
@@ -509,7 +509,6 @@ class TransformerConfig:
     moe_latent_size: Optional[int] = None
     moe_mlp_glu_interleave_size: Optional[int] = None
     moe_paged_stash: bool = False
-    moe_per_layer_logging: bool = False
     moe_router_force_biased: Optional[float] = None
     moe_router_padding_for_fp8: Optional[bool] = False
     moe_router_padding_for_quantization: Optional[bool] = False
