@@ -1,8 +1,11 @@
 """TransformerConfig: the model hyper-parameters, with upstream megatron-core field names.
 
-Only what this fork uses is here; unknown upstream fields are simply absent. ``__post_init__`` fills derived
-defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size) and rejects bad combinations with
-an error that names the field (and the command-line flag where there is one).
+Every field of upstream 0.19.2's TransformerConfig and ModelParallelConfig is here with upstream's default, so a
+keyword call built for upstream (Megatron-Bridge, NeMo) binds; the fields of features this fork does not build are
+accepted only at that default (``NOT_BUILT``), the inert ones at any value (said where they are declared).
+``__post_init__`` fills derived defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size, the
+init methods, expert_tensor_parallel_size) and rejects bad combinations with an error that names the field (and the
+command-line flag where there is one).
 """
 import math
 from dataclasses import MISSING, dataclass, field, fields
