@@ -63,22 +63,33 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
 # ---- one micro-batch --------------------------------------------------------------------------------------
 def _set_moe_loss_scale(config, num_microbatches: int) -> None:
     """The MoE auxiliary losses' and the MTP loss's gradient scale: the main loss's (the MoE one times the CP size),
-    as upstream."""
+    or ``config.moe_grad_scale_func()`` / ``config.mtp_grad_scale_func()`` where set, as upstream."""
     moe, mtp = getattr(config, "num_moe_experts", None) is not None, bool(getattr(config, "mtp_num_layers", None))
     if not (moe or mtp):
         return
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    scale = torch.ones(1)
-    if config.grad_scale_func is not None:
-        scale = config.grad_scale_func(scale).reshape(1).float().cpu()
-    scale = scale if config.calculate_per_token_loss else scale / num_microbatches
+    def loss_scale(own_func_name: str) -> torch.Tensor:
+        # upstream's moe_grad_scale_func / mtp_grad_scale_func (no arguments) where set, else grad_scale_func's
+        own = getattr(config, own_func_name, None)
+        if own is not None:
+            scale = torch.as_tensor(own()).float().cpu()
+            if scale.numel() != 1:
+                raise ValueError(f"{own_func_name} must return a scalar or size-1 tensor for loss scaling, but "
+                                 f"returned a tensor with {scale.numel()} elements")
+            scale = scale.reshape(1)
+        elif config.grad_scale_func is not None:
+            scale = config.grad_scale_func(torch.ones(1)).reshape(1).float().cpu()
+        else:
+            scale = torch.ones(1)
+        return scale if config.calculate_per_token_loss else scale / num_microbatches
+
     if mtp:
-        MTPLossAutoScaler.set_loss_scale(scale)
+        MTPLossAutoScaler.set_loss_scale(loss_scale("mtp_grad_scale_func"))
     if moe:  # x the CP size, as upstream: a CP rank's aux loss is its share of the sequence's
         cp = 1 if config.calculate_per_token_loss else parallel_state.get_context_parallel_world_size()
-        MoEAuxLossAutoScaler.set_loss_scale(scale * cp)
+        MoEAuxLossAutoScaler.set_loss_scale(loss_scale("moe_grad_scale_func") * cp)
 
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, input_tensor, forward_data_store,

@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.core_attention import CoreAttention, sdpa_backend  # noqa: F401 (also this module's name)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
-from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
+from megatron.core.transformer.utils import config_init_method, recompute
 
 
 def build_linear(config, kind: str, input_size: int, output_size: int, *, init_method, bias: bool, is_expert=False,
@@ -95,8 +95,8 @@ class SelfAttention(MegatronModule):
         # this rank's heads and query groups (TransformerConfig checked the divisibility with a message)
         self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads over tensor-parallel ranks")
         self.num_query_groups = divide(config.num_query_groups, tp, "num_query_groups over tensor-parallel ranks")
-        init = init_method_normal(config.init_method_std)
-        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        init = config_init_method(config)
+        out_init = config_init_method(config, "output_layer_init_method")
         self.linear_qkv = build_linear(
             config,
             "layernorm_column" if fuse_input_layernorm else "column",

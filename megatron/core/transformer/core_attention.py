@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.random import model_parallel_rng_context
 from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import init_method_normal, is_layer_window_attention
+from megatron.core.transformer.utils import config_init_method, is_layer_window_attention
 
 _MASKS = {}  # (sq, sk, window, device) -> bool mask [sq, sk], True where attention is NOT allowed
 _MAX_MASKS = 16
@@ -74,16 +74,16 @@ def sdpa_backend(attention_backend):
 
 
 def attention(q, k, v, mask: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
-              dropout_p: float = 0.0) -> torch.Tensor:
+              dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
     """``[b, n, s, d]`` core attention by ``F.scaled_dot_product_attention``. ``mask``: None (causal) or bool
     ``[b|1, 1|n, sq, sk]`` / ``[sq, sk]``, True where NOT allowed. ``sink``: None, or ``[n]`` sink logits (see the
-    module docstring)."""
+    module docstring). ``scale``: of ``q k^T`` (None: ``1 / sqrt(d)``; ``TransformerConfig.softmax_scale``)."""
     if sink is None:
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, dropout_p=dropout_p)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, dropout_p=dropout_p, scale=scale)
     b, n, sq, d = q.shape
-    sk, scale = k.shape[2], d ** -0.5
+    sk, scale = k.shape[2], d ** -0.5 if scale is None else scale
     if mask is None:
         mask = sliding_window_mask(sq, sk, None, q.device)
     # one more key whose score is sink_h for every query: the queries get a channel of ones, the real keys a channel
@@ -128,7 +128,7 @@ class CoreAttention(MegatronModule):
         from megatron.core.tensor_parallel.layers import _init_split
 
         with torch.no_grad():
-            _init_split(p, init_method_normal(self.config.init_method_std), 0, self.config, self.tp_size,
+            _init_split(p, config_init_method(self.config), 0, self.config, self.tp_size,
                         self.tp_rank, False)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
@@ -157,12 +157,13 @@ class CoreAttention(MegatronModule):
         return window if attention_mask is None else attention_mask.bool() | window
 
     def forward(self, q, k, v, attention_mask=None, sink=None):
-        """``softmax(q k^T / sqrt(d)) v`` with dropout; ``attention_mask`` as ``SelfAttention.forward``'s. ``sink``
-        (default ``self.sink(q)``) is an argument so that a recompute of this call (``--recompute-modules
-        core_attn``) sees the parameter as an input."""
+        """``softmax(q k^T * softmax_scale) v`` (``config.softmax_scale``, default ``1 / sqrt(d)``) with dropout;
+        ``attention_mask`` as ``SelfAttention.forward``'s. ``sink`` (default ``self.sink(q)``) is an argument so that
+        a recompute of this call (``--recompute-modules core_attn``) sees the parameter as an input."""
         sink = self.sink(q) if sink is None and self.config.softmax_type != "vanilla" else sink
         if self.config.context_parallel_size > 1:  # the sequence split over the CP group, window and sink included
             return context_parallel_attention(q, k, v, attention_mask, self.config, self.layer_number,
+                                              scale=getattr(self.config, "softmax_scale", None),
                                               window=self.window_size, sink=sink)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # each TP rank drops out its own heads: the model-parallel RNG stream (not with sequence parallelism: as
@@ -171,4 +172,4 @@ class CoreAttention(MegatronModule):
 
         mask = self.mask(attention_mask, q.shape[2], k.shape[2], q.device)
         with rng if rng is not None else contextlib.nullcontext(), sdpa_backend(self.config.attention_backend):
-            return attention(q, k, v, mask, sink, dropout_p)
+            return attention(q, k, v, mask, sink, dropout_p, getattr(self.config, "softmax_scale", None))

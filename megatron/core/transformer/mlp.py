@@ -11,7 +11,7 @@ from megatron.core.fusions.fused_bias_swiglu import swiglu_impl, use_fused_swigl
 from megatron.core.tensor_parallel.random import checkpoint_without_output, should_recompute
 from megatron.core.transformer.attention import build_linear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
+from megatron.core.transformer.utils import config_init_method
 
 
 def apply_swiglu_sharded_factory(original, sharded_offsets=(), tp_rank: int = 0, tp_size: int = 1):
@@ -142,8 +142,8 @@ class MLP(MegatronModule):
         self.ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         self.is_expert = is_expert
         fc1_out = 2 * self.ffn_hidden_size if config.gated_linear_unit else self.ffn_hidden_size
-        init = init_method_normal(config.init_method_std)
-        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        init = config_init_method(config)
+        out_init = config_init_method(config, "output_layer_init_method")
         self.linear_fc1 = build_linear(
             config, "layernorm_column" if fuse_input_layernorm else "column", self.input_size, fc1_out,
             init_method=init, bias=config.add_bias_linear, is_expert=is_expert,

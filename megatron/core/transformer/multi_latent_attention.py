@@ -45,7 +45,7 @@ from megatron.core.transformer.context_parallel import context_parallel_attentio
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.core.transformer.torch_norm import IdentityOp, WrappedTorchNorm, build_norm
-from megatron.core.transformer.utils import init_method_normal, recompute, scaled_init_method_normal
+from megatron.core.transformer.utils import config_init_method, recompute
 from megatron.core.transformer.yarn_rotary_pos_embedding import YarnRotaryEmbedding, _yarn_get_mscale
 
 
@@ -117,7 +117,7 @@ class MLASelfAttention(MegatronModule):
         self.softmax_scale = _yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2 / math.sqrt(
             self.q_head_dim)
         self.rotary_pos_emb = mla_rotary_embedding(config)
-        init = init_method_normal(config.init_method_std)
+        init = config_init_method(config)
         heads = config.num_attention_heads
 
         def linear(kind, n_in, n_out):
@@ -137,8 +137,7 @@ class MLASelfAttention(MegatronModule):
                                           config.kv_lora_rank + config.qk_pos_emb_head_dim)
         self.linear_kv_up_proj = linear(up, config.kv_lora_rank, heads * (config.qk_head_dim + config.v_head_dim))
         self.linear_proj = build_linear(config, "row", heads * config.v_head_dim, config.hidden_size,
-                                        init_method=scaled_init_method_normal(config.init_method_std,
-                                                                              config.num_layers),
+                                        init_method=config_init_method(config, "output_layer_init_method"),
                                         bias=config.add_bias_linear, skip_bias_add=True)
         separate_norms = qk_norm and not te
         if config.q_lora_rank is not None:

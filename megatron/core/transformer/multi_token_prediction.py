@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import build_norm
-from megatron.core.transformer.utils import apply_prefix_mapping, init_method_normal
+from megatron.core.transformer.utils import apply_prefix_mapping, config_init_method
 
 
 def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group=None):
@@ -239,7 +239,7 @@ class MultiTokenPredictionLayer(MegatronModule):
         else:
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear as column
         self.eh_proj = column(2 * config.hidden_size, config.hidden_size, config=config,
-                              init_method=init_method_normal(config.init_method_std), bias=False, gather_output=False,
+                              init_method=config_init_method(config), bias=False, gather_output=False,
                               skip_bias_add=False, is_expert=False, tp_comm_buffer_name="mtp_eh_proj")
         spec = submodules.mtp_model_layer
         layer_submodules = getattr(spec, "submodules", None) if isinstance(spec, ModuleSpec) else None

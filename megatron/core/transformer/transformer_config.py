@@ -1,11 +1,15 @@
 """TransformerConfig: the model hyper-parameters, with upstream megatron-core field names.
 
-Only what this fork uses is here; unknown upstream fields are simply absent. ``__post_init__`` fills derived
-defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size) and rejects bad combinations with
-an error that names the field (and the command-line flag where there is one).
+Every field of upstream 0.19.2's TransformerConfig and ModelParallelConfig is here with upstream's default, so a
+keyword call built for upstream (Megatron-Bridge, NeMo) binds; the fields of features this fork does not build are
+accepted only at that default (``NOT_BUILT``), the inert ones at any value (said where they are declared).
+``__post_init__`` fills derived defaults (ffn_hidden_size, kv_channels, num_query_groups, moe_ffn_hidden_size, the
+init methods, expert_tensor_parallel_size) and rejects bad combinations with an error that names the field (and the
+command-line flag where there is one).
 """
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +64,79 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
 # upstream's names this fork does not recompute (and why)
 UPSTREAM_ONLY_RECOMPUTE_MODULES = {"mla_up_proj": "the MLA up projections are not recomputed here",
                                    "shared_experts": "recomputing the shared experts is not implemented"}
+
+
+# ---- upstream 0.19.2 TransformerConfig fields for features this fork does not build -----------------------------
+# {field: what it would do}. Each is accepted at upstream's default (the dataclass default); ``__post_init__``
+# (``_refuse_not_built``) raises a ValueError naming the field for any other value, so a recipe that sets one gets
+# an error instead of silently different training. The one place this rule lives.
+NOT_BUILT = {
+    "activation_func_fp8_input_store": "keeping the MLP activation's input in FP8 for backward",
+    "attention_output_gate": "a gate on the attention output",
+    "batch_invariant_mode": "batch-invariant (deterministic across batch sizes) kernels",
+    "cpu_offloading": "offloading activations / weights to the CPU",
+    **{name: "DeepSeek sparse attention (experimental_attention_variant='dsa')" for name in (
+        "dsa_indexer_head_dim", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32", "dsa_indexer_loss_coeff",
+        "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation",
+        "dsa_indexer_scoring_relu", "dsa_indexer_skip_topk_offset", "dsa_indexer_topk", "dsa_indexer_topk_freq",
+        "dsa_indexer_use_sparse_loss", "dsa_kernel_backend")},
+    "enable_autocast": "running the forward step under torch.autocast",
+    "experimental_attention_variant": "the gated delta net / DeepSeek sparse attention layers",
+    "fine_grained_activation_offloading": "offloading module inputs to the CPU",
+    "flash_decode": "the flash-decoding inference kernel",
+    "fp32_residual_connection": "an fp32 residual stream",
+    "fp8_multi_head_attention": "FP8 multi-head attention",
+    "fp8_output_proj": "an FP8 output layer",
+    "hetereogenous_dist_checkpoint": "heterogeneous layers in distributed checkpoints",
+    "heterogeneous_block_specs": "heterogeneous (nemotron-nas) block specs",
+    "hybrid_context_parallel": "hybrid data x context parallelism",
+    "is_hybrid_model": "hybrid Mamba / attention models",
+    "linear_attention_freq": "linear-attention (gated delta net) layers",
+    "log_max_attention_logit": "logging the max attention logit",
+    **{name: "Mamba layers" for name in ("mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_state_dim",
+                                         "mamba_training_ssm_states_dtype")},
+    "max_seqlen_per_dp_cp_rank": "the sequence scheduler of hybrid context parallelism",
+    "moe_apply_probs_on_input": "applying the routing probabilities on the experts' input",
+    "moe_enable_deepep": "the DeepEP (flex) token dispatcher",
+    "moe_enable_routing_replay": "MoE routing replay",
+    "moe_expert_rank_capacity_factor": "per-expert-rank token capacity",
+    "moe_flex_dispatcher_backend": "the flex token dispatcher",
+    "moe_input_jitter_eps": "input jitter of the MoE router",
+    "moe_latent_size": "MoE latent projections",
+    "moe_mlp_glu_interleave_size": "block-interleaved GLU weights of the experts",
+    "moe_paged_stash": "the paged stash of expert activations",
+    "moe_router_force_biased": "a random router bias",
+    "moe_router_padding_for_fp8": "padding the routing map for quantized experts",
+    "moe_router_padding_for_quantization": "padding the routing map for quantized experts",
+    "moe_shared_expert_glu_interleave_size": "block-interleaved GLU weights of the shared experts",
+    "moe_single_grouped_bias": "the experts' biases as one grouped parameter",
+    "moe_single_grouped_weight": "the experts' weights as one grouped parameter",
+    "moe_token_dropping": "upstream's (unsupported) token dropping switch; use moe_expert_capacity_factor",
+    "mrope_section": "multimodal rotary embeddings",
+    "mtp_detach_heads": "detaching the MTP heads from the main model",
+    "mtp_hybrid_override_pattern": "hybrid MTP layers",
+    "mtp_standalone": "MTP in its own pipeline stage (pipeline_model_parallel_layout)",
+    "mtp_use_repeated_layer": "one MTP layer used repeatedly",
+    "mup_output_mult": "MuP logit scaling",
+    "no_rope_freq": "layers without rotary embeddings",
+    "num_microbatches_with_partial_activation_checkpoints": "partial activation checkpointing",
+    "overlap_moe_expert_parallel_comm": "the combined 1F1B schedule overlapping the MoE all-to-all",
+    "pipeline_model_parallel_layout": "custom pipeline layouts",
+    "qk_clip": "QK-clip of the query / key weights",
+    "qk_l2_norm": "L2 norm of queries and keys",
+    "quant_recipe": "per-module quantization recipes",
+    "rotary_interleaved": "interleaved (RoFormer-style) rotary embeddings in standard attention",
+    "test_mode": "upstream's real-time test hooks",
+    "tp_comm_overlap": "TE's tensor-parallel communication overlap (userbuffers)",
+    "tp_only_amax_red": "FP8 amax reduction over the TP group only",
+    "use_grouped_gemm_for_dense_mlp": "a grouped GEMM for the dense MLP",
+    "use_grouped_gemm_for_shared_expert": "a grouped GEMM for the shared experts",
+    "use_kitchen": "the kitchen quantization extension",
+    "use_kitchen_attention": "the kitchen attention extension",
+    "use_mup": "MuP (maximal update parametrization)",
+    "use_te_activation_func": "Transformer Engine's activation modules",
+    "use_transformer_engine_op_fuser": "Transformer Engine's operation fuser",
+}
 
 
 class _DefaultImpl(str):
@@ -254,6 +331,313 @@ class TransformerConfig:
     mtp_num_layers: Optional[int] = None  # MTP depths, on the last pipeline stage (None: no MTP)
     mtp_loss_scaling_factor: Optional[float] = 0.1  # the MTP loss: factor x mean over depths
 
+    # ==== upstream 0.19.2 fields added for drop-in use (keyword use; every one takes upstream's default) =========
+    # Three kinds, by what the fork does with a value: (a) honoured; (b) NOT_BUILT (top of this module): only
+    # upstream's default is accepted, another value raises naming the field; (c) inert: any value is accepted
+    # because this fork never reads it and ignoring it cannot change training results (said per field).
+
+    # ---- (a) honoured -------------------------------------------------------------------------------------------
+    init_method: Optional[Callable] = None
+    """Draws the weights of the input-side linears (QKV, fc1, the router, MLA's projections, the output layer, MTP's
+    eh_proj), the learnable softmax offset and the shared-expert gate. None: normal(0, init_method_std), filled
+    by ``__post_init__`` as upstream."""
+    output_layer_init_method: Optional[Callable] = None
+    """Draws the weights of each layer's output-side linears (attention linear_proj, fc2). None:
+    normal(0, init_method_std / sqrt(2 * num_layers)), as upstream."""
+    embedding_init_method: Optional[Callable] = None
+    """Draws the word / position embeddings. None: ``init_method`` when embedding_init_method_std equals
+    init_method_std, else normal(0, embedding_init_method_std), as upstream."""
+    embedding_init_method_std: Optional[float] = None  # None: init_method_std (filled by __post_init__, as upstream)
+    softmax_scale: Optional[float] = None  # the scale of q k^T in standard core attention (None: 1/sqrt(kv_channels));
+    # multi-latent attention keeps its own YaRN scale, as upstream
+    expert_tensor_parallel_size: Optional[int] = None  # None: tensor_model_parallel_size (filled, as upstream); the
+    # experts are split over the TP ranks here, so another value is refused
+    multi_latent_attention: bool = False  # True only on MLATransformerConfig (which builds MLA); refused here
+    moe_layer_recompute: bool = False  # upstream's deprecated form of --recompute-modules moe: selective recompute
+    # with 'moe' added to recompute_modules, as upstream's __post_init__
+    moe_router_topk_limited_devices: Optional[int] = None  # deprecated upstream: group-limited routing with
+    # moe_router_num_groups = expert_model_parallel_size and moe_router_group_topk = this, as upstream
+    moe_grad_scale_func: Optional[Callable] = None  # () -> the MoE aux losses' gradient scale (None: grad_scale_func)
+    mtp_grad_scale_func: Optional[Callable] = None  # () -> the MTP loss's gradient scale (None: grad_scale_func)
+
+    # ---- (c) inert: never read here; ignoring the value cannot change training results --------------------------
+    # performance / memory knobs of kernels and communication (the fork's own paths compute the same values)
+    barrier_with_L1_time: bool = True  # timer barriers only
+    clone_scatter_output_in_embedding: bool = True  # a clone for early garbage collection only
+    config_logger_dir: str = ""  # upstream's config dump for debugging; nothing is dumped here
+    cross_entropy_loss_fusion: bool = False  # a fused kernel of the same cross entropy
+    cross_entropy_fusion_impl: str = "native"  # 'native' | 'te': which fused kernel (with cross_entropy_loss_fusion)
+    disable_parameter_transpose_cache: bool = False  # TE's weight-transpose cache (memory only)
+    memory_efficient_layer_norm: bool = False  # Apex's memory-efficient LayerNorm kernel (same values)
+    fused_residual_rmsnorm: bool = False  # a fused residual + RMSNorm backward kernel (same values)
+    fused_single_qkv_rope: bool = False  # skips a QKV split/concat around RoPE (same values)
+    use_fused_weighted_squared_relu: bool = False  # a fused kernel of the experts' weighted squared ReLU
+    flash_attention_version: Optional[int] = None  # pins the FlashAttention generation (a kernel choice)
+    mlp_chunks_for_training: int = 1  # the MLP over sequence chunks (rows are independent: same values, less memory)
+    use_mamba_mem_eff_path: bool = True  # Mamba's memory-efficient path (Mamba layers are not built here)
+    high_priority_a2a_comm_stream: bool = False  # stream priority of the EP overlap (not built)
+    ep_overlap_early_attn_memory_release: bool = False  # memory release of the EP overlap (not built)
+    delay_wgrad_compute: bool = False  # weight-gradient scheduling for communication overlap (same gradients)
+    overlap_dispatch_backward_with_experts_wgrad: bool = False  # scheduling of the experts' wgrad (same gradients)
+    defer_embedding_wgrad_compute: bool = False  # scheduling of the embedding wgrad in the pipeline flush
+    wgrad_deferral_limit: int = 0  # (with defer_embedding_wgrad_compute)
+    symmetric_ar_type: Optional[str] = None  # symmetric-memory all-reduce kernel (inference)
+    use_ring_exchange_p2p: bool = False  # a custom-torch p2p kernel (the same transfers)
+    pipeline_model_parallel_comm_backend: Optional[str] = None  # 'nccl' | 'ucc': the transport of the p2p transfers
+    disable_bf16_reduced_precision_matmul: bool = False  # as upstream's core: read only by the training setup, from
+    # --disable-bf16-reduced-precision-matmul (megatron/training/initialize.py), not from this config
+    moe_per_layer_logging: bool = False  # logging only; the training loop logs per layer with --moe-per-layer-logging
+    use_te_rng_tracker: bool = False  # upstream's core reads it only in checks; the tracker kind is chosen when
+    # seeding (tensor_parallel.model_parallel_cuda_manual_seed(te_rng_tracker=...), --te-rng-tracker)
+    # inference only (megatron.core.inference is not part of this fork; training never reads these)
+    inference_cuda_graph_scope: Optional[Any] = None
+    inference_disable_triton_nvls_kernels: bool = False
+    inference_fuse_tp_communication: bool = False
+    inference_grouped_gemm_backend: str = "vllm"
+    inference_moe_disable_fused_quant_kernels: bool = False
+    inference_moe_token_dispatcher_type: str = "nvls"
+    inference_rng_tracker: bool = False
+    inference_sampling_seed: int = 42
+    use_inference_optimized_layers: bool = False
+    mlp_chunks_for_prefill: int = 1
+    nccl_all_reduce_for_prefill: bool = False
+    moe_pad_experts_for_cuda_graph_inference: bool = False
+    # read upstream only with a switch that NOT_BUILT refuses (so without effect there too at its default)
+    _cpu_offloading_context: Optional[Any] = None  # upstream-internal, with cpu_offloading
+    cpu_offloading_activations: bool = True  # with cpu_offloading
+    cpu_offloading_weights: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_double_buffering: bool = False
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    offload_modules: Optional[List[str]] = field(default_factory=list)  # with fine_grained_activation_offloading
+    min_offloaded_tensor_size: int = 1024 * 1024
+    activation_offload_fraction: float = 1.0
+    delta_offload_bytes_across_pp_ranks: int = 0
+    delay_offload_until_cuda_graph: bool = False
+    fine_grained_offloading_max_inflight_offloads: Optional[int] = None
+    tp_comm_bootstrap_backend: str = "nccl"  # with tp_comm_overlap
+    tp_comm_overlap_ag: bool = True
+    tp_comm_overlap_rs: bool = True
+    tp_comm_overlap_rs_dgrad: bool = False
+    tp_comm_bulk_dgrad: bool = True
+    tp_comm_bulk_wgrad: bool = True
+    tp_comm_split_ag: bool = True
+    tp_comm_split_rs: bool = True
+    tp_comm_atomic_ag: bool = False
+    tp_comm_atomic_rs: bool = False
+    tp_comm_overlap_disable_qkv: bool = False
+    tp_comm_overlap_disable_fc1: bool = False
+    autocast_dtype: Optional[torch.dtype] = None  # with enable_autocast; None: params_dtype (filled, as upstream)
+    experimental_attention_variant_loss_scale_func: Optional[Callable] = None  # with experimental_attention_variant
+    fp8_quantizer_factory: Optional[str] = None  # with fp8_recipe 'custom' (refused by the fp8_recipe check)
+    fp4_quantizer_factory: Optional[str] = None  # with fp4_recipe 'custom'
+    kitchen_attention_backend: str = "sdpa"  # with use_kitchen_attention
+    linear_conv_kernel_dim: Optional[int] = 4  # the gated delta net's shape (experimental_attention_variant)
+    linear_key_head_dim: Optional[int] = 128
+    linear_num_key_heads: Optional[int] = 16
+    linear_num_value_heads: Optional[int] = 32
+    linear_value_head_dim: Optional[int] = 128
+    moe_deepep_num_sms: Optional[int] = None  # with the flex token dispatcher (moe_enable_deepep / ..._backend)
+    moe_flex_dispatcher_num_sms: Optional[int] = None
+    moe_hybridep_num_blocks_permute: Optional[int] = None
+    moe_hybridep_num_blocks_unpermute: Optional[int] = None
+    moe_hybridep_num_sms: Optional[int] = None
+    moe_hybridep_num_sms_preprocessing: int = 108
+    moe_hybridep_pad_uneven_dispatch_inputs: bool = False
+    moe_permute_fusion_into_hybridep: bool = False
+    moe_ncclep_static_shape: bool = False
+    moe_ncclep_zero_copy: bool = False
+    moe_paged_stash_buffer_size_factor_cpu: float = 0.0  # with moe_paged_stash
+    moe_paged_stash_buffer_size_factor_cuda: float = 1.1
+    moe_paged_stash_page_size: int = 64
+    moe_router_quantile_balancing_ema: float = 0.0  # with moe_router_load_balancing_type 'quantile_balancing'
+    mup_attn_scale_power: float = 1.0  # with use_mup
+    mup_base_head_dim: Optional[float] = None
+    mup_base_hidden_size: Optional[int] = None
+    mup_embedding_mult: float = 1.0
+    mup_width_mult: float = 1.0
+    overlap_p2p_comm_warmup_flush: bool = False  # with overlap_p2p_comm (refused above)
+    qk_clip_alpha: float = 0.5  # with qk_clip
+    qk_clip_threshold: float = 100
+
+    # ---- (b) not built: upstream's default only (NOT_BUILT says why; hierarchical_context_parallel_sizes,
+    # gtp_weight_remat_size and the *_num_weight_shards are checked by _check_parallel_sizes) ----------------------
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+    gtp_weight_remat_size: int = 1
+    expert_gtp_weight_remat_size: int = 1
+    tensor_parallel_num_weight_shards: Optional[int] = None  # None or tensor_model_parallel_size (no GTP)
+    expert_tensor_parallel_num_weight_shards: Optional[int] = None  # None or expert_tensor_parallel_size
+    activation_func_fp8_input_store: bool = False
+    attention_output_gate: bool = False
+    batch_invariant_mode: bool = False
+    cpu_offloading: bool = False
+    dsa_indexer_head_dim: Optional[int] = None
+    dsa_indexer_k_norm_epsilon: Optional[float] = None
+    dsa_indexer_k_norm_fp32: bool = False
+    dsa_indexer_loss_coeff: Optional[float] = None
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_rope_interleaved: bool = False
+    dsa_indexer_rotate_activation: bool = True
+    dsa_indexer_scoring_relu: bool = True
+    dsa_indexer_skip_topk_offset: int = 0
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_topk_freq: int = 1
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_kernel_backend: str = "none"
+    enable_autocast: bool = False
+    experimental_attention_variant: Optional[str] = None
+    fine_grained_activation_offloading: bool = False
+    flash_decode: bool = False
+    fp32_residual_connection: bool = False
+    fp8_multi_head_attention: bool = False
+    fp8_output_proj: bool = False
+    hetereogenous_dist_checkpoint: bool = False
+    heterogeneous_block_specs: bool = False
+    hybrid_context_parallel: bool = False
+    is_hybrid_model: bool = False
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    log_max_attention_logit: bool = False
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
+    mamba_state_dim: int = 128
+    mamba_training_ssm_states_dtype: Optional[torch.dtype] = None
+    max_seqlen_per_dp_cp_rank: Optional[int] = None
+    moe_apply_probs_on_input: bool = False
+    moe_enable_deepep: bool = False
+    moe_enable_routing_replay: bool = False
+    moe_expert_rank_capacity_factor: Optional[float] = None
+    moe_flex_dispatcher_backend: str = "deepep"
+    moe_input_jitter_eps: Optional[float] = None
+    moe_latent_size: Optional[int] = None
+    moe_mlp_glu_interleave_size: Optional[int] = None
+    moe_paged_stash: bool = False
+    moe_router_force_biased: Optional[float] = None
+    moe_router_padding_for_fp8: Optional[bool] = False
+    moe_router_padding_for_quantization: Optional[bool] = False
+    moe_shared_expert_glu_interleave_size: Optional[int] = None
+    moe_single_grouped_bias: bool = False
+    moe_single_grouped_weight: bool = False
+    moe_token_dropping: bool = False
+    mrope_section: Optional[List[int]] = None
+    mtp_detach_heads: bool = False
+    mtp_hybrid_override_pattern: Optional[str] = None
+    mtp_standalone: bool = False
+    mtp_use_repeated_layer: bool = False
+    mup_output_mult: float = 1.0
+    no_rope_freq: Optional[Union[int, List[int]]] = None
+    num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
+    overlap_moe_expert_parallel_comm: bool = False
+    pipeline_model_parallel_layout: Optional[Union[str, list, Any]] = None
+    qk_clip: bool = False
+    qk_l2_norm: bool = False
+    quant_recipe: Optional[Any] = None
+    rotary_interleaved: bool = False
+    test_mode: bool = False
+    tp_comm_overlap: bool = False
+    tp_only_amax_red: bool = False
+    use_grouped_gemm_for_dense_mlp: bool = False
+    use_grouped_gemm_for_shared_expert: bool = False
+    use_kitchen: bool = False
+    use_kitchen_attention: bool = False
+    use_mup: bool = False
+    use_te_activation_func: bool = False
+    use_transformer_engine_op_fuser: bool = False
+
+    def _refuse_not_built(self) -> None:
+        """A NOT_BUILT field away from upstream's default (the dataclass default) raises, naming it and why."""
+        for f in fields(self):
+            if f.name not in NOT_BUILT:
+                continue
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            value = getattr(self, f.name)
+            if value is not default and value != default:
+                raise ValueError(f"TransformerConfig.{f.name}={value!r}: {NOT_BUILT[f.name]} is not built in this "
+                                 f"fork; leave {f.name} at upstream's default {default!r}")
+
+    def _check_upstream_parallel_sizes(self) -> None:
+        """Upstream's expert tensor parallel size (None: the TP size, filled as upstream; the experts are split over
+        the TP ranks here, so with experts another size is refused; without experts it has no effect) and the
+        parallelisms not built here: hierarchical context parallelism and GTP weight rematerialization (their
+        neutral values accepted: sizes 1, weight shards None or the (expert) TP size)."""
+        tp, etp = self.tensor_model_parallel_size, self.expert_tensor_parallel_size
+        if etp is None:
+            etp = self.expert_tensor_parallel_size = tp
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+            raise ValueError(f"{_named('expert_tensor_parallel_size', etp)} must be a positive int or None")
+        if self.num_moe_experts is not None and etp != tp:
+            raise ValueError(f"{_named('expert_tensor_parallel_size', etp)} is not supported: the experts are split "
+                             f"over the tensor-parallel ranks ({_named('tensor_model_parallel_size', tp)}); give "
+                             "that value or None")
+        hcp = self.hierarchical_context_parallel_sizes
+        if hcp and math.prod(hcp) != 1:  # parallel_state.initialize_model_parallel's rule and words
+            raise ValueError(f"hierarchical_context_parallel_sizes={hcp} (--hierarchical-context-parallel-sizes) is "
+                             "not supported by this fork yet (use the default)")
+        for name, shards, size in (("gtp_weight_remat_size", self.tensor_parallel_num_weight_shards, tp),
+                                   ("expert_gtp_weight_remat_size", self.expert_tensor_parallel_num_weight_shards,
+                                    etp)):
+            if getattr(self, name) != 1:
+                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)!r}: generalized tensor parallel "
+                                 "weight rematerialization is not built in this fork; leave it at 1")
+            shards_name = name.replace("gtp_weight_remat_size", "tensor_parallel_num_weight_shards")
+            if shards is not None and shards != size:
+                raise ValueError(f"TransformerConfig.{shards_name}={shards!r}: only the tensor-parallel split itself "
+                                 f"({size} shards, no generalized tensor parallelism) is built in this fork; give "
+                                 f"{size} or None")
+
+    def _fill_upstream_defaults(self) -> None:
+        """Upstream's derived defaults of its init methods (normal(0, init_method_std); the layers' output
+        projections scaled by 1/sqrt(2 * num_layers); the embeddings init_method, or normal(0,
+        embedding_init_method_std) where that differs) and of autocast_dtype (params_dtype); MLA only on
+        MLATransformerConfig."""
+        from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
+
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method is None:
+            if self.init_method is None or self.embedding_init_method_std != self.init_method_std:
+                self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
+            else:
+                self.embedding_init_method = self.init_method
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+        for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"TransformerConfig.{name} must be a callable (tensor) -> tensor or None, got "
+                                 f"{getattr(self, name)!r}")
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype
+        if self.multi_latent_attention and not isinstance(self, MLATransformerConfig):
+            raise ValueError("TransformerConfig.multi_latent_attention=True (--multi-latent-attention): build an "
+                             "MLATransformerConfig, which holds the MLA fields; TransformerConfig builds standard "
+                             "attention")
+
+    def _apply_moe_layer_recompute(self) -> None:
+        """Upstream's deprecated moe_layer_recompute: selective recompute with 'moe' in recompute_modules."""
+        if not self.moe_layer_recompute:
+            return
+        if self.recompute_granularity == "full":
+            raise ValueError("moe_layer_recompute (--moe-layer-recompute) with recompute_granularity 'full' "
+                             "(--recompute-granularity full): give one of them, as upstream")
+        self.recompute_granularity = "selective"
+        modules = list(self.recompute_modules) if self.recompute_modules is not None else ["core_attn"]
+        self.recompute_modules = modules if "moe" in modules else modules + ["moe"]
+
+    def _apply_topk_limited_devices(self) -> None:
+        """Upstream's deprecated moe_router_topk_limited_devices: group-limited routing over the EP ranks
+        (moe_router_num_groups = expert_model_parallel_size, moe_router_group_topk = it), as upstream."""
+        k = self.moe_router_topk_limited_devices
+        if not k:
+            return
+        derived = (self.expert_model_parallel_size, k)
+        if self.moe_router_group_topk and (self.moe_router_num_groups, self.moe_router_group_topk) != derived:
+            raise ValueError(f"{_named('moe_router_topk_limited_devices', k)} is deprecated and replaced by "
+                             "moe_router_num_groups / moe_router_group_topk (--moe-router-num-groups / "
+                             "--moe-router-group-topk): give only those")
+        self.moe_router_num_groups, self.moe_router_group_topk = derived
+
     def _check_first_last_bf16(self):
         """Upstream's checks: not with delayed scaling; each count in [0, layers per pipeline stage]."""
         if self.fp8 is not None and self.fp8_recipe == "delayed":
@@ -319,6 +703,9 @@ class TransformerConfig:
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (--normalization), got {self.normalization!r}")
+        self._refuse_not_built()
+        self._check_upstream_parallel_sizes()
+        self._fill_upstream_defaults()
         self._resolve_default_impl()
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(
@@ -373,12 +760,14 @@ class TransformerConfig:
 
             check_context_parallel_config(self)
         self._check_pipeline()
+        self._apply_moe_layer_recompute()
         self._check_recompute()
         self._check_gpt_oss()
         if self.mtp_num_layers is not None and (isinstance(self.mtp_num_layers, bool) or self.mtp_num_layers < 1):
             raise ValueError(f"{_named('mtp_num_layers', self.mtp_num_layers)} must be a positive integer or None")
         if self.fp8_dot_product_attention:
             raise ValueError("fp8 attention (--fp8-dot-product-attention) is not supported")
+        self._apply_topk_limited_devices()
         if self.num_moe_experts is not None:
             experts = _named("num_moe_experts", self.num_moe_experts, "--num-experts")
             if self.num_moe_experts <= 0:

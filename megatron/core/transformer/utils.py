@@ -28,18 +28,48 @@ def ambient_device() -> torch.device:
 
 
 # ---- init methods -----------------------------------------------------------------------------------------
+class NormalInit:
+    """``normal_(t, 0, std)`` from the global torch RNG: an init method that compares equal by its ``std`` (so two
+    ``TransformerConfig`` built alike, whose ``init_method`` defaults are these, are equal) and pickles."""
+
+    def __init__(self, std: float):
+        self.std = std
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=self.std)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NormalInit) and other.std == self.std
+
+    def __hash__(self) -> int:
+        return hash(("NormalInit", self.std))
+
+    def __repr__(self) -> str:
+        return f"NormalInit(std={self.std!r})"
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """``normal_(t, 0, sigma)`` from the global torch RNG."""
-
-    def init_(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
-
-    return init_
+    return NormalInit(sigma)
 
 
 def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0):
     """``normal_(t, 0, sigma / sqrt(multiplier * num_layers))``, used for the output projections of each layer."""
     return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
+
+
+def config_init_method(config, name: str = "init_method") -> Callable[[torch.Tensor], torch.Tensor]:
+    """The config's ``init_method`` / ``output_layer_init_method`` / ``embedding_init_method`` (upstream's fields,
+    which ``TransformerConfig.__post_init__`` fills from ``init_method_std`` unless given); for a duck-typed config
+    without them, upstream's default from ``init_method_std``."""
+    method = getattr(config, name, None)
+    if method is not None:
+        return method
+    if name == "output_layer_init_method":
+        return scaled_init_method_normal(config.init_method_std, config.num_layers)
+    if name == "embedding_init_method":
+        return init_method_normal(getattr(config, "embedding_init_method_std", None) or config.init_method_std)
+    return init_method_normal(config.init_method_std)
 
 
 def init_weights(model: torch.nn.Module) -> None:

@@ -16,7 +16,7 @@ from megatron.core.transformer.context_parallel import get_pos_emb_on_this_cp_ra
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron.core.transformer.utils import init_method_normal, init_weights
+from megatron.core.transformer.utils import config_init_method, init_weights
 
 
 _NO_METADATA = MappingProxyType({})
@@ -195,7 +195,7 @@ class GPTModel(MegatronModule):
                 config.hidden_size,
                 vocab_size,
                 config=config,
-                init_method=init_method_normal(config.init_method_std),
+                init_method=config_init_method(config),
                 bias=False,
                 skip_weight_param_allocation=share_embeddings_and_output_weights and has_embedding,
             )

@@ -25,9 +25,8 @@ from megatron.core.transformer.mlp import MLP, activation_then_fc2
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     _sharded_leaves,
-    init_method_normal,
+    config_init_method,
     replace_prefix_for_sharding,
-    scaled_init_method_normal,
 )
 
 # FP8/FP4 GEMMs (Transformer Engine) need the token dimension to be a multiple of 8 to 32, depending on the recipe;
@@ -188,9 +187,9 @@ class GroupedMLP(_ExpertsBase):
         ffn = config.moe_ffn_hidden_size
         common = dict(config=config, bias=config.add_bias_linear, skip_bias_add=False, is_expert=True)
         self.linear_fc1 = column(num_local_experts, config.hidden_size, 2 * ffn if config.gated_linear_unit else ffn,
-                                 init_method=init_method_normal(config.init_method_std), **common)
+                                 init_method=config_init_method(config), **common)
         self.linear_fc2 = row(num_local_experts, ffn, config.hidden_size,
-                              init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+                              init_method=config_init_method(config, "output_layer_init_method"),
                               **common)
 
     @staticmethod

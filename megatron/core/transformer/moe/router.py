@@ -40,7 +40,7 @@ from megatron.core.transformer.moe.moe_utils import (
     switch_load_balancing_loss_func,
     z_loss_func,
 )
-from megatron.core.transformer.utils import init_method_normal, set_param_attrs
+from megatron.core.transformer.utils import config_init_method, set_param_attrs
 
 
 def topk_routing_with_score_function(
@@ -145,7 +145,7 @@ class TopKRouter(MegatronModule):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
-        self.init_method = init_method_normal(config.init_method_std)
+        self.init_method = config_init_method(config)
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype))
         set_param_attrs((self.weight,), allreduce=True, sequence_parallel=False)
         self.enable_expert_bias = config.moe_router_enable_expert_bias

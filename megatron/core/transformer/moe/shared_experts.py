@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.utils import init_method_normal, set_param_attrs
+from megatron.core.transformer.utils import config_init_method, set_param_attrs
 
 
 class SharedExpertMLP(MLP):
@@ -40,7 +40,7 @@ class SharedExpertMLP(MLP):
         """Initialises ``gate_weight`` (the linears initialise themselves), normal(0, init_method_std) as upstream."""
         if self.gate_weight is not None and self.config.perform_initialization:
             with torch.no_grad():
-                init_method_normal(self.config.init_method_std)(self.gate_weight)
+                config_init_method(self.config)(self.gate_weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         output, _ = super().forward(hidden_states)

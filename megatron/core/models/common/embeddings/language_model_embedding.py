@@ -9,7 +9,7 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_rng_context
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import init_method_normal, set_param_attrs
+from megatron.core.transformer.utils import config_init_method, set_param_attrs
 
 
 class PositionEmbedding(torch.nn.Module):
@@ -48,7 +48,7 @@ class LanguageModelEmbedding(MegatronModule):
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.position_embedding_type = position_embedding_type
-        init = init_method_normal(config.init_method_std)
+        init = config_init_method(config, "embedding_init_method")
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         # as upstream: without position embeddings the word embedding reduce-scatters straight into the
         # sequence-parallel region
