@@ -34,6 +34,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MCORE_UPSTREAM_CACHE", default))
 
 
+def upstream_source_site() -> Path:
+    """Where upstream's sources are read from without installing anything (tests that parse them with ``ast``):
+    ``MCORE_UPSTREAM_SITE``, else the cache's ``site`` (which may not exist yet)."""
+    if os.environ.get("MCORE_UPSTREAM_SITE"):
+        return Path(os.environ["MCORE_UPSTREAM_SITE"]).resolve()
+    return cache_dir() / "site"
+
+
 def _pip(*args: str) -> None:
     cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args]
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -10,15 +10,14 @@ upstream recipe (DDP, the distributed optimizer) with graphs through this API: r
 import ast
 import inspect
 import math
-import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.interop.upstream_env import upstream_source_site
 
 # upstream 0.19.2's signatures (megatron/core/transformer/cuda_graphs.py): (name, default or None) per parameter
 EXPECTED = {
@@ -44,9 +43,7 @@ def _ours(qualname):
 
 def _upstream_signatures():
     """The ``EXPECTED`` entries read from upstream 0.19.2's source (no import: it needs TE), or None without it."""
-    site = os.environ.get("MCORE_UPSTREAM_SITE") or str(
-        Path.home() / ".cache" / "megatron-core-fork" / "upstream-mcore-0.19.2" / "site")
-    path = Path(site) / "megatron" / "core" / "transformer" / "cuda_graphs.py"
+    path = upstream_source_site() / "megatron" / "core" / "transformer" / "cuda_graphs.py"
     if not path.is_file():
         return None
     tree = ast.parse(path.read_text())

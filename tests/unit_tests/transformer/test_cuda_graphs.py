@@ -12,8 +12,6 @@ with two micro-batches of gradient accumulation; FP8 delayed scaling with TE gra
 ungraphed run and the amax history advancing under replay."""
 import ast
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ from megatron.core.transformer.cuda_graphs import (
     _protect_param_grads,
 )
 from megatron.core.transformer.enums import CudaGraphModule
+from tests.unit_tests.interop.upstream_env import upstream_source_site
 
 M = CudaGraphModule
 
@@ -51,9 +50,7 @@ UPSTREAM_DEFAULTS = {"cuda_graph_impl": "none", "cuda_graph_modules": "full", "c
 
 def _upstream_config_defaults():
     """Upstream 0.19.2's TransformerConfig defaults of the CUDA-graph fields, read from its source (no import)."""
-    site = os.environ.get("MCORE_UPSTREAM_SITE") or str(
-        Path.home() / ".cache" / "megatron-core-fork" / "upstream-mcore-0.19.2" / "site")
-    path = Path(site) / "megatron" / "core" / "transformer" / "transformer_config.py"
+    path = upstream_source_site() / "megatron" / "core" / "transformer" / "transformer_config.py"
     if not path.is_file():
         return None
     tree = ast.parse(path.read_text())

@@ -4,7 +4,7 @@ config as built without it; a field of a feature this fork does not build (``tra
 a ValueError naming it at any other value; the honoured ones act (init methods, softmax_scale, ...).
 
 Upstream's field names and defaults are read by ``ast`` from the cached upstream site
-(``tests/unit_tests/interop/upstream_env.cache_dir()``) when it is there; without it the tests use the fork's field
+(``tests/unit_tests/interop/upstream_env.upstream_source_site()``) when it is there; without it the tests use the fork's field
 set (the upstream comparison is skipped)."""
 import ast
 import dataclasses
@@ -15,7 +15,7 @@ import torch
 
 from megatron.core.transformer.transformer_config import NOT_BUILT, MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.utils import NormalInit, init_weights
-from tests.unit_tests.interop.upstream_env import cache_dir
+from tests.unit_tests.interop.upstream_env import upstream_source_site
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, transformer_impl="local")
 # fork defaults that differ from upstream's on purpose (tools/public_name_diff_accepted.txt says why)
@@ -29,7 +29,7 @@ SPECIAL = {"hierarchical_context_parallel_sizes", "gtp_weight_remat_size", "expe
 def _upstream_defaults(cls: str, path: str) -> dict:
     """``{field: default}`` of upstream's dataclass ``cls`` in ``path`` (under the site's megatron/core); a default
     that is an expression over names (``torch.float32``, ``F.gelu``) is ``...`` (not compared)."""
-    site = cache_dir() / "site" / "megatron" / "core"
+    site = upstream_source_site() / "megatron" / "core"
     if not (site / path).is_file():
         pytest.skip(f"upstream megatron-core cache {site} not set up")
     out = {}
