@@ -262,8 +262,8 @@ class _SumTokenRows(torch.autograd.Function):
 def _routes_by_expert(routing_map: torch.Tensor, num_routes: Optional[int] = None):
     """``(token, position)`` ``[N]`` of the routing map's True entries, by expert, then by token (the row-major order
     of ``routing_map.T``): the token of each, and its index in ``routing_map.T`` flattened. With ``num_routes``
-    (``N``, known on the host) through ``torch.nonzero_static``: no device-to-host sync, where a boolean-mask index syncs for its size (three times
-    per MoE layer and step with the probs' backward). ``num_routes`` is checked against the map on the device: a
+    (``N``, known on the host) through ``torch.nonzero_static``: no device-to-host sync, where a boolean-mask index
+    syncs for its size (three times per MoE layer and step with the probs' backward). ``num_routes`` is checked against the map on the device: a
     RuntimeError naming ``num_out_tokens`` on CPU, a device-side assert on CUDA."""
     mask = routing_map.t().reshape(-1)
     if num_routes is None:
