@@ -42,6 +42,8 @@ class DistributedDataParallel(MegatronModule):
     materialised here (see ``fsdp/meta_init.py``); ``param_keyed_maps`` are remapped to the new parameters.
     """
 
+    init_on_construction = False  # wraps a built (or meta) module; materialisation initialises
+
     def __init__(
         self,
         config,

@@ -11,8 +11,9 @@ partial embeddings are all-reduced (or reduce-scattered into the sequence-parall
 
 The group is the tensor-parallel group (the expert tensor-parallel group for ``is_expert``), size 1 before
 ``parallel_state.initialize_model_parallel``; ``config.tensor_model_parallel_size`` must match it. Parameters are
-allocated on the ambient device (meta inside ``with torch.device('meta')``), uninitialised: ``reset_parameters()``
-initialises them (the init contract, see ``megatron.core.transformer.utils.init_weights``). TP-split weights draw
+allocated on the ambient device (meta inside ``with torch.device('meta')``); ``reset_parameters()`` initialises them,
+run by the outermost construction (a layer built on its own initialises itself, as upstream's; see
+``megatron/core/init_contract.py``). TP-split weights draw
 from the model-parallel RNG tracker (different per TP rank, as upstream) or, with ``config.use_cpu_initialization``,
 are sliced from a full master weight drawn from the default generator (the same values at every TP size).
 Split parameters carry ``tensor_model_parallel=True``, ``partition_dim``, ``partition_stride`` (upstream's
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.init_contract import InitialisedOnConstruction
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -110,7 +112,7 @@ def _init_split(weight, init_method, partition_dim: int, config, tp_size: int, t
         init_method(weight)
 
 
-class _LinearBase(IgnoresExtraState, torch.nn.Module):
+class _LinearBase(InitialisedOnConstruction, IgnoresExtraState, torch.nn.Module):
     partition_dim = 0  # the axis of the weight split over TP ranks
 
     def __init__(
@@ -303,7 +305,7 @@ class RowParallelLinear(_LinearBase):
         return (out + self.bias if self.bias is not None else out), None
 
 
-class VocabParallelEmbedding(torch.nn.Module):
+class VocabParallelEmbedding(InitialisedOnConstruction, torch.nn.Module):
     """Word embedding ``[num_embeddings / tp, embedding_dim]``: this rank's contiguous vocab slice (see the module
     docstring). ``reduce_scatter_embeddings``: the output is ``[s / tp, b, h]`` (transposed from the ``[b, s]`` ids
     and reduce-scattered on the sequence), as upstream; else ``[*ids.shape, h]``, all-reduced."""

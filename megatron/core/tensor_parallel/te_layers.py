@@ -6,8 +6,8 @@ the wrapper names then raise a clear error naming ``--transformer-impl transform
 
 Init contract (see ``megatron.core.transformer.utils.init_weights``): TE modules are ALWAYS constructed with
 ``device='meta'``, so TE defers its initialisation and construction consumes no randomness; the single
-initialisation is TE's own ``reset_parameters()`` (called by ``init_weights`` for an eager model, or after
-materialisation for a meta-built one), which allocates on the current CUDA device, runs the ``init_method`` we pass
+initialisation is TE's own ``reset_parameters()`` (called by ``init_weights`` at the end of an eager model's, or a
+layer's own, construction, or after materialisation for a meta-built one), which allocates on the current CUDA device, runs the ``init_method`` we pass
 (global RNG) and, for fp8/fp4 primary weights, quantizes. Eager and meta-device builds thus run the same code.
 For bit-identical eager/meta values build the eager model under ``with torch.device('cuda')`` so that the local
 (non-TE) parameters also draw from the CUDA RNG.
@@ -28,6 +28,7 @@ from megatron.core.fp8_utils import (  # noqa: F401 (the recipes and contexts li
     te_quantization_autocast,
     te_quantized_init_context,
 )
+from megatron.core.init_contract import InitialisedOnConstruction
 from megatron.core.fusions.grouped_mm import add_grouped_bias, grouped_gemm, use_torch_grouped_mm
 from megatron.core.tensor_parallel.sharded_tensors import make_sharded_tensors_for_checkpoint
 from megatron.core.tensor_parallel.utils import set_param_attrs
@@ -86,8 +87,11 @@ def _common_kwargs(config, init_method, bias, skip_bias_add, parallel_mode=None,
     )
 
 
-class _TEWrapperMixin:
-    """Return ``(output, bias or None)`` like the local layers; tag parameters like the local layers."""
+class _TEWrapperMixin(InitialisedOnConstruction):
+    """Return ``(output, bias or None)`` like the local layers; tag parameters like the local layers. Built on meta
+    (``te_deferred_init``): ``reset_parameters`` materialises and initialises (``init_contract.init_weights``)."""
+
+    te_deferred_init = True
 
     # TP axis of each split parameter in checkpoints (upstream's TE layers: column weight/bias 0, row weight 1)
     _tp_axis_map = {}

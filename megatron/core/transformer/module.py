@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.init_contract import InitialisedOnConstruction
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -35,8 +36,9 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "", sharde
     return make_sharded_tensors_for_checkpoint(module.state_dict(keep_vars=True), prefix, sharded_offsets=sharded_offsets)
 
 
-class MegatronModule(torch.nn.Module):
-    """Base module: holds ``config``; ``sharded_state_dict`` covers exactly the entries of ``state_dict``."""
+class MegatronModule(InitialisedOnConstruction, torch.nn.Module):
+    """Base module: holds ``config``; ``sharded_state_dict`` covers exactly the entries of ``state_dict``. Built on
+    its own (not inside another module's construction) it initialises its parameters (``init_contract``)."""
 
     def __init__(self, config: Optional[TransformerConfig] = None):
         super().__init__()
@@ -88,6 +90,8 @@ class Float16Module(MegatronModule):
     fp32_output=True, **kwargs)``: on the first pipeline stage fp32 tensor inputs are cast to that dtype, on the last
     stage the outputs are cast back to fp32 (unless ``fp32_output=False``). State dicts are the wrapped module's
     (no ``module.`` prefix), so checkpoints do not see the wrapper."""
+
+    init_on_construction = False  # wraps a built module
 
     def __init__(self, config: TransformerConfig, module: torch.nn.Module):
         super().__init__(config)

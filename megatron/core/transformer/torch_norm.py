@@ -11,12 +11,13 @@ norm without quantizer state writes) in ``sharded_state_dict``; ``state_dict()``
 import torch
 import torch.nn.functional as F
 
+from megatron.core.init_contract import InitialisedOnConstruction
 from megatron.core.tensor_parallel.utils import IgnoresExtraState
 from megatron.core.transformer.identity_op import IdentityOp  # noqa: F401 (the norm slot TE fuses; importable here too)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, set_param_attrs
 
 
-class _NormBase(IgnoresExtraState, torch.nn.Module):
+class _NormBase(InitialisedOnConstruction, IgnoresExtraState, torch.nn.Module):
     """What LayerNorm and RMSNorm share: ``eps`` (default ``config.layernorm_epsilon``) and a ``[hidden_size]``
     weight with its parameter attributes."""
 

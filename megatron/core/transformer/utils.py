@@ -10,6 +10,7 @@ from typing import Callable, Dict
 import torch
 
 from megatron.core.dtensor_utils import is_dtensor  # noqa: F401 (re-exported)
+from megatron.core.init_contract import init_weights  # noqa: F401 (the init contract; its home is init_contract.py)
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.tensor_parallel.sharded_tensors import (  # noqa: F401 (re-exported)
     extra_state_shape_and_offset,
@@ -70,25 +71,6 @@ def config_init_method(config, name: str = "init_method") -> Callable[[torch.Ten
     if name == "embedding_init_method":
         return init_method_normal(getattr(config, "embedding_init_method_std", None) or config.init_method_std)
     return init_method_normal(config.init_method_std)
-
-
-def init_weights(model: torch.nn.Module) -> None:
-    """The init contract: call ``reset_parameters()`` of every module (in ``model.modules()`` order) that has one.
-
-    Each ``reset_parameters`` initialises only that module's direct parameters from the global torch RNG, so
-    materialising a meta-built model module by module in the same order and calling ``reset_parameters`` gives
-    bit-identical values. Does nothing when the model was built on the meta device (all its parameters are meta;
-    materialisation does it then). TE layers are always built on meta (deferred init); their
-    ``reset_parameters`` materialises them, so an eager model with TE layers is initialised here.
-    """
-    params = list(model.parameters())
-    if params and all(p.is_meta for p in params):
-        return
-    with torch.no_grad():
-        for m in model.modules():
-            fn = getattr(m, "reset_parameters", None)
-            if callable(fn):
-                fn()
 
 
 # ---- activation recompute (``--recompute-granularity``): TE's checkpoint under FP8/FP4, else tensor_parallel's

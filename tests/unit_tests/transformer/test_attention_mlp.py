@@ -115,12 +115,25 @@ def test_linear_layers_init_and_return_conventions():
     assert torch.equal(emb(torch.tensor([[1, 2]])), torch.ones(1, 2, 4))
 
 
-def test_no_randomness_in_constructors():
-    """Constructors consume no RNG: the init contract needs reset_parameters to be the only consumer."""
+def test_standalone_construction_initialises_once_in_modules_order():
+    """As upstream, a module built on its own is initialised (no uninitialised memory); the outermost construction
+    runs init_weights once, so the values equal a meta build materialised and initialised in modules() order, and a
+    meta build consumes no RNG."""
+    cfg = _cfg(num_moe_experts=2, moe_router_topk=1)
+    torch.manual_seed(0)
+    eager = TransformerLayer(cfg)
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    TransformerLayer(_cfg(num_moe_experts=2, moe_router_topk=1))
-    assert torch.equal(before, torch.get_rng_state())
+    with torch.device("meta"):
+        meta = TransformerLayer(cfg)
+    assert torch.equal(before, torch.get_rng_state()) and all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    init_weights(meta)
+    ep, mp = dict(eager.named_parameters()), dict(meta.named_parameters())
+    assert ep.keys() == mp.keys() and len(ep) > 5
+    for k in ep:
+        assert torch.equal(ep[k], mp[k]), k
+    assert eager.mlp.router.weight.std() > 0.01
 
 
 def test_norms():

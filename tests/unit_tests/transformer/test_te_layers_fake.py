@@ -282,14 +282,15 @@ def test_te_attributes_survive_te_reset(fake_te):
 
 
 def test_te_constructor_consumes_no_rng_and_init_uses_init_method(fake_te):
+    """TE layers are built deferred (on meta): under ``torch.device('meta')`` they stay meta and draw nothing; built
+    on their own eagerly, construction ends with their reset_parameters (materialised, ``init_method`` applied)."""
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    with torch.no_grad():
-        lin = fake_te.TERowParallelLinear(64, 32, config=_cfg(), init_method=lambda w: w.fill_(0.5), bias=True,
-                                          skip_bias_add=True)
-    assert torch.equal(state, torch.get_rng_state())
-    assert lin.weight.is_meta  # TE layers are built deferred; reset_parameters materialises and initialises
-    lin.reset_parameters()
+    kw = dict(config=_cfg(), init_method=lambda w: w.fill_(0.5), bias=True, skip_bias_add=True)
+    with torch.no_grad(), torch.device("meta"):
+        deferred = fake_te.TERowParallelLinear(64, 32, **kw)
+    assert torch.equal(state, torch.get_rng_state()) and deferred.weight.is_meta
+    lin = fake_te.TERowParallelLinear(64, 32, **kw)
     assert not lin.weight.is_meta
     out, bias = lin(torch.ones(3, 64))
     assert bias is lin.bias and torch.allclose(out, torch.full((3, 32), 32.0))

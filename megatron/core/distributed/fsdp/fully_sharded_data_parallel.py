@@ -159,6 +159,8 @@ class FullyShardedDataParallel(MegatronModule):
     ``old_to_new_params`` maps every Parameter object the model had before wrapping to the live one.
     """
 
+    init_on_construction = False  # wraps a built (or meta) module; materialisation initialises
+
     def __init__(
         self,
         config,

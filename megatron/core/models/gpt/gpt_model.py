@@ -105,6 +105,8 @@ class GPTModel(MegatronModule):
     stage's over the embedding group so both start equal; ``finalize_model_grads`` sums their gradients).
     """
 
+    init_on_construction = False  # the constructor runs init_weights itself, before tying the embeddings
+
     def __init__(
         self,
         config,

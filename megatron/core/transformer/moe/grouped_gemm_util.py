@@ -18,6 +18,7 @@ from typing import Callable, List, Sequence
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.init_contract import InitialisedOnConstruction
 from megatron.core.fusions.grouped_mm import add_grouped_bias, grouped_gemm
 from megatron.core.tensor_parallel.layers import _init_split, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
@@ -30,7 +31,7 @@ from megatron.core.transformer.utils import set_param_attrs
 _EXTRA_STATE_N = re.compile(r"_extra_state\d+$")
 
 
-class _GroupedLinearBase(torch.nn.Module):
+class _GroupedLinearBase(InitialisedOnConstruction, torch.nn.Module):
     partition_dim = 0
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, init_method: Callable,

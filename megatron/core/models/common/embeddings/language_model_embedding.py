@@ -5,6 +5,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from megatron.core.init_contract import InitialisedOnConstruction
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_rng_context
@@ -12,7 +13,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import config_init_method, set_param_attrs
 
 
-class PositionEmbedding(torch.nn.Module):
+class PositionEmbedding(InitialisedOnConstruction, torch.nn.Module):
     """The learned position table ``[max_sequence_length, h]``, replicated on every tensor-parallel rank (upstream's
     ``torch.nn.Embedding``), with the init contract (``reset_parameters`` draws ``init_method``)."""
 
