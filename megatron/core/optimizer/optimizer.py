@@ -469,8 +469,11 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
-        """main.grad = the model grad in fp32: into one persistent fp32 buffer per main param, all copied by one
-        ``torch._foreach_copy_`` over the local tensors (not a new tensor and a DTensor dispatch per param)."""
+        """main.grad = the model grad in fp32. A plain fp32 gradient of the main param's shape (DDP's fp32 reduced
+        ``main_grad``, ``--accumulate-allreduce-grads-in-fp32``) IS the main grad, no copy (as upstream's
+        ``main_grad.float()``: 4 bytes per parameter less). Others go into one persistent fp32 buffer per main param,
+        all copied by one ``torch._foreach_copy_`` over the local tensors (not a new tensor and a DTensor dispatch per
+        param)."""
         if self.main_params is None:
             return
         plan = self._copy_plan()
@@ -482,6 +485,10 @@ class MegatronOptimizer:
                 g = mp.grad
             if g is None:
                 main.grad = None
+                continue
+            if (g.dtype == torch.float32 and g.shape == main.shape and g.device == main.device
+                    and not _is_dtensor(g) and not _is_dtensor(main)):
+                main.grad = g
                 continue
             buf = bufs[i]
             if buf is None:

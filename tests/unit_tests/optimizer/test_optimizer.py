@@ -256,6 +256,9 @@ def _ddp_bf16_ckpt_body(rank, ws, ckpt_dir):
         ddp.finish_grad_sync()
         assert all(p.main_grad.dtype == torch.float32 for p in ddp.module.parameters())  # reduced in fp32
         assert opt.step()[0]
+        # the fp32 reduced grad IS the main grad (as upstream's main_grad.float()): no second fp32 copy per param
+        for p, main in zip(opt.model_params, opt.main_params):
+            assert main.grad.data_ptr() == p.main_grad.data_ptr() and main.grad.dtype == torch.float32
 
     a, oa = build(1)
     step(a, oa, 0)
