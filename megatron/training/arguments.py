@@ -655,7 +655,8 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--hysteresis", type=int, default=2,
                    help="Iterations with inf/nan gradients before the dynamic loss scale halves.")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Reduce grads in fp32 (on by default with --bf16, as upstream).")
+                   help="Accumulate (over micro-batches) and reduce grads in fp32, in persistent fp32 main_grad "
+                        "buffers (on by default with --bf16, as upstream).")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="With --bf16: reduce grads in bf16 instead of fp32.")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",

@@ -2,6 +2,13 @@
 
 Gradients accumulate in ``param.grad`` during the backward passes of a step; ``finish_grad_sync()`` (called by
 ``finalize_model_grads``) averages them over the data-parallel group in flat buckets, one collective per dtype.
+With ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``) and bf16 / fp16 parameters they accumulate
+in fp32 instead, as upstream's: each such parameter's ``main_grad`` is a view of a persistent fp32 buffer (one per
+bucket, or per (expert, device) without buckets) that a post-accumulate-grad hook adds ``param.grad`` into before
+freeing it; the collectives then run on those buffers in place and the optimizer takes ``main_grad`` as the main
+parameter's gradient, so gradients cost 4 bytes per parameter, as upstream's. A step's first accumulation copies
+instead of adding (``zero_grad_buffer`` only drops the views), and a parameter without a gradient in a step has its
+view zeroed before a collective reads it.
 
 ``overlap_grad_reduce`` (``--overlap-grad-reduce``, as upstream): the parameters are cut into upstream's buckets
 (``param_and_grad_buffer.py``; ``bucket_size``, default max(4e7, 1e6 x DP), none past the first pipeline stage or
@@ -29,7 +36,12 @@ from megatron.core import parallel_state
 from megatron.core.dist_utils import default_device, get_world_size
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.meta_init import has_meta_tensors, materialize_meta_module
-from megatron.core.distributed.param_and_grad_buffer import Bucket, build_buckets, check_reduced_grads
+from megatron.core.distributed.param_and_grad_buffer import (
+    Bucket,
+    build_buckets,
+    check_reduced_grads,
+    settle_main_grad,
+)
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -83,8 +95,13 @@ class DistributedDataParallel(MegatronModule):
         self._next_launch = 0  # the first bucket whose reduction has not been launched this step
         self.use_forward_hook = bool(ddp_config.overlap_param_gather)  # upstream's attribute
         self._param_gather_hooks = []
+        self._main_grad_views: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._main_grad_groups: List[tuple] = []  # (is_expert, fp32 buffer, params) of the parameters outside buckets
+        self._main_grad_hooks = []
         if ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather:
             self._setup_overlap(disable_bucketing)
+        else:
+            self._setup_main_grads()
 
     # ---- forward / state ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -144,6 +161,7 @@ class DistributedDataParallel(MegatronModule):
         self._golden: Optional[List[dict]] = None  # per bucket: {param: hook calls} of the first step
         self._next_launch = 0
         self._hooks = []
+        self._setup_main_grads()  # its hooks run before _grad_ready's (registration order)
         if cfg.overlap_grad_reduce:
             for p in self._bucket_of:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -215,6 +233,47 @@ class DistributedDataParallel(MegatronModule):
             if bucket is not None and bucket.param_gather_pending:
                 self._dispatch_param_gathers()
                 bucket.finish_param_gather()
+
+    # ---- fp32 gradient accumulation (see the module docstring) ----------------------------------------------
+    def _setup_main_grads(self) -> None:
+        if not self.ddp_config.grad_reduce_in_fp32:
+            return
+        low = [p for p in self.module.parameters() if p.requires_grad and p.dtype != torch.float32]
+        if not low:
+            return
+        low_set = set(low)
+        for bucket in self.buckets:  # the bucket's flat gradient is the buffer (its fp32 parameters copied in)
+            if bucket.reduce_dtype == torch.float32 and any(p in low_set for p in bucket.params):
+                buf = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+                bucket.grad_data = buf
+                for p in bucket.params:
+                    if p in low_set:
+                        o = bucket.offsets[p]
+                        self._main_grad_views[p] = bucket.views[p] = buf[o : o + p.numel()].view(p.shape)
+        groups: Dict[tuple, list] = {}
+        for p in low:
+            if p not in self._main_grad_views:
+                groups.setdefault((not getattr(p, "allreduce", True), p.device), []).append(p)
+        for (is_expert, device), ps in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            buf = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
+            o = 0
+            for p in ps:
+                self._main_grad_views[p] = buf[o : o + p.numel()].view(p.shape)
+                o += p.numel()
+            self._main_grad_groups.append((is_expert, buf, ps))
+        for p in self._main_grad_views:
+            p.grad_accumulated_into_main_grad = True  # cuda_graphs: the graphed grad buffer is consumed at once
+            self._main_grad_hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_main_grad))
+
+    def _accumulate_main_grad(self, param) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` into its fp32 ``main_grad`` view, then freed."""
+        settle_main_grad(param, self._main_grad_views[param])
+
+    def _settle_main_grads(self, params) -> None:
+        for p in params:
+            view = self._main_grad_views.get(p)
+            if view is not None:
+                settle_main_grad(p, view)
 
     # ---- gradients ---------------------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -289,29 +348,44 @@ class DistributedDataParallel(MegatronModule):
         ws = self._world_size()
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
+        wanted = set(params)
+        nonfinite = []
+        for is_expert, buf, ps in self._main_grad_groups:  # fp32-accumulated: reduced in place
+            if not all(p in wanted for p in ps):
+                continue
+            self._settle_main_grads(ps)
+            wanted.difference_update(ps)
+            group = self.expert_process_group if is_expert else self.process_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(buf, group=group)
+            buf.div_(ws)
+            if self.ddp_config.check_for_nan_in_grad:
+                nonfinite.append(~torch.isfinite(buf).all())
+        params = [p for p in params if p in wanted]
+        self._settle_main_grads(params)  # a part of a buffer: through the flat copy below
+        grad_of = {p: self._main_grad_views[p] if p in self._main_grad_views else p.grad for p in params}
         for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            if grad_of[p] is None:
+                p.grad = grad_of[p] = torch.zeros_like(p)
         buckets: Dict[tuple, list] = {}
         for p in params:
-            dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else p.grad.dtype
-            buckets.setdefault((not getattr(p, "allreduce", True), dtype, p.grad.device), []).append(p)
-        nonfinite = []
+            dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else grad_of[p].dtype
+            buckets.setdefault((not getattr(p, "allreduce", True), dtype, grad_of[p].device), []).append(p)
         for (is_expert, dtype, _), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in ps])
+            flat = torch.cat([grad_of[p].reshape(-1).to(dtype) for p in ps])
             group = self.expert_process_group if is_expert else self.process_group
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(flat, group=group)
             flat.div_(ws)
             offset = 0
             for p in ps:
-                n = p.grad.numel()
-                reduced = flat[offset : offset + n].view_as(p.grad)
-                if reduced.dtype != p.grad.dtype:
+                g = grad_of[p]
+                reduced = flat[offset : offset + g.numel()].view_as(g)
+                if reduced.dtype != g.dtype:
                     p.main_grad = reduced  # fp32 reduced grad of a bf16/fp16 param; the optimizer prefers it
                 else:
-                    p.grad.copy_(reduced)
-                offset += n
+                    g.copy_(reduced)
+                offset += g.numel()
             if self.ddp_config.check_for_nan_in_grad:
                 nonfinite.append(~torch.isfinite(flat).all())
         if nonfinite and bool(torch.stack(nonfinite).any()):  # one host read for all of them

@@ -44,6 +44,24 @@ def check_reduced_grads(buckets) -> None:
         raise RuntimeError(bad.nan_message())
 
 
+@torch.no_grad()
+def settle_main_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """``view`` (a persistent fp32 ``main_grad``) made ``param.main_grad`` holding this step's gradient: a
+    ``param.grad`` added in (copied at the step's first accumulation, when ``main_grad`` is not ``view``: the
+    accumulate hook of DistributedDataParallel, or a gradient set by hand) and freed; with no gradient this step,
+    zeros (a collective reads it)."""
+    attached = getattr(param, "main_grad", None) is view
+    if param.grad is not None:
+        if attached:
+            view.add_(param.grad)
+        else:
+            view.copy_(param.grad)
+        param.grad = None
+    elif not attached:
+        view.zero_()
+    param.main_grad = view
+
+
 def _reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, group):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, flat, group=group, async_op=True)
@@ -86,6 +104,10 @@ class Bucket:
         self.check_for_nan = check_for_nan
         self.names = names or {}
         self.device = self.params[0].device
+        # fp32 accumulation (DistributedDataParallel._setup_main_grads): the persistent flat gradient and the
+        # ``main_grad`` views of its bf16 / fp16 parameters
+        self.grad_data: Optional[torch.Tensor] = None
+        self.views: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self.reset()
         self._gather: Optional[tuple] = None  # (shard, write_back) handed over by the optimizer
         self._gather_work = None
@@ -106,23 +128,31 @@ class Bucket:
         """Copy the gradients into a fresh flat tensor and start its reduction (asynchronous)."""
         if self.launched:
             return
-        flat = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device)
+        persistent = self.grad_data is not None
+        flat = self.grad_data if persistent else torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device)
         dst, src = [], []
         for p in self.params:
+            o = self.offsets[p]
+            view = self.views.get(p)
+            if view is not None:  # accumulated in place
+                settle_main_grad(p, view)
+                continue
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
             if g is not None:
-                o = self.offsets[p]
                 dst.append(flat[o : o + p.numel()])
                 src.append(g.reshape(-1))
+            elif persistent:
+                flat[o : o + p.numel()].zero_()
         _foreach_copy(dst, src)
         if self.average and self.expert and self.size != self.dp_size:
             flat.mul_(self.size / self.dp_size)  # averaged over expert-DP below: the sum / DP, as upstream
         op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
         if self.reduce_scatter:
             for p in self.params:  # the flat is the gradient from now on (its owned range reduced at the finish)
-                o = self.offsets[p]
-                p.main_grad = flat[o : o + p.numel()].view(p.shape)
+                if p not in self.views:
+                    o = self.offsets[p]
+                    p.main_grad = flat[o : o + p.numel()].view(p.shape)
                 p.grad = None
             self._shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             if self.average:
@@ -156,6 +186,8 @@ class Bucket:
         self.nonfinite = (~torch.isfinite(reduced).all()) if self.check_for_nan else None
         if not self.reduce_scatter:
             for p in self.params:
+                if p in self.views:  # reduced in place: main_grad is the view
+                    continue
                 o = self.offsets[p]
                 value = flat[o : o + p.numel()].view(p.shape)
                 if p.grad is None:

@@ -34,7 +34,9 @@ Parameter gradients: the graphed backward returns each parameter gradient as a v
 replay overwrites. When a parameter has no ``.grad`` yet, autograd would adopt that buffer as ``.grad`` (it "steals" a
 gradient nobody else holds), and the next micro-batch's replay would then overwrite the accumulated gradient. A tensor
 hook on each graphed parameter hands autograd a copy in that case (``_protect_param_grads``); with a ``.grad`` already
-there, autograd adds in place and no copy is made.
+there, autograd adds in place and no copy is made, nor for a parameter whose gradient DDP adds into its fp32
+``main_grad`` right after the accumulation (``grad_accumulated_into_main_grad``: the buffer is read before the next
+replay).
 
 Dropout: the graphs draw from CUDA's default generator (philox seed and offset advance at every replay, as torch
 registers the default generator with the capture); the model-parallel RNG tracker is only used under tensor
@@ -245,6 +247,8 @@ def _protect_param_grads(params: Sequence[torch.nn.Parameter]) -> list:
     handles = []
     for p in params:
         if p.requires_grad:
+            if getattr(p, "grad_accumulated_into_main_grad", False):
+                continue
             handles.append(p.register_hook(lambda g, p=p: g.clone() if p.grad is None else g))
     return handles
 

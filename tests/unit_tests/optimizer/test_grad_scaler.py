@@ -155,7 +155,8 @@ def _dp_overflow_body(rank, ws, ckpt, distributed):
     ddp.zero_grad_buffer()
     _backward(ddp, opt, seed=rank)
     if rank == 1:  # only one rank overflows: every rank must skip
-        next(ddp.module.parameters()).grad.view(-1)[0] = float("nan")
+        # fp16 parameters with grad_reduce_in_fp32: the gradient accumulates in main_grad (fp32), as upstream
+        next(ddp.module.parameters()).main_grad.view(-1)[0] = float("nan")
     ddp.finish_grad_sync()
     assert opt.step() == (False, None, None)
     assert float(opt.get_loss_scale()) == 2.0**11
