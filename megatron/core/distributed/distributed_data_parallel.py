@@ -27,6 +27,7 @@ by one expert-parallel rank) are summed over the expert-data-parallel group inst
 size, as upstream (each expert's gradient already sums the contributions of the tokens of every EP rank).
 """
 import contextlib
+from functools import partial
 from typing import Dict, List, Optional
 
 import torch
@@ -261,13 +262,10 @@ class DistributedDataParallel(MegatronModule):
                 self._main_grad_views[p] = buf[o : o + p.numel()].view(p.shape)
                 o += p.numel()
             self._main_grad_groups.append((is_expert, buf, ps))
-        for p in self._main_grad_views:
+        for p, view in self._main_grad_views.items():
             p.grad_accumulated_into_main_grad = True  # cuda_graphs: the graphed grad buffer is consumed at once
-            self._main_grad_hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_main_grad))
-
-    def _accumulate_main_grad(self, param) -> None:
-        """Post-accumulate-grad hook: ``param.grad`` into its fp32 ``main_grad`` view, then freed."""
-        settle_main_grad(param, self._main_grad_views[param])
+            # the post-accumulate-grad hook: param.grad into its fp32 main_grad view, then freed
+            self._main_grad_hooks.append(p.register_post_accumulate_grad_hook(partial(settle_main_grad, view=view)))
 
     def _settle_main_grads(self, params) -> None:
         for p in params:

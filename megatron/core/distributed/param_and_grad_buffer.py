@@ -44,20 +44,22 @@ def check_reduced_grads(buckets) -> None:
         raise RuntimeError(bad.nan_message())
 
 
-@torch.no_grad()
 def settle_main_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     """``view`` (a persistent fp32 ``main_grad``) made ``param.main_grad`` holding this step's gradient: a
     ``param.grad`` added in (copied at the step's first accumulation, when ``main_grad`` is not ``view``: the
     accumulate hook of DistributedDataParallel, or a gradient set by hand) and freed; with no gradient this step,
-    zeros (a collective reads it)."""
-    attached = getattr(param, "main_grad", None) is view
-    if param.grad is not None:
-        if attached:
-            view.add_(param.grad)
-        else:
-            view.copy_(param.grad)
+    zeros (a collective reads it). No autograd context needed: neither tensor requires grad (a hook runs per
+    parameter per micro-batch, so this stays short)."""
+    grad = param.grad
+    if getattr(param, "main_grad", None) is view:
+        if grad is not None:
+            view.add_(grad)
+            param.grad = None
+        return
+    if grad is not None:
+        view.copy_(grad)
         param.grad = None
-    elif not attached:
+    else:
         view.zero_()
     param.main_grad = view
 
