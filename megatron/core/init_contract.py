@@ -6,12 +6,14 @@ global torch RNG (TE layers: TE's own reset, which also materialises them; see `
 the same order gets bit-identical values.
 
 As upstream, a module is initialised when it is constructed: the OUTERMOST module of a construction (a ``GPTModel``,
-or a ``TransformerBlock`` / ``MLP`` / ``ColumnParallelLinear`` / ``LanguageModelEmbedding`` built on its own, as
-upstream's tests and library users do) runs :func:`init_weights` on itself once its ``__init__`` returns; the modules
-built inside it do not, so a model is initialised once, in ``modules()`` order. Classes take part through
+a container holding one, a subclass adding modules after ``super().__init__()``, or a ``TransformerBlock`` / ``MLP`` /
+``ColumnParallelLinear`` / ``LanguageModelEmbedding`` built on its own, as upstream's tests and library users do)
+runs :func:`init_weights` on itself once its ``__init__`` returns, then every ``post_init_weights()`` hook of its
+modules (``GPTModel`` ties its embeddings over pipeline stages there: after the values exist); the modules built
+inside it do neither, so a model is initialised once, in ``modules()`` order. Classes take part through
 :class:`InitialisedOnConstruction`; a wrapper of an already built model (``Float16Module``, DDP, Megatron-FSDP) sets
-``init_on_construction = False``, and so does ``GPTModel``, which calls :func:`init_weights` itself before tying its
-embeddings. Nothing is initialised under ``with torch.device('meta')`` (materialisation does it then).
+``init_on_construction = False``. Nothing is initialised under ``with torch.device('meta')`` (materialisation does
+it then; the hooks still run).
 """
 import functools
 import threading
@@ -54,6 +56,10 @@ def _initialising_init(init):
             _STATE.depth = depth
         if depth == 0 and type(self).init_on_construction:
             init_weights(self)
+            for m in self.modules():
+                hook = getattr(m, "post_init_weights", None)
+                if callable(hook):
+                    hook()
 
     __init__._initialising = True
     return __init__

@@ -87,7 +87,7 @@ class DistributedDataParallel(MegatronModule):
             if pg_collection.expt_dp is not None:
                 self.expert_process_group = pg_collection.expt_dp
         self.old_to_new_params: Dict = {}
-        if getattr(config, "init_model_with_meta_device", False) or has_meta_tensors(module):
+        if has_meta_tensors(module):  # an eagerly built (or loaded) model keeps its values
             self.old_to_new_params = materialize_meta_module(module, default_device(), maps=param_keyed_maps)
         self.param_to_name = {p: n for n, p in module.named_parameters()}
         self._sync_enabled = True

@@ -89,3 +89,100 @@ def test_perform_initialization_false_skips_the_draw():
     state = torch.get_rng_state()
     MLP(_cfg(perform_initialization=False))
     assert torch.equal(state, torch.get_rng_state())
+
+
+# ---- a GPTModel inside another module, a subclass adding modules, a wrapper with the meta-init flag ----------
+def _gpt(cfg, **kw):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(cfg, vocab_size=64, max_sequence_length=8, **kw)
+
+
+def test_gpt_inside_a_container_is_initialised_once():
+    """A module holding a GPTModel (upstream's multimodal models hold their language model) initialises it once:
+    the same values and the same RNG consumption as the GPTModel built on its own."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class Container(MegatronModule):
+        def __init__(self, config):
+            super().__init__(config)
+            self.language_model = _gpt(config)
+
+    torch.manual_seed(4)
+    alone = _gpt(_cfg())
+    rng_alone = torch.get_rng_state()
+    torch.manual_seed(4)
+    held = Container(_cfg()).language_model
+    assert torch.equal(rng_alone, torch.get_rng_state())
+    for (n, a), (_, b) in zip(alone.named_parameters(), held.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_gpt_subclass_modules_added_after_super_init_are_initialised():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    class WithHead(GPTModel):
+        def __init__(self, config):
+            super().__init__(config, vocab_size=64, max_sequence_length=8)
+            self.head = ColumnParallelLinear(64, 8, config=config, init_method=lambda w: w.fill_(0.25), bias=False)
+
+    torch.manual_seed(0)
+    m = WithHead(_cfg())
+    assert torch.equal(m.head.weight, torch.full_like(m.head.weight, 0.25))
+    torch.manual_seed(0)
+    plain = _gpt(_cfg())
+    for (n, a), (_, b) in zip(plain.named_parameters(), m.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def _tied_over_stages_body(rank, ws):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import MegatronModule
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    cfg = _cfg(pipeline_model_parallel_size=2, hidden_size=16, num_attention_heads=2)
+    kw = dict(share_embeddings_and_output_weights=True, pre_process=ps.is_pipeline_first_stage(),
+              post_process=ps.is_pipeline_last_stage())
+
+    class Container(MegatronModule):
+        def __init__(self, config):
+            super().__init__(config)
+            self.language_model = _gpt(config, **kw)
+
+    for build in (lambda: _gpt(cfg, **kw), lambda: Container(cfg).language_model):
+        torch.manual_seed(rank + 1)  # different draws per stage: only the tie makes the copies equal
+        w = build().shared_embedding_or_output_weight().detach().clone()
+        total = w.clone()
+        dist.all_reduce(total)
+        assert torch.equal(total, 2 * w) and w.abs().sum() > 0
+
+
+def test_tied_embeddings_over_pipeline_stages_equal_inside_a_container():
+    from tests.unit_tests.dist_utils import run_distributed
+
+    run_distributed(_tied_over_stages_body, 2)
+
+
+def _wrapped_eager_body(rank, ws, distributed):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    cfg = _cfg(init_model_with_meta_device=True, hidden_size=16, num_attention_heads=2)
+    model = _gpt(cfg)
+    with torch.no_grad():  # e.g. a checkpoint loaded into the eagerly built model
+        for p in model.parameters():
+            p.fill_(0.125)
+    wrapper = DistributedDataParallel if distributed else FullyShardedDataParallel
+    kw = dict(use_distributed_optimizer=True) if distributed else dict(use_megatron_fsdp=True)
+    wrapped = wrapper(cfg, DistributedDataParallelConfig(**kw), model)
+    for n, p in wrapped.module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        assert bool((local == 0.125).all()), n
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_wrapping_an_eager_model_with_the_meta_init_flag_keeps_its_values(distributed):
+    from tests.unit_tests.dist_utils import run_distributed
+
+    run_distributed(_wrapped_eager_body, 1, distributed)

@@ -229,7 +229,7 @@ class FullyShardedDataParallel(MegatronModule):
         self.fsdp_unit_modules = tuple(fsdp_unit_modules)
 
         self.compute_dtype, self.mp_policy = _mixed_precision(config)
-        self.is_meta_init = bool(getattr(config, "init_model_with_meta_device", False)) or has_meta_tensors(module)
+        self.is_meta_init = has_meta_tensors(module)  # an eagerly built (or loaded) model keeps its values
         originals = snapshot_params(module)  # to carry attributes and remap maps at the end
         units = fsdp_unit_policy(module, self.fsdp_unit_modules)
         unit_size = ddp_config.suggested_communication_unit_size  # checked positive by the config

@@ -16,7 +16,7 @@ from megatron.core.transformer.context_parallel import get_pos_emb_on_this_cp_ra
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron.core.transformer.utils import config_init_method, init_weights
+from megatron.core.transformer.utils import config_init_method
 
 
 _NO_METADATA = MappingProxyType({})
@@ -81,7 +81,8 @@ class GPTModel(MegatronModule):
     cross-entropy loss ``[b, s]`` (float32) when ``labels`` is given, else logits ``[b, s, vocab]`` (with tensor
     parallelism and ``parallel_output=True``, upstream's default, this rank's vocab slice ``[b, s, vocab / tp]``;
     ``parallel_output=False`` gathers the full vocab). The loss is computed on the vocab-parallel logits.
-    The constructor ends with ``init_weights(self)`` (skipped when the parameters are on the meta device).
+    Initialised when built (``megatron/core/init_contract.py``: the outermost construction, this model or a module
+    holding it, runs ``init_weights``, skipped on the meta device, then :meth:`post_init_weights`).
 
     RoPE: ``rope_scaling`` / ``rope_scaling_factor`` scale its frequencies as Llama 3.1 (upstream's); with
     multi-latent attention (``MLATransformerConfig``) each attention layer rotates with its own embedding (rope or
@@ -104,8 +105,6 @@ class GPTModel(MegatronModule):
     keeps its own copy of the word embeddings as output weight (``shared``, zero-filled, then summed with the first
     stage's over the embedding group so both start equal; ``finalize_model_grads`` sums their gradients).
     """
-
-    init_on_construction = False  # the constructor runs init_weights itself, before tying the embeddings
 
     def __init__(
         self,
@@ -209,7 +208,9 @@ class GPTModel(MegatronModule):
                 word.shared_embedding = True
         if post_process and not (share_embeddings_and_output_weights and has_embedding):
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        init_weights(self)
+
+    def post_init_weights(self) -> None:
+        """The init contract's hook, after the values exist: :meth:`setup_embeddings_and_output_layer`."""
         self.setup_embeddings_and_output_layer()
 
     def setup_embeddings_and_output_layer(self) -> None:
