@@ -4,7 +4,9 @@ Gradients accumulate in ``param.grad`` during the backward passes of a step; ``f
 ``finalize_model_grads``) averages them over the data-parallel group in flat buckets, one collective per dtype.
 With ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``) and bf16 / fp16 parameters they accumulate
 in fp32 instead, as upstream's: each such parameter's ``main_grad`` is a view of a persistent fp32 buffer (one per
-bucket, or per (expert, device) without buckets) that a post-accumulate-grad hook adds ``param.grad`` into before
+bucket, or per (expert, device) without buckets; the distributed optimizer over several ranks has buckets even
+without overlap, one per buffer, so it reads its owned range in place) that a post-accumulate-grad hook adds
+``param.grad`` into before
 freeing it; the collectives then run on those buffers in place and the optimizer takes ``main_grad`` as the main
 parameter's gradient, so gradients cost 4 bytes per parameter, as upstream's. A step's first accumulation copies
 instead of adding (``zero_grad_buffer`` only drops the views), and a parameter without a gradient in a step has its
@@ -99,8 +101,9 @@ class DistributedDataParallel(MegatronModule):
         self._main_grad_views: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self._main_grad_groups: List[tuple] = []  # (is_expert, fp32 buffer, params) of the parameters outside buckets
         self._main_grad_hooks = []
-        if ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather:
-            self._setup_overlap(disable_bucketing)
+        overlap = ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather
+        if overlap or self._distributed_optimizer_reads_fp32_buckets():
+            self._setup_buckets(disable_bucketing or not overlap)  # without overlap: one bucket per buffer
         else:
             self._setup_main_grads()
 
@@ -121,7 +124,16 @@ class DistributedDataParallel(MegatronModule):
         return self.module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     # ---- overlap: buckets and hooks (see the module docstring) ---------------------------------------------
-    def _setup_overlap(self, disable_bucketing: bool) -> None:
+    def _distributed_optimizer_reads_fp32_buckets(self) -> bool:
+        """The distributed optimizer without overlap, over several ranks, with fp32 accumulation of bf16 / fp16
+        gradients: buckets too (one per buffer, reduce-scattered in place by ``finish_grad_sync``), so the optimizer
+        reads the persistent fp32 buffers instead of copying them into a flat of its own (4 bytes per parameter,
+        as upstream, not 8)."""
+        cfg = self.ddp_config
+        return (cfg.use_distributed_optimizer and cfg.grad_reduce_in_fp32 and self._world_size() > 1
+                and any(p.requires_grad and p.dtype != torch.float32 for p in self.module.parameters()))
+
+    def _setup_buckets(self, disable_bucketing: bool) -> None:
         cfg = self.ddp_config
         if cfg.overlap_param_gather and not cfg.use_distributed_optimizer:
             raise ValueError("overlap_param_gather (--overlap-param-gather) needs use_distributed_optimizer "
@@ -328,14 +340,13 @@ class DistributedDataParallel(MegatronModule):
         rest = None
         if self.buckets:
             self.finish_param_sync()  # gathers of parameters no forward pre-hook waited for
-            if self.ddp_config.overlap_grad_reduce:
-                self.start_grad_sync()
-                for bucket in self.buckets:
-                    bucket.finish_grad_reduce()
-                check_reduced_grads(self.buckets)
-                if self._golden is None:
-                    self._golden = [dict(b.ready) for b in self.buckets]
-                rest = [p for p in self.module.parameters() if p.requires_grad and p not in self._bucket_of]
+            self.start_grad_sync()
+            for bucket in self.buckets:
+                bucket.finish_grad_reduce()
+            check_reduced_grads(self.buckets)
+            if self._golden is None and self.ddp_config.overlap_grad_reduce:
+                self._golden = [dict(b.ready) for b in self.buckets]
+            rest = [p for p in self.module.parameters() if p.requires_grad and p not in self._bucket_of]
         if self._world_size() == 1 or self.ddp_config.use_distributed_optimizer:
             return
         self._reduce_now(rest)

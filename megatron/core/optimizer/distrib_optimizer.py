@@ -29,7 +29,8 @@ says otherwise is refused.
 ``--overlap-grad-reduce`` (``DistributedDataParallel`` buckets, ``distributed/param_and_grad_buffer.py``): each
 bucket is an index space of its own (upstream's layout: each rank owns 1/DP of every bucket), reduce-scattered by
 the DDP chunk during the backward pass; the step reads the owned range of the bucket's flat gradient instead of
-reduce-scattering. ``--overlap-param-gather``: the step hands each bucket this rank's updated (or quantized) shard and
+reduce-scattering. Without overlap, DDP accumulating bf16 / fp16 gradients in fp32 over several ranks has buckets
+too (one per buffer, reduce-scattered in place by ``finish_grad_sync``), read the same way. ``--overlap-param-gather``: the step hands each bucket this rank's updated (or quantized) shard and
 the bucket gathers it before the next forward (``DistributedDataParallel``'s forward pre-hooks); every other use of
 the model's weights here (loads, ``reload_model_params``) first waits for queued gathers.
 
@@ -198,14 +199,15 @@ class DistributedOptimizer(MegatronOptimizer):
         # rank's range of each
         self.spaces: List[_Space] = []
         space_of: Dict[torch.nn.Parameter, int] = {}
-        # --overlap-grad-reduce: the DDP chunks' buckets are index spaces of their own (reduced by DDP during the
-        # backward pass; --overlap-param-gather: gathered before the next forward)
+        # the DDP chunks' buckets (--overlap-grad-reduce, or fp32 accumulation over several ranks) are index spaces
+        # of their own (reduced by DDP: during the backward pass with overlap, else in finish_grad_sync;
+        # --overlap-param-gather: gathered before the next forward)
         self.overlap_param_gather = bool(getattr(ddp_config, "overlap_param_gather", False))
         self._defer_param_gather = False
-        for bucket in _overlap_buckets(model_chunks, ddp_config):
+        for bucket in _ddp_buckets(model_chunks):
             missing = [param_to_name.get(p, "<unnamed>") for p in bucket.params if p not in set(self.all_params)]
             if missing:
-                raise ValueError(f"--overlap-grad-reduce: parameters {missing[:3]} are in a DistributedDataParallel "
+                raise ValueError(f"parameters {missing[:3]} are in a DistributedDataParallel "
                                  "bucket but not in the optimizer's param groups")
             for p in bucket.params:
                 space_of[p] = len(self.spaces)
@@ -260,6 +262,9 @@ class DistributedOptimizer(MegatronOptimizer):
             p.grad = None
             if hasattr(p, "main_grad"):
                 p.main_grad = None
+        for space in self.spaces:  # a finished DDP bucket's gradient belongs to the last step (as zero_grad_buffer)
+            if space.bucket is not None and space.bucket.finished:
+                space.bucket.reset()
 
     @torch.no_grad()
     def _copy_model_grads_to_main(self) -> None:
@@ -271,7 +276,13 @@ class DistributedOptimizer(MegatronOptimizer):
         nonfinite = []  # --check-for-nan-in-grad: device flags, read on the host once below
         for k, space in enumerate(self.spaces):
             if space.bucket is not None:  # reduced by DistributedDataParallel (finish_grad_sync)
-                shards.append(space.bucket.owned_grad_shard().to(self.main_grad_dtype))
+                bucket = space.bucket
+                if not bucket.finished and not getattr(self.ddp_config, "overlap_grad_reduce", False):
+                    # fp32 accumulation without overlap, finish_grad_sync not called: reduced here, as without buckets
+                    bucket.finish_grad_reduce()
+                    if bucket.nonfinite is not None:
+                        nonfinite.append(bucket.nonfinite)
+                shards.append(bucket.owned_grad_shard().to(self.main_grad_dtype))
                 continue
             if space.size == 1:  # nothing to reduce: each main grad is its parameter's own gradient (no flat copy)
                 shards.append(None)
@@ -853,11 +864,10 @@ def _main_differs(s: _Slice, value: torch.Tensor) -> bool:
     return not (weight.dtype == torch.bfloat16 and torch.equal(split_fp32(value.float())[0], weight))
 
 
-def _overlap_buckets(model_chunks, ddp_config) -> list:
-    """The gradient buckets of the DistributedDataParallel chunks when they reduce during the backward pass
-    (``overlap_grad_reduce``); empty otherwise."""
-    if not getattr(ddp_config, "overlap_grad_reduce", False):
-        return []
+def _ddp_buckets(model_chunks) -> list:
+    """The gradient buckets of the DistributedDataParallel chunks: with ``overlap_grad_reduce`` (reduced during the
+    backward pass), or without it where DDP accumulates in fp32 over several ranks (one bucket per buffer, reduced
+    by ``finish_grad_sync``); empty otherwise."""
     return [b for chunk in model_chunks or () for b in getattr(chunk, "buckets", ())]
 
 

@@ -20,12 +20,13 @@ def _body(rank, ws, mode):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = tiny_config(moe=False, bf16=True, params_dtype=torch.bfloat16)
-    overlap = mode == "overlap"
+    overlap, distopt = mode == "overlap", mode == "distopt"
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=500 if overlap else None),
-        build_gpt(cfg, 7))
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=500 if overlap else None,
+        use_distributed_optimizer=distopt), build_gpt(cfg, 7))
     ref = build_gpt(cfg, 7)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, clip_grad=0.0, use_distributed_optimizer=distopt),
+                                 [ddp])  # no clipping: main grads compared after the step
     data = batches(MICRO, 2 * ws, seed=3)
     mine = [(t[rank * 2:(rank + 1) * 2], l[rank * 2:(rank + 1) * 2]) for t, l in data]
     names = [n for n, _ in ref.named_parameters()]
@@ -58,17 +59,29 @@ def _body(rank, ws, mode):
         ddp.finish_grad_sync()
         params = dict(ddp.module.named_parameters())
         assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in params.values())
-        if step == 0:
+        if step == 0 and not distopt:
             for n in names:
                 assert torch.equal(params[n].main_grad, fp32_sum[n]), n
         now = [p.main_grad.data_ptr() for p in params.values()]
         assert ptrs is None or now == ptrs  # one persistent buffer, no per-step allocation
         ptrs = now
         assert opt.step()[0]
-        for p, main in zip(opt.model_params, opt.main_params):  # the main grad IS the reduced fp32 buffer
-            assert main.grad.data_ptr() == p.main_grad.data_ptr()
+        if not distopt:
+            for p, main in zip(opt.model_params, opt.main_params):  # the main grad IS the reduced fp32 buffer
+                assert main.grad.data_ptr() == p.main_grad.data_ptr()
+            continue
+        # the distributed optimizer reads DDP's buckets (reduce-scattered in place): each main grad is this rank's
+        # owned range of a bucket's fp32 buffer, equal to the reference there (no flat of its own)
+        buffers = {b.grad_data.untyped_storage().data_ptr() for b in ddp.buckets}
+        assert ws == 1 or (ddp.buckets and all(sp.bucket is not None for sp in opt.spaces if sp.size > 1))
+        for sl, main in zip(opt.slices, opt.main_params):
+            if ws > 1:
+                assert main.grad.untyped_storage().data_ptr() in buffers
+            if step == 0:
+                want = fp32_sum[opt.param_to_name[sl.model_param]].view(-1)[sl.start : sl.stop]
+                assert torch.equal(main.grad, want), opt.param_to_name[sl.model_param]
 
 
-@pytest.mark.parametrize("ws,mode", [(1, "plain"), (2, "plain"), (2, "overlap")])
+@pytest.mark.parametrize("ws,mode", [(1, "plain"), (2, "plain"), (2, "overlap"), (1, "distopt"), (2, "distopt")])
 def test_gradients_accumulate_in_fp32(ws, mode):
     run_distributed(_body, ws, mode)
