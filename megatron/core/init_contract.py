@@ -23,8 +23,10 @@ import torch
 _STATE = threading.local()
 
 
-def _ambient_is_meta() -> bool:
-    return torch.empty(0).is_meta
+def ambient_device() -> torch.device:
+    """The device a factory call without ``device=`` would use now (meta inside ``with torch.device('meta')``:
+    nothing is initialised then)."""
+    return torch.empty(0).device
 
 
 def init_weights(model: torch.nn.Module) -> None:
@@ -36,7 +38,7 @@ def init_weights(model: torch.nn.Module) -> None:
     params = list(model.parameters())
     if params and all(p.is_meta for p in params):
         te_deferred = any(getattr(m, "te_deferred_init", False) for m in model.modules())
-        if _ambient_is_meta() or not te_deferred:
+        if ambient_device().type == "meta" or not te_deferred:
             return
     with torch.no_grad():
         for m in model.modules():

@@ -2,15 +2,14 @@
 
 Gradients accumulate in ``param.grad`` during the backward passes of a step; ``finish_grad_sync()`` (called by
 ``finalize_model_grads``) averages them over the data-parallel group in flat buckets, one collective per dtype.
-With ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``) and bf16 / fp16 parameters they accumulate
-in fp32 instead, as upstream's: each such parameter's ``main_grad`` is a view of a persistent fp32 buffer (one per
-bucket, or per (expert, device) without buckets; the distributed optimizer over several ranks has buckets even
-without overlap, one per buffer, so it reads its owned range in place) that a post-accumulate-grad hook adds
-``param.grad`` into before
+With ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``) and bf16 / fp16 parameters they accumulate in
+fp32 instead, as upstream's: each such parameter's ``main_grad`` is a view of a persistent fp32 buffer (one per bucket,
+or per (expert, device) without buckets; the distributed optimizer over several ranks has buckets even without overlap,
+one per buffer, so it reads its owned range in place) that a post-accumulate-grad hook adds ``param.grad`` into before
 freeing it; the collectives then run on those buffers in place and the optimizer takes ``main_grad`` as the main
-parameter's gradient, so gradients cost 4 bytes per parameter, as upstream's. A step's first accumulation copies
-instead of adding (``zero_grad_buffer`` only drops the views), and a parameter without a gradient in a step has its
-view zeroed before a collective reads it.
+parameter's gradient, so gradients cost 4 bytes per parameter, as upstream's. A step's first accumulation copies instead
+of adding (``zero_grad_buffer`` only drops the views), and a parameter without a gradient in a step has its view zeroed
+before a collective reads it.
 
 ``overlap_grad_reduce`` (``--overlap-grad-reduce``, as upstream): the parameters are cut into upstream's buckets
 (``param_and_grad_buffer.py``; ``bucket_size``, default max(4e7, 1e6 x DP), none past the first pipeline stage or
@@ -279,12 +278,6 @@ class DistributedDataParallel(MegatronModule):
             # the post-accumulate-grad hook: param.grad into its fp32 main_grad view, then freed
             self._main_grad_hooks.append(p.register_post_accumulate_grad_hook(partial(settle_main_grad, view=view)))
 
-    def _settle_main_grads(self, params) -> None:
-        for p in params:
-            view = self._main_grad_views.get(p)
-            if view is not None:
-                settle_main_grad(p, view)
-
     # ---- gradients ---------------------------------------------------------------------------------------
     def _world_size(self) -> int:
         return 1 if self.process_group is None else get_world_size(self.process_group)
@@ -357,44 +350,42 @@ class DistributedDataParallel(MegatronModule):
         ws = self._world_size()
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
-        wanted = set(params)
+        # fp32-accumulated parameters are reduced in place, a buffer each; their groups hold exactly the bf16 / fp16
+        # parameters outside buckets, so ``params`` (all, or those outside buckets) holds each group whole
+        in_groups = {p for _, _, ps in self._main_grad_groups for p in ps}
         nonfinite = []
-        for is_expert, buf, ps in self._main_grad_groups:  # fp32-accumulated: reduced in place
-            if not all(p in wanted for p in ps):
-                continue
-            self._settle_main_grads(ps)
-            wanted.difference_update(ps)
+        for is_expert, buf, ps in self._main_grad_groups:
+            for p in ps:
+                settle_main_grad(p, self._main_grad_views[p])
             group = self.expert_process_group if is_expert else self.process_group
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(buf, group=group)
             buf.div_(ws)
             if self.ddp_config.check_for_nan_in_grad:
                 nonfinite.append(~torch.isfinite(buf).all())
-        params = [p for p in params if p in wanted]
-        self._settle_main_grads(params)  # a part of a buffer: through the flat copy below
-        grad_of = {p: self._main_grad_views[p] if p in self._main_grad_views else p.grad for p in params}
+        params = [p for p in params if p not in in_groups]
         for p in params:
-            if grad_of[p] is None:
-                p.grad = grad_of[p] = torch.zeros_like(p)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         buckets: Dict[tuple, list] = {}
         for p in params:
-            dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else grad_of[p].dtype
-            buckets.setdefault((not getattr(p, "allreduce", True), dtype, grad_of[p].device), []).append(p)
+            dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else p.grad.dtype
+            buckets.setdefault((not getattr(p, "allreduce", True), dtype, p.grad.device), []).append(p)
         for (is_expert, dtype, _), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            flat = torch.cat([grad_of[p].reshape(-1).to(dtype) for p in ps])
+            flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in ps])
             group = self.expert_process_group if is_expert else self.process_group
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(flat, group=group)
             flat.div_(ws)
             offset = 0
             for p in ps:
-                g = grad_of[p]
-                reduced = flat[offset : offset + g.numel()].view_as(g)
-                if reduced.dtype != g.dtype:
+                n = p.grad.numel()
+                reduced = flat[offset : offset + n].view_as(p.grad)
+                if reduced.dtype != p.grad.dtype:
                     p.main_grad = reduced  # fp32 reduced grad of a bf16/fp16 param; the optimizer prefers it
                 else:
-                    g.copy_(reduced)
-                offset += g.numel()
+                    p.grad.copy_(reduced)
+                offset += n
             if self.ddp_config.check_for_nan_in_grad:
                 nonfinite.append(~torch.isfinite(flat).all())
         if nonfinite and bool(torch.stack(nonfinite).any()):  # one host read for all of them

@@ -26,13 +26,14 @@ torch 2.13 has both, and where a backend lacks them the code falls back to ``all
 says ``use_distributed_optimizer`` (this optimizer reduces); building this optimizer on a model whose DDP config
 says otherwise is refused.
 
-``--overlap-grad-reduce`` (``DistributedDataParallel`` buckets, ``distributed/param_and_grad_buffer.py``): each
-bucket is an index space of its own (upstream's layout: each rank owns 1/DP of every bucket), reduce-scattered by
-the DDP chunk during the backward pass; the step reads the owned range of the bucket's flat gradient instead of
-reduce-scattering. Without overlap, DDP accumulating bf16 / fp16 gradients in fp32 over several ranks has buckets
-too (one per buffer, reduce-scattered in place by ``finish_grad_sync``), read the same way. ``--overlap-param-gather``: the step hands each bucket this rank's updated (or quantized) shard and
-the bucket gathers it before the next forward (``DistributedDataParallel``'s forward pre-hooks); every other use of
-the model's weights here (loads, ``reload_model_params``) first waits for queued gathers.
+``--overlap-grad-reduce`` (``DistributedDataParallel`` buckets, ``distributed/param_and_grad_buffer.py``): each bucket
+is an index space of its own (upstream's layout: each rank owns 1/DP of every bucket), reduce-scattered by the DDP chunk
+during the backward pass; the step reads the owned range of the bucket's flat gradient instead of reduce-scattering.
+Without overlap, DDP accumulating bf16 / fp16 gradients in fp32 over several ranks has buckets too (one per buffer,
+reduce-scattered in place by ``finish_grad_sync``), read the same way. ``--overlap-param-gather``: the step hands each
+bucket this rank's updated (or quantized) shard and the bucket gathers it before the next forward
+(``DistributedDataParallel``'s forward pre-hooks); every other use of the model's weights here (loads,
+``reload_model_params``) first waits for queued gathers.
 
 Checkpoint: upstream 0.19.2's layouts, chosen as upstream by ``metadata['distrib_optim_sharding_type']`` of
 ``sharded_state_dict`` (the training loop passes it and stores it as the checkpoint's content metadata; a load passes

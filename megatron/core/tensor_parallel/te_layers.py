@@ -5,10 +5,11 @@ Imports TE names ONLY from ``megatron.core.extensions.transformer_engine``. With
 the wrapper names then raise a clear error naming ``--transformer-impl transformer_engine`` when used.
 
 Init contract (see ``megatron.core.transformer.utils.init_weights``): TE modules are ALWAYS constructed with
-``device='meta'``, so TE defers its initialisation and construction consumes no randomness; the single
-initialisation is TE's own ``reset_parameters()`` (called by ``init_weights`` at the end of an eager model's, or a
-layer's own, construction, or after materialisation for a meta-built one), which allocates on the current CUDA device, runs the ``init_method`` we pass
-(global RNG) and, for fp8/fp4 primary weights, quantizes. Eager and meta-device builds thus run the same code.
+``device='meta'``, so TE defers its initialisation and construction consumes no randomness; the single initialisation is
+TE's own ``reset_parameters()`` (called by ``init_weights`` at the end of an eager model's, or a layer's own,
+construction, or after materialisation for a meta-built one), which allocates on the current CUDA device, runs the
+``init_method`` we pass (global RNG) and, for fp8/fp4 primary weights, quantizes. Eager and meta-device builds thus run
+the same code.
 For bit-identical eager/meta values build the eager model under ``with torch.device('cuda')`` so that the local
 (non-TE) parameters also draw from the CUDA RNG.
 With ``config.fp8_param`` / ``config.fp4_param`` the module is built under TE's ``quantized_model_init`` (or

@@ -10,7 +10,7 @@ from typing import Callable, Dict
 import torch
 
 from megatron.core.dtensor_utils import is_dtensor  # noqa: F401 (re-exported)
-from megatron.core.init_contract import init_weights  # noqa: F401 (the init contract; its home is init_contract.py)
+from megatron.core.init_contract import ambient_device, init_weights  # noqa: F401 (their home: init_contract.py)
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.tensor_parallel.sharded_tensors import (  # noqa: F401 (re-exported)
     extra_state_shape_and_offset,
@@ -20,12 +20,6 @@ from megatron.core.tensor_parallel.sharded_tensors import (  # noqa: F401 (re-ex
     make_tp_sharded_tensor_for_checkpoint,
 )
 from megatron.core.tensor_parallel.utils import set_param_attrs  # noqa: F401 (re-exported)
-
-
-# ---- devices (the default device: ``megatron.core.dist_utils.default_device``) -----------------------------
-def ambient_device() -> torch.device:
-    """The device a factory call without ``device=`` would use now (meta inside ``with torch.device('meta')``)."""
-    return torch.empty(0).device
 
 
 # ---- init methods -----------------------------------------------------------------------------------------
